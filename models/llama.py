@@ -1,0 +1,108 @@
+"""lower(config) -> Graph: the textbook Llama step over a ragged batch with a contiguous KV cache.
+
+The step takes a flat batch of T tokens from up to S sequences. Each token carries its
+sequence id and position; the per-sequence cache is [S, L, kv_heads, head_dim] per layer.
+Attention is written out op by op (matmul, scale, mask, softmax, matmul) so that the
+passes in `passes/` have something to find and rewrite.
+"""
+
+from __future__ import annotations
+
+from ir import Graph, input_node, make_node, param_node
+from models.config import ModelConfig
+
+# Symbolic dims, bound per bucket: tokens, sequences, logit rows, cache length.
+T, S, R, L = "T", "S", "R", "L"
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical weight names and shapes; matmul weights are [in, out]."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {"embed": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm"] = (c.hidden_size,)
+        shapes[p + "wq"] = (c.hidden_size, c.q_size)
+        shapes[p + "wk"] = (c.hidden_size, c.kv_size)
+        shapes[p + "wv"] = (c.hidden_size, c.kv_size)
+        if c.qkv_bias:
+            shapes[p + "bq"] = (c.q_size,)
+            shapes[p + "bk"] = (c.kv_size,)
+            shapes[p + "bv"] = (c.kv_size,)
+        shapes[p + "wo"] = (c.q_size, c.hidden_size)
+        shapes[p + "mlp_norm"] = (c.hidden_size,)
+        shapes[p + "w_gate"] = (c.hidden_size, c.intermediate_size)
+        shapes[p + "w_up"] = (c.hidden_size, c.intermediate_size)
+        shapes[p + "w_down"] = (c.intermediate_size, c.hidden_size)
+    shapes["final_norm"] = (c.hidden_size,)
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (c.hidden_size, c.vocab_size)
+    return shapes
+
+
+def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
+    """Lowers a config to the textbook step graph (no weights needed)."""
+    c = config
+    dt = dtype
+    params = {name: param_node(name, shape, dt) for name, shape in weight_shapes(c).items()}
+    tokens = input_node("tokens", (T,), "i32")
+    positions = input_node("positions", (T,), "i32")
+    seq_ids = input_node("seq_ids", (T,), "i32")
+    logits_indices = input_node("logits_indices", (R,), "i32")
+    caches = {}
+    for i in range(c.num_layers):
+        for kv in ("k", "v"):
+            caches[f"{kv}_cache.{i}"] = input_node(f"{kv}_cache.{i}", (S, L, c.num_kv_heads, c.head_dim), dt)
+
+    def linear(x, w, b=None):
+        y = make_node("matmul", (x, params[w]))
+        return make_node("add", (y, params[b])) if b else y
+
+    n_rep = c.num_q_heads // c.num_kv_heads
+    h = make_node("embedding", (params["embed"], tokens))
+    new_caches = []
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        x = make_node("rms_norm", (h, params[p + "attn_norm"]), {"eps": c.rms_eps})
+        bias = c.qkv_bias
+        q = linear(x, p + "wq", p + "bq" if bias else None)
+        k = linear(x, p + "wk", p + "bk" if bias else None)
+        v = linear(x, p + "wv", p + "bv" if bias else None)
+        q = make_node("reshape", (q,), {"shape": (T, c.num_q_heads, c.head_dim)})
+        k = make_node("reshape", (k,), {"shape": (T, c.num_kv_heads, c.head_dim)})
+        v = make_node("reshape", (v,), {"shape": (T, c.num_kv_heads, c.head_dim)})
+        rope_attrs = {"theta": c.rope_theta}
+        if c.rope_scaling:
+            rope_attrs["scaling"] = c.rope_scaling
+        q = make_node("rope", (q, positions), rope_attrs)
+        k = make_node("rope", (k, positions), rope_attrs)
+        kc = make_node("kv_cache_update", (caches[f"k_cache.{i}"], k, seq_ids, positions))
+        vc = make_node("kv_cache_update", (caches[f"v_cache.{i}"], v, seq_ids, positions))
+        new_caches += [(f"k_cache.{i}", kc), (f"v_cache.{i}", vc)]
+        kg = make_node("gather_rows", (kc, seq_ids))  # [T, L, kvh, D]
+        vg = make_node("gather_rows", (vc, seq_ids))
+        if n_rep > 1:
+            kg = make_node("repeat_kv", (kg,), {"n_rep": n_rep})
+            vg = make_node("repeat_kv", (vg,), {"n_rep": n_rep})
+        s = make_node("einsum", (q, kg), {"eq": "thd,tlhd->thl"})
+        s = make_node("scale", (s,), {"value": c.head_dim ** -0.5})
+        s = make_node("causal_mask", (s, positions))
+        pr = make_node("softmax", (s,))
+        o = make_node("einsum", (pr, vg), {"eq": "thl,tlhd->thd"})
+        o = make_node("reshape", (o,), {"shape": (T, c.q_size)})
+        h = make_node("add", (h, linear(o, p + "wo")))
+        x = make_node("rms_norm", (h, params[p + "mlp_norm"]), {"eps": c.rms_eps})
+        g = make_node("silu", (linear(x, p + "w_gate"),))
+        u = linear(x, p + "w_up")
+        h = make_node("add", (h, linear(make_node("mul", (g, u)), p + "w_down")))
+    h = make_node("gather_rows", (h, logits_indices))
+    h = make_node("rms_norm", (h, params["final_norm"]), {"eps": c.rms_eps})
+    if c.tie_embeddings:
+        logits = make_node("matmul", (h, params["embed"]), {"transpose_b": True})
+    else:
+        logits = make_node("matmul", (h, params["lm_head"]))
+    inputs = (tokens, positions, seq_ids, logits_indices) + tuple(caches.values()) + tuple(params.values())
+    meta = {"model": c.name, "dtype": dt, "num_layers": c.num_layers}
+    from ir.graph import freeze_attrs
+
+    return Graph(inputs, (("logits", logits),) + tuple(new_caches), freeze_attrs(meta))

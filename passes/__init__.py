@@ -1,0 +1,1 @@
+"""Graph -> Graph rewrites, one per file, run in order by `passes.pipeline`."""

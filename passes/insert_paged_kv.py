@@ -1,0 +1,57 @@
+"""Replaces contiguous per-sequence KV caches with paged pools: kv_write + paged_attention."""
+
+from __future__ import annotations
+
+from ir import Graph, Node, input_node, make_node, rewrite
+
+# Bucket-bound dims of the paged step: tokens, sequences, KV blocks, blocks per sequence.
+T, S, B, M = "T", "S", "B", "M"
+
+
+def insert_paged_kv(graph: Graph, block_size: int = 16) -> Graph:
+    """kv_cache_update/attention on [S, L, h, d] caches -> kv_write/paged_attention on [B, bs, h, d] pools."""
+    attn = [n for n in graph.nodes() if n.op == "attention"
+            and n.inputs[1].op == "kv_cache_update" and n.inputs[2].op == "kv_cache_update"]
+    if not attn:
+        return graph
+    slot_mapping = input_node("slot_mapping", (T,), "i32")
+    block_tables = input_node("block_tables", (S, M), "i32")
+    context_lens = input_node("context_lens", (S,), "i32")
+    cu_q_lens = input_node("cu_q_lens", ("S+1",), "i32")
+    pools: dict[str, Node] = {}  # cache input name -> pool input
+    pool_inputs: list[Node] = []
+    for a in attn:
+        for upd in a.inputs[1:3]:
+            cache = upd.inputs[0]
+            if cache.name in pools:
+                continue
+            pool_name = cache.name.replace("_cache", "_pool")
+            pool = input_node(pool_name, (B, block_size) + tuple(cache.shape[2:]), cache.dtype)
+            pools[cache.name] = pool
+            pool_inputs.append(pool)
+
+    written: dict[int, Node] = {}
+
+    def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
+        if node.op == "kv_cache_update" and node.inputs[0].name in pools:
+            new = make_node("kv_write", (pools[node.inputs[0].name], ins[1], slot_mapping))
+            written[id(node)] = new
+            return new
+        if node.op == "attention" and id(node.inputs[1]) in written:
+            attrs = {"scale": node.attr("scale"), "num_kv_heads": node.attr("num_kv_heads"),
+                     "block_size": block_size, "head_dim": node.attr("head_dim")}
+            return make_node("paged_attention",
+                             (ins[0], ins[1], ins[2], block_tables, context_lens, cu_q_lens), attrs)
+        return None
+
+    leaves = []
+    for leaf in graph.inputs:
+        if leaf.name in pools:
+            continue
+        leaves.append(leaf)
+        if leaf.name == "positions":
+            leaves += [slot_mapping, block_tables, context_lens, cu_q_lens] + pool_inputs
+    out = rewrite(graph, fn, new_inputs=tuple(leaves))
+    renamed = tuple((name.replace("_cache", "_pool") if name in pools else name, node)
+                    for name, node in out.outputs)
+    return Graph(out.inputs, renamed, out.meta)

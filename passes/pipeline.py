@@ -1,0 +1,68 @@
+"""The compiler pipeline: one explicit list of named passes, verified after each one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+from ir import Graph, verify
+from passes.fuse_attention import fuse_attention
+from passes.fuse_matmuls import fuse_matmuls
+from passes.insert_paged_kv import insert_paged_kv
+from passes.plan_memory import plan_memory
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    block_size: int = 16
+    max_model_len: int = 2048
+    buckets: tuple[tuple[int, int], ...] = ((16, 16),)
+    device_memory_bytes: int = 4 << 30
+    memory_utilization: float = 0.9
+    reserve_bytes: int = 0
+    num_kv_blocks: int | None = None
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
+
+
+def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], Graph]]]:
+    """The passes in order, bound to the options they need."""
+    from passes.quantize_int8 import quantize_int8
+    from passes.shard import shard
+
+    return [
+        # Phase 1: pattern fusion on the textbook graph.
+        ("fuse_attention", fuse_attention),
+        # Phase 2: memory layout of the KV cache.
+        ("insert_paged_kv", partial(insert_paged_kv, block_size=opts.block_size)),
+        # Phase 3: fewer, larger matmuls; optional weight compression.
+        ("fuse_matmuls", fuse_matmuls),
+        ("quantize_int8", quantize_int8 if opts.quantization == "int8" else _identity),
+        # Phase 4: distribution over devices.
+        ("shard", partial(shard, tp=opts.tensor_parallel_size)),
+        # Phase 5: memory planning (sizes the KV pool).
+        ("plan_memory", partial(
+            plan_memory, buckets=list(opts.buckets), device_memory_bytes=opts.device_memory_bytes,
+            memory_utilization=opts.memory_utilization, block_size=opts.block_size,
+            max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
+            tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks)),
+    ]
+
+
+def _identity(graph: Graph) -> Graph:
+    return graph
+
+
+def run_pipeline(graph: Graph, opts: PipelineOptions,
+                 on_pass: Callable[[int, str, Graph], None] | None = None,
+                 stop_after: str | None = None) -> Graph:
+    """Runs every pass in order, verifying after each; `on_pass(i, name, graph)` sees each result."""
+    verify(graph)
+    for i, (name, fn) in enumerate(build_pipeline(opts), 1):
+        graph = verify(fn(graph))
+        if on_pass is not None:
+            on_pass(i, name, graph)
+        if name == stop_after:
+            break
+    return graph

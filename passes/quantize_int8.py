@@ -1,0 +1,36 @@
+"""Rewrites matmul(x, param w) into matmul_int8(x, w_int8, scale): per-output-channel symmetric int8."""
+
+from __future__ import annotations
+
+from ir import Graph, Node, make_node, rewrite
+from ir.graph import freeze_attrs
+
+
+def quantize_int8(graph: Graph) -> Graph:
+    """Weight-only int8 for every matmul whose weight is a 2-D param; embeddings stay as they are."""
+    new_leaves: dict[str, tuple[Node, Node]] = {}
+
+    def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
+        if node.op != "matmul" or ins[1].op != "param" or node.attr("transpose_b"):
+            return None
+        w = ins[1]
+        if w.name not in new_leaves:
+            # Keep the source's own recipe (e.g. concat of q/k/v) so the runtime can rebuild it.
+            recipe = {k: v for k, v in w.attrs if k != "name"}
+            wq = Node("param", (), freeze_attrs({**recipe, "name": w.name + ".int8",
+                                                 "quantize_int8": w.name}), w.shape, "i8")
+            sc = Node("param", (), freeze_attrs({**recipe, "name": w.name + ".scale",
+                                                 "int8_scale": w.name}), (w.shape[1],), "f32")
+            new_leaves[w.name] = (wq, sc)
+        wq, sc = new_leaves[w.name]
+        return make_node("matmul_int8", (ins[0], wq, sc))
+
+    out = rewrite(graph, fn)
+    if not new_leaves:
+        return graph
+    leaves = []
+    for leaf in graph.inputs:
+        leaves.append(leaf)
+        if leaf.name in new_leaves:
+            leaves.extend(new_leaves[leaf.name])
+    return rewrite(out, lambda n, i: None, new_inputs=tuple(leaves))

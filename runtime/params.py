@@ -1,0 +1,49 @@
+"""Materializes the weights a compiled graph's params name, applying the passes' recorded transforms.
+
+Passes never touch weight values: a fused or quantized param records where it comes from
+(`concat=[...]`, `quantize_int8=name`, `int8_scale=name`), and this module computes it once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ir import Graph, Node
+
+
+def quantize_int8_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-channel int8 for a [in, out] weight: w ≈ q * scale[None, :]."""
+    w = np.asarray(w, np.float32)
+    amax = np.max(np.abs(w), axis=0)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale[None, :]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def materialize(graph: Graph, weights: dict[str, np.ndarray],
+                progress=None) -> dict[str, np.ndarray]:
+    """Returns {param name: array} for every param of the graph (host numpy, f32 or int8)."""
+    int8_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def base(node: Node) -> np.ndarray:
+        src = node.attr("quantize_int8") or node.attr("int8_scale") or node.name
+        if node.attr("concat"):
+            return np.concatenate([weights[s] for s in node.attr("concat")], axis=-1)
+        if src not in weights:
+            raise KeyError(f"weights have no tensor {src!r} for param %{node.name}")
+        return weights[src]
+
+    out = {}
+    params = list(graph.params)
+    for p in (progress(params) if progress else params):
+        src = p.attr("quantize_int8") or p.attr("int8_scale")
+        if src:
+            if src not in int8_cache:
+                int8_cache[src] = quantize_int8_weight(base(p))
+            v = int8_cache[src][0 if p.attr("quantize_int8") else 1]
+        else:
+            v = base(p)
+        if tuple(v.shape) != tuple(p.shape):
+            raise ValueError(f"param %{p.name}: materialized shape {v.shape} != declared {p.shape}")
+        out[p.name] = v
+    return out
