@@ -95,6 +95,7 @@ def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
         g = make_node("silu", (linear(x, p + "w_gate"),))
         u = linear(x, p + "w_up")
         h = make_node("add", (h, linear(make_node("mul", (g, u)), p + "w_down")))
+    hidden = h  # every token's final hidden state, for prompt logprobs
     h = make_node("gather_rows", (h, logits_indices))
     h = make_node("rms_norm", (h, params["final_norm"]), {"eps": c.rms_eps})
     if c.tie_embeddings:
@@ -105,4 +106,5 @@ def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
     meta = {"model": c.name, "dtype": dt, "num_layers": c.num_layers}
     from ir.graph import freeze_attrs
 
-    return Graph(inputs, (("logits", logits),) + tuple(new_caches), freeze_attrs(meta))
+    outputs = (("logits", logits), ("hidden", hidden)) + tuple(new_caches)
+    return Graph(inputs, outputs, freeze_attrs(meta))

@@ -219,6 +219,16 @@ class Tokenizer:
         """Ids of the rendered chat template (the template writes its own special tokens)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
 
+    def save(self, directory: str | os.PathLike) -> None:
+        """Writes tokenizer.json + tokenizer_config.json + generation_config.json, for `from_file`."""
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(folder / "tokenizer.json"))
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template}
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+        gen = {"eos_token_id": sorted(self.stop_token_ids)}
+        (folder / "generation_config.json").write_text(json.dumps(gen, indent=1))
+
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
                 f"stop_token_ids={sorted(self.stop_token_ids)})")

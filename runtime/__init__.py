@@ -1,0 +1,19 @@
+"""The runtime: plans, the engine loop, offline generation and the HTTP server."""
+
+from runtime.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # LLM pulls in JAX; keep `import runtime` light for the pure-Python scheduler tests.
+    if name == "LLM":
+        from runtime.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from runtime.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams"]

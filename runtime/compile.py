@@ -1,0 +1,237 @@
+"""Model -> executable plan: lower, run the pass pipeline, size memory, convert weights, AOT-compile buckets.
+
+    python -m runtime.compile --model smollm2-135m --out plans/smollm2
+    python -m runtime.compile --model smollm2-135m --dry-run --max-model-len 4096 --memory-utilization 0.5
+
+A plan directory holds plan.json (config, engine options, bucket table, memory plan, content
+hash), ir/NN-<pass>.txt (the IR after each pass), the final graph, the weights as an Orbax
+checkpoint, the tokenizer, and xla_cache/ (JAX's persistent compilation cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ir import Graph, parse_graph, print_graph
+from models.config import ModelConfig, PRESETS
+from models.llama import lower
+from passes.pipeline import PipelineOptions, run_pipeline
+from passes.plan_memory import MemoryPlan, plan_memory_report
+from runtime.buckets import BucketTable
+from runtime.config import CPU_DEVICE_MEMORY, EngineConfig
+
+PLAN_VERSION = 1
+
+
+def device_memory_bytes(engine: EngineConfig) -> int:
+    """Memory of one device: measured on GPU/TPU, a fixed budget on CPU (see EngineConfig)."""
+    if engine.device_memory:
+        return int(engine.device_memory)
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        if stats.get("bytes_limit"):
+            return int(stats["bytes_limit"])
+    return CPU_DEVICE_MEMORY
+
+
+def pipeline_options(engine: EngineConfig, buckets: BucketTable, device_memory: int) -> PipelineOptions:
+    return PipelineOptions(
+        block_size=engine.block_size, max_model_len=engine.max_model_len, buckets=tuple(buckets.pairs()),
+        device_memory_bytes=device_memory, memory_utilization=engine.memory_utilization,
+        reserve_bytes=engine.reserve_bytes, num_kv_blocks=engine.num_kv_blocks,
+        quantization=engine.quantization, tensor_parallel_size=engine.tensor_parallel_size)
+
+
+@dataclass
+class Plan:
+    """Everything the runtime needs to serve, with no lowering left to do."""
+
+    config: ModelConfig
+    engine: EngineConfig
+    graph: Graph
+    buckets: BucketTable
+    memory: MemoryPlan
+    pass_texts: list[tuple[str, str]] = field(default_factory=list)
+    weights: dict[str, np.ndarray] | None = None  # final params (fused, maybe quantized)
+    tokenizer: object | None = None
+    directory: Path | None = None
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.memory.num_kv_blocks
+
+    def content_hash(self) -> str:
+        h = hashlib.sha256()
+        h.update(json.dumps(self.config.to_dict(), sort_keys=True).encode())
+        h.update(json.dumps(self.engine.to_dict(), sort_keys=True).encode())
+        h.update(print_graph(self.graph).encode())
+        for name in sorted(self.weights or {}):
+            w = self.weights[name]
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(w).tobytes()[:4096])  # a cheap fingerprint per tensor
+            h.update(str(w.shape).encode())
+        return h.hexdigest()[:16]
+
+    def describe(self) -> str:
+        lines = [f"model {self.config.name}: {self.config.num_params() / 1e6:.1f}M params, "
+                 f"{self.config.num_layers} layers, {self.config.num_q_heads} q heads / "
+                 f"{self.config.num_kv_heads} kv heads, dtype {self.engine.dtype}",
+                 f"buckets (tokens x seqs): {' '.join(f'{t}x{s}' for t, s in self.buckets.pairs())}",
+                 self.memory.table()]
+        return "\n".join(lines)
+
+    # -------------------------------------------------------------- save / load
+
+    def save(self, out: str | os.PathLike) -> Path:
+        from models.weights import save_orbax
+
+        out = Path(out).absolute()
+        (out / "ir").mkdir(parents=True, exist_ok=True)
+        for i, (name, text) in enumerate(self.pass_texts):
+            (out / "ir" / f"{i:02d}-{name}.txt").write_text(text)
+        (out / "graph.txt").write_text(print_graph(self.graph))
+        if self.weights is not None:
+            save_orbax(self.weights, out / "weights", force=True)
+        if self.tokenizer is not None:
+            self.tokenizer.save(out / "tokenizer")
+        meta = {"version": PLAN_VERSION, "config": self.config.to_dict(), "engine": self.engine.to_dict(),
+                "buckets": self.buckets.to_dict(), "memory": self.memory.to_dict(),
+                "content_hash": self.content_hash()}
+        (out / "plan.json").write_text(json.dumps(meta, indent=1))
+        self.directory = out
+        return out
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, load_weights: bool = True) -> "Plan":
+        from models.tokenizer import Tokenizer
+        from models.weights import load_orbax
+
+        d = Path(directory)
+        try:
+            meta = json.loads((d / "plan.json").read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{d}: not a plan directory (no plan.json)") from None
+        if meta.get("version") != PLAN_VERSION:
+            raise ValueError(f"{d}/plan.json: plan version {meta.get('version')} != {PLAN_VERSION}; recompile")
+        graph = parse_graph((d / "graph.txt").read_text())
+        tok = Tokenizer.from_file(d / "tokenizer") if (d / "tokenizer" / "tokenizer.json").exists() else None
+        weights = load_orbax(d / "weights") if load_weights and (d / "weights").exists() else None
+        return cls(ModelConfig.from_dict(meta["config"]), EngineConfig(**meta["engine"]), graph,
+                   BucketTable.from_dict(meta["buckets"]), MemoryPlan.from_dict(meta["memory"]),
+                   weights=weights, tokenizer=tok, directory=d.absolute())
+
+
+def is_plan_dir(path) -> bool:
+    return Path(str(path)).is_dir() and (Path(str(path)) / "plan.json").exists()
+
+
+def resolve_model(model) -> tuple[ModelConfig, dict | None, object | None]:
+    """(config, weights, tokenizer) for a preset name, GGUF file or HF directory."""
+    from models.weights import load_model
+
+    return load_model(model)
+
+
+def build_graph(config: ModelConfig, engine: EngineConfig, buckets: BucketTable,
+                device_memory: int | None = None, keep_pass_texts: bool = True):
+    graph = lower(config, engine.dtype)
+    texts = [("lower", print_graph(graph))] if keep_pass_texts else []
+    opts = pipeline_options(engine, buckets, device_memory or device_memory_bytes(engine))
+    graph = run_pipeline(graph, opts, on_pass=(lambda i, name, g: texts.append((name, print_graph(g))))
+                         if keep_pass_texts else None)
+    memory = plan_memory_report(graph, buckets=list(buckets.pairs()),
+                                device_memory_bytes=opts.device_memory_bytes,
+                                memory_utilization=opts.memory_utilization, block_size=opts.block_size,
+                                max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
+                                tensor_parallel_size=opts.tensor_parallel_size,
+                                num_kv_blocks=opts.num_kv_blocks)
+    return graph, memory, texts
+
+
+def compile_plan(model, engine: EngineConfig | None = None, *, progress: bool = False,
+                 weights=None, config: ModelConfig | None = None, tokenizer=None) -> Plan:
+    """Lowers the model, runs the passes, and materializes the final weights (in memory)."""
+    from runtime.params import materialize
+
+    engine = engine or EngineConfig()
+    if config is None:
+        config, weights, tokenizer = resolve_model(model)
+    if engine.max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len {engine.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {config.max_position_embeddings}")
+    buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
+    graph, memory, texts = build_graph(config, engine, buckets)
+    if memory.num_kv_blocks * engine.block_size < engine.max_model_len:
+        raise ValueError(
+            f"the KV cache fits {memory.num_kv_blocks} blocks ({memory.num_kv_blocks * engine.block_size} "
+            f"tokens), fewer than max_model_len={engine.max_model_len}; raise memory_utilization or "
+            f"device_memory, or lower max_model_len\n{memory.table()}")
+    final = None
+    if weights is not None:
+        bar = _progress("convert weights") if progress else None
+        final = materialize(graph, weights, progress=bar)
+    return Plan(config, engine, graph, buckets, memory, texts, final, tokenizer)
+
+
+def _progress(desc: str):
+    from tqdm import tqdm
+
+    return lambda it: tqdm(it, desc=desc, unit="tensor", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    from runtime.args import add_engine_args, engine_config_from_args
+
+    ap = argparse.ArgumentParser(prog="python -m runtime.compile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m",
+                    help=f"preset ({', '.join(PRESETS)}), GGUF file or HF directory")
+    ap.add_argument("--out", help="plan directory to write")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the memory plan and bucket table without loading weights or compiling")
+    add_engine_args(ap)
+    args = ap.parse_args(argv)
+    engine = engine_config_from_args(args)
+    if args.dry_run:
+        from models.config import get_preset
+
+        if args.model in PRESETS:
+            config = get_preset(args.model)
+        else:
+            config, _, _ = resolve_model(args.model)
+        buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
+        graph, memory, _ = build_graph(config, engine, buckets, keep_pass_texts=False)
+        plan = Plan(config, engine, graph, buckets, memory)
+        print(plan.describe())
+        return 0
+    if not args.out:
+        ap.error("--out is required unless --dry-run")
+    t0 = time.perf_counter()
+    plan = compile_plan(args.model, engine, progress=True)
+    out = plan.save(args.out)
+    from runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(plan, cache_dir=out / "xla_cache")
+    runner.warmup(progress=True, measure_memory=True)
+    plan.memory = runner.memory_with_xla(plan.memory)
+    plan.save(out)  # rewrite plan.json with XLA's own numbers next to ours
+    print(plan.describe())
+    print(f"plan written to {out} in {time.perf_counter() - t0:.1f}s "
+          f"(hash {json.loads((out / 'plan.json').read_text())['content_hash']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

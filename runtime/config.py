@@ -1,0 +1,72 @@
+"""Engine arguments, with vLLM's names."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPE_ALIASES = {"auto": "f32", "float32": "f32", "fp32": "f32", "f32": "f32", "bfloat16": "bf16",
+                 "bf16": "bf16", "float16": "f16", "half": "f16", "f16": "f16"}
+
+# On a CPU there is no device memory to measure; like vLLM's CPU backend (4 GiB KV space by
+# default) we assume a fixed budget, which `device_memory` overrides.
+CPU_DEVICE_MEMORY = 4 << 30
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    memory_utilization: float = 0.9
+    dtype: str = "f32"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling: str = "continuous"
+    max_waiting_ms: float = 50.0
+    static_batch_size: int | None = None
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    seed: int = 0
+    num_kv_blocks: int | None = None
+    device_memory: int | None = None
+    kernel_backend: str = "auto"
+    reserve_bytes: int = 64 << 20
+
+    def __post_init__(self):
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), None) or _bad("dtype", self.dtype,
+                                                                            sorted(DTYPE_ALIASES))
+        for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                  "tensor_parallel_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive int, got {v!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole prompt must fit one step.
+            self.max_num_batched_tokens = self.max_model_len
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            self.max_num_seqs = self.max_num_batched_tokens
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineConfig":
+        if "gpu_memory_utilization" in kw:
+            kw["memory_utilization"] = kw.pop("gpu_memory_utilization")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(names)}")
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _bad(name, value, allowed):
+    raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

@@ -1,0 +1,102 @@
+"""Backend lowerings of the attention ops: a blocked XLA loop on CPU, our Pallas kernels on GPU.
+
+The jnp references in `ir.ops` gather the whole context of every token at once, which is
+clear but sized by max_model_len. The XLA lowering here walks the context in chunks of
+blocks with an online softmax, stopping at the longest context in the batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Blocks of context per loop iteration on the XLA path: 8 x 16 = 128 tokens.
+XLA_CHUNK_BLOCKS = 8
+
+
+def _token_layout(cu_q_lens, context_lens, num_tokens):
+    """Per token: its sequence and its absolute position (ragged queries at the context's end)."""
+    s = context_lens.shape[0]
+    tok = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, s - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = context_lens[seq] - q_len + (tok - cu_q_lens[seq])
+    pos = jnp.where(tok < cu_q_lens[-1], pos, -1)  # padding tokens see nothing
+    return seq, pos
+
+
+def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale,
+                        num_kv_heads, block_size, head_dim, chunk_blocks: int = XLA_CHUNK_BLOCKS):
+    """Ragged paged attention as an XLA while-loop over context chunks (online softmax, f32)."""
+    t = q.shape[0]
+    s, m = block_tables.shape
+    c = min(chunk_blocks, m)
+    pad = (-m) % c
+    tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    n_rep = q.shape[1] // num_kv_heads
+    seq, pos = _token_layout(cu_q_lens, context_lens, t)
+    qf = q.astype(jnp.float32).reshape(t, num_kv_heads, n_rep, head_dim) * scale
+    chunk_tokens = c * block_size
+    num_chunks = (jnp.max(context_lens) + chunk_tokens - 1) // chunk_tokens
+
+    def body(i, carry):
+        mx, den, acc = carry
+        cols = jax.lax.dynamic_slice_in_dim(tables, i * c, c, axis=1)  # [S, C]
+        blocks = jnp.take(cols, seq, axis=0)  # [T, C]
+        k = jnp.take(k_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
+        v = jnp.take(v_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
+        sc = jnp.einsum("tgrd,tlgd->tgrl", qf, k.astype(jnp.float32))
+        kpos = i * chunk_tokens + jnp.arange(chunk_tokens)
+        visible = (kpos[None, :] <= pos[:, None])[:, None, None, :]
+        sc = jnp.where(visible, sc, -jnp.inf)
+        new_mx = jnp.maximum(mx, jnp.max(sc, axis=-1))
+        p = jnp.exp(sc - new_mx[..., None])
+        corr = jnp.exp(mx - new_mx)
+        den = den * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("tgrl,tlgd->tgrd", p, v.astype(jnp.float32))
+        return new_mx, den, acc
+
+    init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
+            jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
+            jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
+    _, den, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, block_size: int):
+    """Views [S, L, h, d] caches as pools with identity block tables, for the paged kernels.
+
+    Tokens must be grouped by sequence in ascending seq id (the engine packs them that way).
+    """
+    s, l = k_cache.shape[:2]
+    bs = block_size if l % block_size == 0 else l
+    pools = [c.reshape((s * l // bs, bs) + c.shape[2:]) for c in (k_cache, v_cache)]
+    tables = jnp.arange(s * l // bs, dtype=jnp.int32).reshape(s, l // bs)
+    counts = jnp.zeros(s + 1, jnp.int32).at[jnp.clip(seq_ids, 0, s) + 1].add(1)
+    cu = jnp.cumsum(counts)[: s + 1].astype(jnp.int32)
+    ctx = jnp.zeros(s, jnp.int32).at[seq_ids].max(positions + 1, mode="drop")
+    return pools[0], pools[1], tables, ctx, cu, bs
+
+
+def lowerings(backend: str) -> dict:
+    """op name -> implementation for the given backend (`xla`, `pallas` or `interpret`)."""
+    if backend == "xla":
+        return {"paged_attention": paged_attention_xla}
+    import pallas_kernels
+
+    interpret = backend == "interpret"
+
+    def paged(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale, num_kv_heads,
+              block_size, head_dim):
+        return pallas_kernels.paged_attention(q, k_pool, v_pool, block_tables, context_lens,
+                                              cu_q_lens, sm_scale=scale, interpret=interpret)
+
+    def attention(q, k_cache, v_cache, seq_ids, positions, *, scale, causal, num_kv_heads, head_dim):
+        if not causal:
+            raise ValueError("the Pallas attention lowering supports causal attention only")
+        kp, vp, tables, ctx, cu, _ = _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, 16)
+        return pallas_kernels.paged_attention(q, kp, vp, tables, ctx, cu, sm_scale=scale,
+                                              interpret=interpret)
+
+    return {"paged_attention": paged, "attention": attention}

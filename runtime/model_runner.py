@@ -1,0 +1,243 @@
+"""Runs a plan on the device: params and KV pools in memory, one AOT-compiled executable per bucket."""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ir import bind_shape
+from passes.plan_memory import BucketMemory, MemoryPlan
+from runtime.executor import JNP_DTYPES, build_step, state_names
+from runtime.sampler import Sampler
+
+# ---------------------------------------------------------------- compile counting
+
+_compile_lock = threading.Lock()
+_num_compiles = 0
+_listener_installed = False
+
+
+def _on_event(event: str, duration: float, **kw) -> None:
+    global _num_compiles
+    if event == "/jax/core/compile/backend_compile_duration":
+        with _compile_lock:
+            _num_compiles += 1
+
+
+def num_backend_compiles() -> int:
+    """XLA backend compilations in this process so far (cache hits from disk not included)."""
+    global _listener_installed
+    if not _listener_installed:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _listener_installed = True
+    return _num_compiles
+
+
+def enable_compilation_cache(cache_dir: str | Path) -> None:
+    """JAX's persistent compilation cache: a second start loads executables instead of compiling."""
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# ---------------------------------------------------------------- prompt logprobs
+
+PROMPT_LOGPROB_CHUNK = 64
+
+
+@jax.jit
+def _prompt_logprobs(hidden, norm_w, lm_head, targets, eps):
+    """hidden [C, H] (pre final norm), lm_head [H, V] -> (target logprob [C], top ids, top logprobs)."""
+    h = hidden.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps) * norm_w.astype(jnp.float32)
+    lp = jax.nn.log_softmax(h @ lm_head.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, 20)
+    return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0], top_ids, top_lp
+
+
+class ModelRunner:
+    """Owns the device state of a plan and executes one bucketed step at a time."""
+
+    def __init__(self, plan, cache_dir: str | Path | None = None, backend: str | None = None,
+                 mesh=None):
+        self.plan = plan
+        self.graph = plan.graph
+        engine = plan.engine
+        if cache_dir is None and plan.directory is not None:
+            cache_dir = Path(plan.directory) / "xla_cache"
+        if cache_dir is not None:
+            enable_compilation_cache(cache_dir)
+        self.backend = backend or engine.kernel_backend
+        self.block_size = engine.block_size
+        self.max_blocks_per_seq = math.ceil(engine.max_model_len / engine.block_size)
+        self.num_blocks = plan.num_kv_blocks
+        self.max_model_len = engine.max_model_len
+        self.mesh = mesh
+        self.state_names = state_names(self.graph)
+        self.params = self._put_params(plan.weights)
+        self.state = self._alloc_state()
+        self.compiled: dict[tuple[int, int], object] = {}
+        self.xla_memory: dict[tuple[int, int], int] = {}
+        step = build_step(self.graph, self.backend, mesh_constraints=getattr(mesh, "constrain", None))
+        self._step = jax.jit(step, donate_argnums=(1,))
+        self._copy = jax.jit(self._copy_blocks, donate_argnums=(0,))
+        self._copy_compiled = None
+        self.sampler = Sampler(plan.config.vocab_size, engine.max_model_len)
+        self.num_compiles_after_warmup = None
+        self._warm_compiles = 0
+
+    # ------------------------------------------------------------ device state
+
+    def _put_params(self, weights):
+        if weights is None:
+            raise ValueError("the plan has no weights loaded")
+        out = {}
+        for p in self.graph.params:
+            w = weights[p.name]
+            arr = np.asarray(w, dtype=w.dtype if p.dtype == "i8" else np.float32)
+            x = jnp.asarray(arr, dtype=JNP_DTYPES[p.dtype])
+            if self.mesh is not None:
+                x = self.mesh.put_param(p, x)
+            out[p.name] = x
+        return out
+
+    def _alloc_state(self):
+        env = {"B": self.num_blocks}
+        state = {}
+        for leaf in self.graph.runtime_inputs:
+            if leaf.name in self.state_names:
+                shape = bind_shape(leaf.shape, env)
+                x = jnp.zeros(shape, JNP_DTYPES[leaf.dtype])
+                if self.mesh is not None:
+                    x = self.mesh.put_state(leaf, x)
+                state[leaf.name] = x
+        return state
+
+    def kv_cache_bytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in self.state.values())
+
+    @staticmethod
+    def _copy_blocks(pools, src, dst):
+        dst = jnp.where(dst < 0, next(iter(pools.values())).shape[0], dst)
+        return {k: v.at[dst].set(jnp.take(v, src, axis=0, mode="clip"), mode="drop")
+                for k, v in pools.items()}
+
+    # ------------------------------------------------------------ shapes
+
+    def input_specs(self, num_tokens: int, num_seqs: int) -> dict[str, jax.ShapeDtypeStruct]:
+        env = {"T": num_tokens, "S": num_seqs, "R": num_seqs, "M": self.max_blocks_per_seq,
+               "B": self.num_blocks}
+        return {leaf.name: jax.ShapeDtypeStruct(bind_shape(leaf.shape, env), JNP_DTYPES[leaf.dtype])
+                for leaf in self.graph.runtime_inputs if leaf.name not in self.state_names}
+
+    def _abstract(self, tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+    def compile_bucket(self, bucket: tuple[int, int]):
+        if bucket not in self.compiled:
+            specs = self.input_specs(*bucket)
+            lowered = self._step.lower(self._abstract(self.params), self._abstract(self.state), specs)
+            self.compiled[bucket] = lowered.compile()
+        return self.compiled[bucket]
+
+    def warmup(self, progress: bool = False, measure_memory: bool = False) -> float:
+        """AOT-compiles every bucket and sampler variant (from the persistent cache when warm)."""
+        t0 = time.perf_counter()
+        num_backend_compiles()
+        buckets = self.plan.buckets.pairs()
+        it = buckets
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(buckets, desc="compile buckets", unit="bucket", file=sys.stderr)
+        for b in it:
+            c = self.compile_bucket(b)
+            if measure_memory:
+                self.xla_memory[b] = int(c.memory_analysis().temp_size_in_bytes)
+        for s in self.plan.buckets.seq_sizes:
+            self.sampler.warmup(s)
+        n = self.max_num_copy_pairs
+        self._copy_compiled = self._copy.lower(
+            self._abstract(self.state), jax.ShapeDtypeStruct((n,), jnp.int32),
+            jax.ShapeDtypeStruct((n,), jnp.int32)).compile()
+        norm_w, lm_head = self._lm_head = self._lm_head_weights()
+        self._plp_compiled = _prompt_logprobs.lower(
+            jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK, self.plan.config.hidden_size), jnp.float32),
+            self._abstract(norm_w), self._abstract(lm_head),
+            jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.float32)).compile()
+        self._warm_compiles = num_backend_compiles()
+        return time.perf_counter() - t0
+
+    @property
+    def num_recompiles(self) -> int:
+        """Backend compiles since warm-up finished; must stay 0 while serving."""
+        return num_backend_compiles() - self._warm_compiles
+
+    @property
+    def max_num_copy_pairs(self) -> int:
+        return self.plan.engine.max_num_seqs
+
+    def memory_with_xla(self, memory: MemoryPlan) -> MemoryPlan:
+        from dataclasses import replace
+
+        buckets = tuple(BucketMemory(b.num_tokens, b.num_seqs, b.activation_bytes,
+                                     self.xla_memory.get((b.num_tokens, b.num_seqs)))
+                        for b in memory.buckets)
+        return replace(memory, buckets=buckets)
+
+    # ------------------------------------------------------------ execution
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        n = self.max_num_copy_pairs
+        for i in range(0, len(copies), n):
+            part = copies[i:i + n]
+            src = np.zeros(n, np.int32)
+            dst = np.full(n, -1, np.int32)
+            src[:len(part)] = [a for a, _ in part]
+            dst[:len(part)] = [b for _, b in part]
+            fn = self._copy_compiled or self._copy
+            self.state = fn(self.state, src, dst)
+
+    def execute(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray]):
+        """Runs one step; returns the graph's outputs (device arrays). KV pools update in place."""
+        fn = self.compiled.get(bucket)
+        if fn is None:
+            raise KeyError(f"bucket {bucket} is not in the plan's bucket table "
+                           f"{self.plan.buckets.pairs()}")
+        outs, self.state = fn(self.params, self.state, inputs)
+        return outs
+
+    def _lm_head_weights(self):
+        """Final norm and LM head as f32 [H], [H, V], for the prompt-logprob helper."""
+        p = self.params
+        if "lm_head" in p:
+            head = p["lm_head"]
+        elif "lm_head.int8" in p:
+            head = p["lm_head.int8"].astype(jnp.float32) * p["lm_head.scale"][None, :]
+        else:
+            head = p["embed"].T
+        return p["final_norm"].astype(jnp.float32), head.astype(jnp.float32)
+
+    def prompt_logprobs(self, hidden_rows: np.ndarray, targets: np.ndarray):
+        """Logprobs of `targets` given each row's hidden state, in fixed-size chunks."""
+        norm_w, lm_head = self._lm_head
+        eps = np.float32(self.plan.config.rms_eps)
+        out_lp, out_ids, out_top = [], [], []
+        c = PROMPT_LOGPROB_CHUNK
+        for i in range(0, len(targets), c):
+            h = np.zeros((c, hidden_rows.shape[1]), np.float32)
+            t = np.zeros(c, np.int32)
+            n = min(c, len(targets) - i)
+            h[:n], t[:n] = hidden_rows[i:i + n], targets[i:i + n]
+            lp, ids, top = jax.device_get(self._plp_compiled(h, norm_w, lm_head, t, eps))
+            out_lp.append(lp[:n]); out_ids.append(ids[:n]); out_top.append(top[:n])
+        return np.concatenate(out_lp), np.concatenate(out_ids), np.concatenate(out_top)

@@ -1,0 +1,90 @@
+"""SamplingParams: vLLM's names and semantics, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling options. `temperature=0` means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    detokenize: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        def bad(name, why):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an int >= 1")
+        if not 0 <= self.temperature <= 100:
+            bad("temperature", "must be in [0, 100]")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be -1, 0 (off) or a positive int")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", "must be in (0, 10]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an int >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an int in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an int")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)

@@ -1,0 +1,100 @@
+"""Requests and their sequences: the host-side state the scheduler and block manager work on."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from runtime.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """One sample stream: its tokens, how many have KV in the cache, and its block table."""
+
+    def __init__(self, request: "Request", token_ids: list[int], index: int = 0):
+        self.seq_id = next(_seq_counter)
+        self.request = request
+        self.index = index  # which of the request's n samples
+        self.prompt_len = len(request.prompt_token_ids)
+        self.token_ids = list(token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0
+        self.block_hashes: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.detok_state = None  # incremental detokenizer state, owned by the engine
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_uncomputed > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id}#{self.index}, len={len(self)}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class Request:
+    """A user request: one prompt, `params.n` sequences."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = params.priority
+        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        self.seqs: list[Sequence] = [Sequence(self, self.prompt_token_ids, 0)]
+        self.forked = params.n == 1
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.aborted = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.forked and all(s.is_finished for s in self.seqs)
