@@ -1,0 +1,61 @@
+"""Shared test setup: CPU JAX, a persistent compile cache, and one SmolLM2 engine per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+GOLDEN_DIR = Path(os.environ.get("GOLDEN_DIR", ROOT.parent / "shared" / "golden"))
+# One compile cache for the whole run (and across runs on the same machine): each bucket of the
+# real model is compiled once, not once per test module.
+CACHE_DIR = Path(os.environ.get("JAXSERVE_TEST_CACHE", Path.home() / ".cache" / "jaxserve-tests" / "xla"))
+
+# Engine shape used by every SmolLM2 test, so they share compiled buckets.
+SMOL_ARGS = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=320)
+
+
+def pytest_configure(config):
+    from runtime.model_runner import enable_compilation_cache
+
+    enable_compilation_cache(CACHE_DIR)
+
+
+def golden_prompts() -> list[dict]:
+    return json.loads((GOLDEN_DIR / "prompts.json").read_text())
+
+
+def golden_arrays(name: str) -> dict[str, np.ndarray]:
+    return dict(np.load(GOLDEN_DIR / f"{name}.npz"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(config, weights, tokenizer) of the real SmolLM2-135M-Instruct, loaded once."""
+    from models.weights import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smol_llm(smollm2):
+    """A warmed-up LLM on the real SmolLM2 (f32), shared by the end-to-end tests."""
+    from runtime.compile import compile_plan
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.llm import LLM
+
+    config, weights, tok = smollm2
+    plan = compile_plan(None, EngineConfig(**SMOL_ARGS), weights=weights, config=config, tokenizer=tok)
+    llm = LLM.__new__(LLM)
+    llm.plan = plan
+    llm.engine = LLMEngine(plan, check_invariants=True)
+    return llm
