@@ -38,6 +38,14 @@ class LLM:
         self.plan = load_plan(model, engine_args)
         self.engine = LLMEngine(self.plan, check_invariants=check_invariants)
 
+    @classmethod
+    def from_plan(cls, plan: Plan, **engine_kwargs) -> "LLM":
+        """Wraps an already compiled plan (e.g. one shared by several tests)."""
+        self = cls.__new__(cls)
+        self.plan = plan
+        self.engine = LLMEngine(plan, **engine_kwargs)
+        return self
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -50,12 +50,8 @@ def smol_llm(smollm2):
     """A warmed-up LLM on the real SmolLM2 (f32), shared by the end-to-end tests."""
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
     from runtime.llm import LLM
 
     config, weights, tok = smollm2
     plan = compile_plan(None, EngineConfig(**SMOL_ARGS), weights=weights, config=config, tokenizer=tok)
-    llm = LLM.__new__(LLM)
-    llm.plan = plan
-    llm.engine = LLMEngine(plan, check_invariants=True)
-    return llm
+    return LLM.from_plan(plan, check_invariants=True)
