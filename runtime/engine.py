@@ -16,7 +16,7 @@ import numpy as np
 from runtime import detokenizer
 from runtime.block_manager import BlockManager
 from runtime.compile import Plan
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import ModelRunner, num_backend_compiles
 from runtime.sampler import build_inputs
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
@@ -128,6 +128,7 @@ class LLMEngine:
         self._tput_mark = (time.monotonic(), 0, 0)
         self.trace: list[StepTrace] | None = None
         self.finished_callbacks = []  # fn(request) when a request finishes
+        self.num_recompiles = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -220,6 +221,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        compiles_before = num_backend_compiles()
+        try:
+            return self._step()
+        finally:
+            # Any XLA compile inside a step is a shape the bucket table did not cover.
+            self.num_recompiles += num_backend_compiles() - compiles_before
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._drain()
         sched = self.scheduler.schedule()
@@ -428,7 +437,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=bm.usage(), prefix_cache_queries=bm.stats.queries,
             prefix_cache_hits=bm.stats.hits, num_preemptions=self.scheduler.num_preemptions,
-            num_recompiles=self.runner.num_recompiles, prompt_tokens_total=self.prompt_tokens_total,
+            num_recompiles=self.num_recompiles, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total, prompt_throughput=ptp,
             generation_throughput=gtp, padded_tokens_total=self.padded_tokens_total,
             scheduled_tokens_total=self.scheduled_tokens_total, num_kv_blocks=bm.num_blocks,

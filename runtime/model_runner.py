@@ -91,8 +91,6 @@ class ModelRunner:
         self._copy = jax.jit(self._copy_blocks, donate_argnums=(0,))
         self._copy_compiled = None
         self.sampler = Sampler(plan.config.vocab_size, engine.max_model_len)
-        self.num_compiles_after_warmup = None
-        self._warm_compiles = 0
 
     # ------------------------------------------------------------ device state
 
@@ -174,13 +172,7 @@ class ModelRunner:
             self._abstract(norm_w), self._abstract(lm_head),
             jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.float32)).compile()
-        self._warm_compiles = num_backend_compiles()
         return time.perf_counter() - t0
-
-    @property
-    def num_recompiles(self) -> int:
-        """Backend compiles since warm-up finished; must stay 0 while serving."""
-        return num_backend_compiles() - self._warm_compiles
 
     @property
     def max_num_copy_pairs(self) -> int:
