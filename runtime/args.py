@@ -30,7 +30,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, help="float32 (default) or bfloat16")
     g.add_argument("--enable-prefix-caching", type=_bool, default=d.enable_prefix_caching)
     g.add_argument("--enable-chunked-prefill", type=_bool, default=d.enable_chunked_prefill)
-    g.add_argument("--scheduling", default=d.scheduling, choices=("continuous", "dynamic", "static"))
+    g.add_argument("--scheduling", default=d.scheduling, help="continuous (default), dynamic or static")
     g.add_argument("--max-waiting-ms", type=float, default=d.max_waiting_ms)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     g.add_argument("--quantization", default=None, choices=(None, "int8"))

@@ -46,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.scheduling not in ("continuous", "dynamic", "static"):
+            raise ValueError(f"scheduling must be continuous, dynamic or static, got {self.scheduling!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -256,7 +256,7 @@ class LLMEngine:
         self.padded_tokens_total += sched.bucket[0]
         self.scheduled_tokens_total += sched.num_tokens
         if self.trace is not None:
-            used = sum(len(s) for s in self.scheduler.running)
+            used = sum(s.num_computed_tokens for s in self.scheduler.running)
             alloc = sum(len(s.block_table) for s in self.scheduler.running) * self.engine_config.block_size
             self.trace.append(StepTrace(time.monotonic(), sched.bucket, sched.num_tokens,
                                         len(sched.scheduled), used, alloc, t1 - t0, t2 - t1, t3 - t2))

@@ -74,7 +74,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._batch_open = True  # static/dynamic: may a new batch be admitted now?
+        self._batch_quota = 0  # static/dynamic: members of the forming batch still to admit
         self.no_more_arrivals = False  # offline: everything has been submitted
 
     # ------------------------------------------------------------------ queue
@@ -100,20 +100,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policy gates
 
-    def _may_admit(self, now: float) -> bool:
+    def _admission_quota(self, now: float) -> int:
+        """How many more sequences may join now.
+
+        Continuous: any number. Static and dynamic form a batch only when nothing runs (static
+        once N requests wait, dynamic once the waiting window closes); the batch may take several
+        steps to prefill, and then runs to completion with no one joining.
+        """
         c = self.config
         if c.scheduling == "continuous":
-            return True
-        if self.running:
-            return False  # static and dynamic run a batch to completion
-        if not self.waiting:
-            return False
-        if c.scheduling == "static":
-            n = c.static_batch_size or c.max_num_seqs
-            return len(self.waiting) >= n or self.no_more_arrivals
-        oldest = min(s.request.metrics.arrival_time for s in self.waiting)
-        return (len(self.waiting) >= c.max_num_seqs or self.no_more_arrivals
-                or (now - oldest) * 1000 >= c.max_waiting_ms)
+            return len(self.waiting)
+        if not self.running and not self._batch_quota and self.waiting:
+            if c.scheduling == "static":
+                n = c.static_batch_size or c.max_num_seqs
+                if len(self.waiting) >= n or self.no_more_arrivals:
+                    self._batch_quota = min(n, len(self.waiting))
+            else:
+                oldest = min(s.request.metrics.arrival_time for s in self.waiting)
+                if (len(self.waiting) >= c.max_num_seqs or self.no_more_arrivals
+                        or (now - oldest) * 1000 >= c.max_waiting_ms):
+                    self._batch_quota = min(c.max_num_seqs, len(self.waiting))
+        return self._batch_quota
 
     # ------------------------------------------------------------------ schedule
 
@@ -159,9 +166,10 @@ class Scheduler:
             i += 1
 
         # 2. Then waiting ones, in priority then arrival order.
-        if self._may_admit(now) and not out.preempted:
+        quota = self._admission_quota(now) if not out.preempted else 0
+        if quota:
             self.waiting.sort(key=self._queue_key)
-            while self.waiting and token_budget > 0 and seq_budget > 0:
+            while self.waiting and token_budget > 0 and seq_budget > 0 and quota > 0:
                 seq = self.waiting[0]
                 if seq.request.params.n > seq_budget and not (seq.request.forked or seq.index):
                     break  # its samples will need n sequence slots
@@ -182,6 +190,9 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 token_budget -= n
                 seq_budget -= 1 if seq.request.forked else seq.request.params.n
+                quota -= 1
+                if self.config.scheduling != "continuous":
+                    self._batch_quota -= 1
 
         out.num_tokens = sum(s.num_new_tokens for s in out.scheduled)
         if out.scheduled:

@@ -178,3 +178,48 @@ def test_priority_orders_admission():
     sched.add(high)
     out = sched.schedule()
     assert [s.seq for s in out.scheduled] == [high]
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_static_and_dynamic_run_a_batch_to_completion(policy):
+    bm = BlockManager(64, 4)
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, scheduling=policy,
+                          max_waiting_ms=0.0)
+    sched = Scheduler(cfg, bm, BucketTable.build(8, 2))
+    seqs = [make_seq(list(range(i * 10, i * 10 + 6)), arrival=float(i)) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    sched.no_more_arrivals = True  # static would otherwise wait for a second full batch
+    admitted = []
+    for _ in range(20):
+        out = sched.schedule()
+        sched.update(out)
+        for sc in out.scheduled:
+            if sc.seq not in admitted:
+                admitted.append(sc.seq)
+            if sc.samples:
+                sc.seq.token_ids.append(1)
+                if sc.seq.num_output_tokens >= 3:
+                    sched.finish(sc.seq)
+        if seqs[2] in admitted:
+            break
+        # The batch (two prompts of 6 tokens, 8-token budget) needs two steps to prefill,
+        # and the third request never joins while either runs.
+        assert seqs[2] not in admitted or not sched.running
+    assert admitted[:2] == seqs[:2]
+    assert seqs[2] in admitted
+    assert all(s.is_finished for s in seqs[:2])
+
+
+def test_continuous_admits_while_running():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64),
+                      bm, BucketTable.build(16, 4))
+    a = make_seq([1, 2, 3])
+    sched.add(a)
+    sched.update(sched.schedule())
+    a.token_ids.append(5)
+    b = make_seq([4, 5, 6])
+    sched.add(b)
+    out = sched.schedule()
+    assert {s.seq for s in out.scheduled} == {a, b}

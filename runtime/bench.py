@@ -1,0 +1,261 @@
+"""Offline throughput benchmark (and `serve` for the HTTP benchmark).
+
+    python -m runtime.bench --model smollm2-135m --workload mixed --num-prompts 64
+    python -m runtime.bench --scheduling static,dynamic,continuous --baseline hf --plot bench.png
+    python -m runtime.bench serve --url http://127.0.0.1:8000 --request-rate 4 --num-prompts 64
+
+All policies run on the same seeded workload in one process, over one compiled plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+WORKLOADS = {
+    # name: (prompt median, output median, lognormal sigma)
+    "mixed": (96, 64, 0.9),
+    "short": (32, 32, 0.5),
+    "long-prompt": (384, 32, 0.6),
+}
+
+
+@dataclass
+class RunResult:
+    name: str
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+    kv_fill_mean: float  # tokens / slots of allocated blocks, over steps
+    kv_fill_peak: float
+    kv_pool_mean: float  # tokens / all slots of the pool
+    kv_pool_peak: float
+    recompiles: int = 0
+    num_steps: int = 0
+    padding: dict = field(default_factory=dict)  # bucket -> (steps, real tokens, padded tokens)
+    sched_ms: float = 0.0
+    device_ms: float = 0.0
+    post_ms: float = 0.0
+    timeline: list = field(default_factory=list)  # (t, output tok/s, kv pool occupancy)
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+
+def make_workload(name: str, num_prompts: int, seed: int, max_model_len: int, vocab: int):
+    from runtime.workload import synthetic_workload
+
+    pm, om, sigma = WORKLOADS[name]
+    return synthetic_workload(num_prompts, seed, max_model_len, vocab, prompt_median=pm,
+                              output_median=om, sigma=sigma)
+
+
+def run_engine(plan, runner, policy: str, work, tokenizer) -> RunResult:
+    from runtime.engine import LLMEngine
+    from runtime.sampling_params import SamplingParams
+
+    plan = dataclasses.replace(plan, engine=dataclasses.replace(plan.engine, scheduling=policy))
+    engine = LLMEngine(plan, tokenizer, runner=runner, warmup=False)
+    engine.trace = []
+    engine.scheduler.no_more_arrivals = True
+    t0 = time.monotonic()
+    for i, (ids, max_tokens) in enumerate(work):
+        engine.add_request(f"{policy}-{i}", ids, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                 ignore_eos=True, detokenize=False),
+                           arrival_time=t0)
+    out_tokens = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out_tokens += len(o.outputs[0].token_ids)
+    elapsed = time.monotonic() - t0
+    tr = engine.trace
+    pool = engine.block_manager.num_blocks * plan.engine.block_size
+    fill = [t.kv_used_slots / t.kv_allocated_slots for t in tr if t.kv_allocated_slots]
+    occ = [t.kv_used_slots / pool for t in tr]
+    padding = defaultdict(lambda: [0, 0, 0])
+    for t in tr:
+        p = padding[f"{t.bucket[0]}x{t.bucket[1]}"]
+        p[0] += 1
+        p[1] += t.num_tokens
+        p[2] += t.bucket[0]
+    timeline, window = [], 1.0
+    if tr:
+        start = t0
+        by_bin = defaultdict(int)
+        for t in tr:
+            by_bin[int((t.time - start) / window)] += min(t.num_seqs, t.num_tokens)
+        for t in tr:
+            timeline.append((t.time - start, by_bin[int((t.time - start) / window)] / window,
+                             t.kv_used_slots / pool))
+    return RunResult(policy, elapsed, sum(len(p) for p, _ in work), out_tokens,
+                     float(np.mean(fill)) if fill else 0.0, max(fill, default=0.0),
+                     float(np.mean(occ)) if occ else 0.0, max(occ, default=0.0),
+                     engine.num_recompiles, len(tr), dict(padding),
+                     float(np.median([t.schedule_s for t in tr])) * 1e3,
+                     float(np.median([t.device_s for t in tr])) * 1e3,
+                     float(np.median([t.postprocess_s for t in tr])) * 1e3, timeline)
+
+
+def run_hf(config, weights, work, batch_size: int) -> RunResult:
+    """HF transformers `generate()` with static left-padded batches: the usual baseline."""
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.weights import save_safetensors
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory() as d:
+        hf_cfg = LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_q_heads, num_key_value_heads=config.num_kv_heads,
+            head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.rms_eps,
+            tie_word_embeddings=config.tie_embeddings, max_position_embeddings=config.max_position_embeddings,
+            attention_bias=config.qkv_bias)
+        hf_cfg.save_pretrained(d)
+        save_safetensors(weights, f"{d}/model.safetensors")
+        model = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    pad = 0
+    t0 = time.monotonic()
+    out_tokens = 0
+    with torch.no_grad():
+        for i in range(0, len(work), batch_size):
+            batch = work[i:i + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for j, (p, _) in enumerate(batch):
+                ids[j, width - len(p):] = torch.tensor(p)
+                mask[j, width - len(p):] = 1
+            max_new = max(m for _, m in batch)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, pad_token_id=pad)
+            out_tokens += sum(m for _, m in batch)  # only the tokens each request asked for count
+    elapsed = time.monotonic() - t0
+    return RunResult("hf-transformers", elapsed, sum(len(p) for p, _ in work), out_tokens,
+                     0, 0, 0, 0)
+
+
+def report(results: list[RunResult], out=sys.stdout) -> None:
+    print(f"{'run':<16}{'time s':>8}{'out tok/s':>11}{'total tok/s':>13}{'KV fill mean/peak':>20}"
+          f"{'KV pool peak':>14}{'steps':>7}{'recomp':>8}{'sched/dev ms':>15}", file=out)
+    for r in results:
+        fill = f"{r.kv_fill_mean:.0%}/{r.kv_fill_peak:.0%}" if r.num_steps else "-"
+        pool = f"{r.kv_pool_peak:.0%}" if r.num_steps else "-"
+        prof = f"{r.sched_ms:.1f}/{r.device_ms:.0f}" if r.num_steps else "-"
+        print(f"{r.name:<16}{r.elapsed_s:>8.1f}{r.output_tps:>11.1f}{r.total_tps:>13.1f}{fill:>20}"
+              f"{pool:>14}{r.num_steps:>7}{r.recompiles:>8}{prof:>15}", file=out)
+    for r in results:
+        if not r.padding:
+            continue
+        print(f"padding waste per bucket ({r.name}):", file=out)
+        for b, (steps, real, padded) in sorted(r.padding.items(), key=lambda kv: [int(x) for x in kv[0].split("x")]):
+            print(f"  {b:>9}: {steps:>4} steps, {real:>6} tokens in {padded:>6} slots, "
+                  f"waste {1 - real / padded:.0%}", file=out)
+    base = {r.name: r for r in results}
+    if "continuous" in base:
+        c = base["continuous"]
+        for other in ("static", "dynamic", "hf-transformers"):
+            if other in base:
+                print(f"continuous / {other} output throughput: {c.output_tps / base[other].output_tps:.2f}x",
+                      file=out)
+
+
+def plot(results: list[RunResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for r in results:
+        if not r.timeline:
+            continue
+        t = [x[0] for x in r.timeline]
+        a.plot(t, [x[1] for x in r.timeline], label=r.name)
+        b.plot(t, [x[2] for x in r.timeline], label=r.name)
+    a.set_ylabel("output tok/s (1 s bins)")
+    b.set_ylabel("KV pool occupancy")
+    b.set_xlabel("seconds")
+    a.legend()
+    a.set_title("throughput and KV utilization over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        from runtime.bench_serve import main as serve_main
+
+        return serve_main(argv[1:])
+    from runtime.args import add_engine_args, engine_kwargs_from_args
+
+    ap = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS))
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--workload-seed", type=int, default=0)
+    ap.add_argument("--baseline", choices=("hf",), default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--json", default=None, help="write the results as JSON")
+    add_engine_args(ap)
+    args = ap.parse_args(argv)
+    # --scheduling takes a comma list here: every policy runs on the same workload and plan.
+    policies = [p for p in args.scheduling.split(",") if p]
+
+    from runtime.compile import compile_plan
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner
+    from models.weights import load_model
+
+    kw = engine_kwargs_from_args(args)
+    kw["scheduling"] = "continuous"
+    config, weights, tok = load_model(args.model)
+    plan = compile_plan(None, EngineConfig.from_kwargs(**kw), weights=weights, config=config, tokenizer=tok)
+    runner = ModelRunner(plan)
+    warm = runner.warmup(progress=True)
+    print(f"warm-up (compile {len(plan.buckets.pairs())} buckets): {warm:.1f}s; "
+          f"KV pool {plan.num_kv_blocks} blocks x {plan.engine.block_size}", file=sys.stderr)
+    work = make_workload(args.workload, args.num_prompts, args.workload_seed, plan.engine.max_model_len,
+                         config.vocab_size)
+    print(f"workload {args.workload}: {len(work)} prompts, prompt tokens {sum(len(p) for p, _ in work)}, "
+          f"output tokens {sum(m for _, m in work)}", file=sys.stderr)
+    # A short untimed run so first-touch effects don't land on whichever policy runs first.
+    run_engine(plan, runner, "continuous", work[:4], tok)
+    results = []
+    for p in policies:
+        r = run_engine(plan, runner, p, work, tok)
+        print(f"  {p}: {r.elapsed_s:.1f}s, {r.output_tps:.1f} out tok/s", file=sys.stderr)
+        results.append(r)
+    if args.baseline == "hf":
+        results.append(run_hf(config, weights, work, batch_size=plan.engine.max_num_seqs))
+    report(results)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(dataclasses.asdict(r), output_tps=r.output_tps, total_tps=r.total_tps,
+                            timeline=None) for r in results], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
