@@ -1,12 +1,354 @@
-"""Tensor parallelism: annotates weights and activations with PartitionSpecs over mesh axis `tp`."""
+"""Tensor parallelism: annotates every weight and activation with a PartitionSpec over mesh axis `tp`.
+
+Megatron's split, expressed as attributes that the runtime turns into `NamedSharding`s and
+`with_sharding_constraint`s (JAX's SPMD partitioner inserts the communication):
+
+    qkv, gate_up      column-split   w {sharding=[null, "tp"]}: each device owns whole heads / FFN columns
+    o_proj, down      row-split      w {sharding=["tp", null]}; the matmul carries all_reduce="tp"
+    embed             vocab-split    {sharding=["tp", null]}; the lookup carries all_reduce="tp"
+    lm_head           vocab-split    logits computed [null, "tp"], then all_gather="tp" (outputs leave
+                                     the step replicated, except the KV state)
+    k/v pools         kv-head-split  {sharding=[null, null, "tp", null]}
+    norms, residual   replicated
+
+A node's `sharding` is the layout its value has on the mesh (after its collective, for
+`all_reduce`; before it, for `all_gather`). A spec lists one entry per dim: null (replicated
+along that dim) or "tp".
+
+Fused weights. A plain column split of [wq | wk | wv] would give device 0 only q columns. The
+pass instead records a compile-time column layout on the fused param (`tp_layout`, applied by
+runtime.params) that stores each shard's parts next to each other, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...],
+and rewrites each `slice` of the fused result into reshape [.., tp, per_shard] -> slice -> reshape.
+The graph means the same on one device as on many; under the mesh each device computes only
+its own q/k/v heads (or gate/up columns) and no activation moves between devices.
+
+Divisibility (checked here, at compile time):
+  - intermediate_size must divide by tp (else ValueError);
+  - attention is sharded by head when q heads divide by tp and kv heads either divide by tp or
+    divide tp. When kv heads < tp, each kv head is replicated tp/kv_heads times (its k/v
+    columns repeated in the fused weight, the pools hold tp heads, one per device), as vLLM does;
+  - otherwise (SmolLM2: 9 q heads at tp=2 or 4) attention is replicated: every device computes
+    all heads and holds the whole KV cache; only the MLP and the vocab are split. The reason is
+    recorded in graph meta `tp_notes` and printed with the memory plan;
+  - a vocab that does not divide by tp keeps embeddings / LM head replicated (also noted).
+"""
 
 from __future__ import annotations
 
-from ir import Graph
+import math
+from typing import Any
+
+from ir import Graph, Node, input_node, make_node
+from ir.graph import freeze_attrs
+
+AXIS = "tp"
+# Attributes this pass adds; the executor strips them before calling an op's implementation.
+SHARDING_ATTRS = ("sharding", "all_reduce", "all_gather")
+
+# Weight roles by the last component of the (source) name.
+QKV = ("wqkv", "bqkv")
+ATTN_COLUMN = ("wq", "wk", "wv", "bq", "bk", "bv")
+KV_COLUMN = ("wk", "wv", "bk", "bv")
+MLP_COLUMN = ("w_gate_up", "w_gate", "w_up")
+ATTN_ROW = ("wo",)
+MLP_ROW = ("w_down",)
+VOCAB_ROWS = ("embed",)  # [vocab, hidden]
+VOCAB_COLUMNS = ("lm_head",)  # [hidden, vocab]
+
+Spec = tuple[Any, ...]
+
+
+def _role(p: Node) -> str:
+    src = p.attr("quantize_int8") or p.attr("int8_scale") or p.name
+    return src.rsplit(".", 1)[-1]
+
+
+def _rep(rank: int) -> Spec:
+    return (None,) * rank
+
+
+def _split(rank: int, dim: int) -> Spec:
+    return tuple(AXIS if i == dim % rank else None for i in range(rank))
+
+
+def _sharded(spec: Spec | None) -> bool:
+    return bool(spec) and AXIS in spec
+
+
+class TPPlan:
+    """What gets split at this tp, and why the rest does not."""
+
+    def __init__(self, graph: Graph, tp: int):
+        self.tp = tp
+        self.notes: list[str] = []
+        attn = [n for n in graph.nodes() if n.op in ("paged_attention", "attention")]
+        params = {_role(p): p for p in graph.params}
+        down = next((p for p in graph.params if _role(p) == "w_down"), None)
+        inter = down.shape[0] if down is not None else None
+        if inter is not None and inter % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp}: intermediate_size {inter} must divide by tp to split "
+                f"the MLP (gate/up by column, down by row); choose tp among "
+                f"{[d for d in range(1, inter + 1) if inter % d == 0 and d <= 64]}")
+        self.num_q_heads = attn[0].inputs[0].shape[1] if attn else None
+        self.num_kv_heads = attn[0].attr("num_kv_heads") if attn else None
+        self.head_dim = attn[0].attr("head_dim") if attn else None
+        hq, kvh = self.num_q_heads, self.num_kv_heads
+        self.shard_attention = bool(attn) and hq % tp == 0 and (kvh % tp == 0 or tp % kvh == 0)
+        self.kv_repeat = tp // kvh if self.shard_attention and kvh < tp else 1
+        if attn and not self.shard_attention:
+            why = (f"{hq} q heads do not divide by tp={tp}" if hq % tp else
+                   f"{kvh} kv heads neither divide by tp={tp} nor divide it")
+            self.notes.append(
+                f"attention replicated: {why} (heads must divide by tp to split attention); every "
+                f"device computes all heads and holds the whole KV cache; the MLP and the vocab "
+                f"are split {tp} ways")
+        elif self.kv_repeat > 1:
+            self.notes.append(
+                f"kv heads replicated: {kvh} kv heads < tp={tp}, so each kv head is stored on "
+                f"{self.kv_repeat} devices (the KV pools hold {kvh * self.kv_repeat} heads, one "
+                f"per device; KV memory per device is that of one head)")
+        embed = params.get("embed")
+        vocab = embed.shape[0] if embed is not None else None
+        self.shard_vocab = vocab is not None and vocab % tp == 0
+        if vocab is not None and not self.shard_vocab:
+            self.notes.append(f"vocab replicated: vocab size {vocab} does not divide by tp={tp}")
+
+    def column_layout(self, p: Node) -> dict | None:
+        """The compile-time column reorder of a column-split param (None: a plain split works)."""
+        role = _role(p)
+        concat = p.attr("concat")
+        if role in QKV:
+            if not self.shard_attention:
+                return None
+            q, kv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            r = self.kv_repeat
+            return {"parts": (q, kv, kv), "repeat": (1, r, r), "head_dim": self.head_dim,
+                    "shards": self.tp}
+        if role in KV_COLUMN and self.shard_attention and self.kv_repeat > 1:
+            return {"parts": (p.shape[-1],), "repeat": (self.kv_repeat,), "head_dim": self.head_dim,
+                    "shards": self.tp}
+        if concat and role in MLP_COLUMN:
+            half = p.shape[-1] // len(concat)
+            return {"parts": (half,) * len(concat), "repeat": (1,) * len(concat), "head_dim": 1,
+                    "shards": self.tp}
+        return None
+
+    def param_spec(self, p: Node) -> Spec:
+        role, rank = _role(p), len(p.shape)
+        is_scale = p.attr("int8_scale") is not None
+        if role in QKV + ATTN_COLUMN:
+            return _split(rank, -1) if self.shard_attention else _rep(rank)
+        if role in MLP_COLUMN:
+            return _split(rank, -1)
+        if role in ATTN_ROW + MLP_ROW:
+            if role in ATTN_ROW and not self.shard_attention:
+                return _rep(rank)
+            # The scale of a row-split int8 weight is per output column: replicated.
+            return _rep(rank) if is_scale else _split(rank, 0)
+        if role in VOCAB_ROWS:
+            return _split(rank, 0) if self.shard_vocab else _rep(rank)
+        if role in VOCAB_COLUMNS:
+            return _split(rank, -1) if self.shard_vocab else _rep(rank)
+        return _rep(rank)
+
+
+def _with_attrs(node: Node, **extra) -> Node:
+    attrs = {k: v for k, v in node.attrs if k not in extra} | extra
+    return Node(node.op, node.inputs, freeze_attrs(attrs), node.shape, node.dtype)
+
+
+def _resized(p: Node, layout: dict | None) -> tuple[int, ...]:
+    if not layout:
+        return tuple(p.shape)
+    total = sum(n * r for n, r in zip(layout["parts"], layout["repeat"]))
+    return tuple(p.shape[:-1]) + (total,)
+
+
+def _reshape_spec(in_shape, spec: Spec, out_shape, tp: int) -> Spec:
+    """Carries a one-dim split through a reshape: the out dim whose outer extent matches."""
+    rank = len(out_shape)
+    if not _sharded(spec):
+        return _rep(rank)
+    i = spec.index(AXIS)
+    outer_in = in_shape[:i]
+    for j in range(rank):
+        d = out_shape[j]
+        if _same_extent(outer_in, out_shape[:j]) and isinstance(d, int) and d % tp == 0:
+            if _extent(in_shape[i:]) == _extent(out_shape[j:]):
+                return _split(rank, j)
+    raise ValueError(f"shard: cannot carry split dim {i} of {list(in_shape)} through reshape to "
+                     f"{list(out_shape)}")
+
+
+def _extent(dims) -> tuple[int, tuple]:
+    n, syms = 1, []
+    for d in dims:
+        if isinstance(d, int):
+            n *= d
+        else:
+            syms.append(d)
+    return n, tuple(sorted(syms))
+
+
+def _same_extent(a, b) -> bool:
+    return _extent(a) == _extent(b)
 
 
 def shard(graph: Graph, tp: int = 1) -> Graph:
     """Megatron split over `tp` devices; a no-op at tp=1."""
     if tp == 1:
         return graph
-    raise NotImplementedError("tensor parallelism lands with the scale-out issue")
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    plan = TPPlan(graph, tp)
+    specs: dict[int, Spec] = {}
+    old_to_new: dict[int, Node] = {}
+
+    # ---- leaves: params (with layouts) and runtime inputs (KV state split by kv head)
+    state_ids = {id(n.inputs[0]) for n in graph.nodes() if n.op in ("kv_write", "kv_cache_update")}
+    leaves = []
+    layouts: dict[int, dict] = {}  # new param id -> column layout
+    for leaf in graph.inputs:
+        if leaf.op == "param":
+            layout = plan.column_layout(leaf)
+            spec = plan.param_spec(leaf)
+            extra = {"sharding": spec}
+            if layout:
+                extra["tp_layout"] = layout
+            new = _with_attrs(leaf, **extra)
+            new = Node(new.op, (), new.attrs, _resized(leaf, layout), new.dtype)
+            if layout:
+                layouts[id(new)] = layout
+        elif id(leaf) in state_ids:
+            shape = tuple(leaf.shape)
+            if plan.kv_repeat > 1:
+                shape = shape[:2] + (shape[2] * plan.kv_repeat,) + shape[3:]
+            spec = _split(len(shape), 2) if plan.shard_attention else _rep(len(shape))
+            new = input_node(leaf.name, shape, leaf.dtype)
+            new = _with_attrs(new, sharding=spec)
+        else:
+            spec = _rep(len(leaf.shape))
+            new = _with_attrs(leaf, sharding=spec)
+        specs[id(new)] = spec
+        old_to_new[id(leaf)] = new
+        leaves.append(new)
+
+    out_ids = {id(n) for name, n in graph.outputs}
+    state_names = {leaf.name for leaf in graph.runtime_inputs}
+    fused: dict[int, dict] = {}  # new node id -> layout of the fused column result it holds
+    interleaved: dict[int, Node] = {}  # fused result id -> its [.., tp, per_shard] view
+
+    def emit(op: str, ins: tuple[Node, ...], attrs: dict, spec: Spec, **coll) -> Node:
+        node = make_node(op, ins, {**attrs, **coll, "sharding": spec})
+        specs[id(node)] = spec
+        return node
+
+    def rebuild(node: Node) -> Node:
+        ins = tuple(old_to_new[id(i)] for i in node.inputs)
+        attrs = {k: v for k, v in node.attrs if k not in SHARDING_ATTRS}
+        s = [specs[id(i)] for i in ins]
+        op = node.op
+        if op in ("matmul", "matmul_int8"):
+            x, w = ins[0], ins[1]
+            tb = bool(attrs.get("transpose_b"))
+            wk, wn = (s[1][1], s[1][0]) if tb else (s[1][0], s[1][1])
+            xk = s[0][-1]
+            if xk == AXIS and wk == AXIS:
+                return emit(op, ins, attrs, s[0][:-1] + (None,), all_reduce=AXIS)
+            if xk is not None or wk is not None:
+                raise ValueError(f"shard: matmul with x split {s[0]} and weight split {s[1]} "
+                                 f"has no Megatron form")
+            out = emit(op, ins, attrs, s[0][:-1] + (wn,),
+                       **({"all_gather": AXIS} if wn == AXIS and id(node) in out_ids else {}))
+            if id(w) in layouts:
+                fused[id(out)] = layouts[id(w)]
+            return out
+        if op == "embedding":
+            coll = {"all_reduce": AXIS} if s[0][0] == AXIS else {}
+            return emit(op, ins, attrs, _rep(len(node.shape)), **coll)
+        if op == "add":
+            a, b = s
+            if tuple(a[len(a) - len(b):]) != tuple(b):
+                raise ValueError(f"shard: add of splits {a} and {b}")
+            out = emit(op, ins, attrs, a)
+            if id(ins[0]) in fused:
+                fused[id(out)] = fused[id(ins[0])]
+            return out
+        if op == "slice" and id(ins[0]) in fused:
+            return split_fused_slice(ins[0], attrs)
+        if op in ("slice", "rope", "rms_norm"):
+            if s[0][-1] is not None:
+                raise ValueError(f"shard: {op} over a split last dim {s[0]}")
+            return emit(op, ins, attrs, s[0])
+        if op == "reshape":
+            shape = tuple(attrs["shape"])
+            old_in, new_in = node.inputs[0], ins[0]
+            if new_in.shape != old_in.shape:  # k/v heads repeated: grow the heads dim
+                ratio = new_in.shape[-1] // old_in.shape[-1]
+                shape = shape[:-2] + (shape[-2] * ratio, shape[-1])
+                attrs["shape"] = shape
+            return emit(op, ins, attrs, _reshape_spec(new_in.shape, s[0], shape, tp))
+        if op in ("mul", "silu", "scale"):
+            if any(x != s[0] for x in s):
+                raise ValueError(f"shard: {op} of different splits {s}")
+            return emit(op, ins, attrs, s[0])
+        if op == "gather_rows":
+            if s[0][0] is not None:
+                raise ValueError(f"shard: gather_rows over a split dim 0 {s[0]}")
+            return emit(op, ins, attrs, s[0])
+        if op in ("kv_write", "kv_cache_update"):
+            if s[1][1] != s[0][2]:
+                raise ValueError(f"shard: {op} writes heads split {s[1]} into a cache split {s[0]}")
+            return emit(op, ins, attrs, s[0])
+        if op in ("paged_attention", "attention"):
+            if s[0][1] != s[1][2]:
+                raise ValueError(f"shard: {op} with q split {s[0]} and KV split {s[1]}")
+            attrs["num_kv_heads"] = ins[1].shape[2]
+            return emit(op, ins, attrs, s[0])
+        if any(_sharded(x) for x in s):
+            raise ValueError(f"shard: no sharding rule for op {op!r} with split inputs {s}")
+        return emit(op, ins, attrs, _rep(len(node.shape)))
+
+    def split_fused_slice(y: Node, attrs: dict) -> Node:
+        """slice of [.., p0 | p1 | ...] stored per shard -> reshape [.., tp, per] -> slice -> reshape."""
+        layout = fused[id(y)]
+        parts, repeat = layout["parts"], layout["repeat"]
+        starts = [sum(parts[:i]) for i in range(len(parts))]
+        if attrs["start"] not in starts or attrs["stop"] - attrs["start"] != parts[starts.index(attrs["start"])]:
+            raise ValueError(f"shard: slice [{attrs['start']}:{attrs['stop']}] is not one part of "
+                             f"a fused weight with parts {list(parts)}")
+        i = starts.index(attrs["start"])
+        sizes = [n * r for n, r in zip(parts, repeat)]
+        per = [n // tp for n in sizes]
+        lead = tuple(y.shape[:-1])
+        if id(y) not in interleaved:
+            interleaved[id(y)] = emit("reshape", (y,), {"shape": lead + (tp, sum(per))},
+                                      _rep(len(lead)) + (AXIS, None))
+        view = interleaved[id(y)]
+        start = sum(per[:i])
+        part = emit("slice", (view,), {"start": start, "stop": start + per[i]},
+                    _rep(len(lead)) + (AXIS, None))
+        return emit("reshape", (part,), {"shape": lead + (sizes[i],)}, _rep(len(lead)) + (AXIS,))
+
+    for node in graph.nodes():
+        old_to_new[id(node)] = rebuild(node)
+    outputs = tuple((name, old_to_new[id(n)]) for name, n in graph.outputs)
+    for name, n in outputs:
+        if name not in state_names and _sharded(specs[id(n)]) and n.attr("all_gather") is None:
+            raise ValueError(f"shard: output {name} would leave the step split {specs[id(n)]}")
+    meta = dict(graph.meta) | {"tp": tp, "tp_attention": "split" if plan.shard_attention else "replicated"}
+    if plan.kv_repeat > 1:
+        meta["tp_kv_repeat"] = plan.kv_repeat
+    if plan.notes:
+        meta["tp_notes"] = tuple(plan.notes)
+    return Graph(tuple(leaves), outputs, freeze_attrs(meta))
+
+
+def num_shards(node: Node, tp: int) -> int:
+    """How many ways a node's value is divided across devices (1 when replicated)."""
+    return tp if _sharded(node.attr("sharding")) else 1
+
+
+def per_device_bytes(shape, dtype_bytes: int, node: Node, tp: int) -> int:
+    return math.prod(shape) * dtype_bytes // num_shards(node, tp)

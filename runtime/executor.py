@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ir import OPS, Graph
+from passes.shard import SHARDING_ATTRS
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
               "i8": jnp.int8, "bool": jnp.bool_}
@@ -58,7 +59,9 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
         fn = overrides.get(node.op) or OPS[node.op].impl
         if fn is None:
             raise ValueError(f"op {node.op!r} has no implementation")
-        plan.append((id(node), fn, tuple(id(i) for i in node.inputs), node.attr_dict, node))
+        # Sharding annotations steer mesh_constraints; the op's implementation never sees them.
+        attrs = {k: v for k, v in node.attrs if k not in SHARDING_ATTRS}
+        plan.append((id(node), fn, tuple(id(i) for i in node.inputs), attrs, node))
 
     def step(params: dict[str, Any], kv_state: dict[str, Any], inputs: dict[str, Any]):
         env: dict[int, Any] = {}

@@ -80,6 +80,10 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(engine.max_model_len / engine.block_size)
         self.num_blocks = plan.num_kv_blocks
         self.max_model_len = engine.max_model_len
+        if mesh is None and engine.tensor_parallel_size > 1:
+            from runtime.sharding import TensorParallelMesh
+
+            mesh = TensorParallelMesh.for_graph(self.graph, engine.tensor_parallel_size)
         self.mesh = mesh
         self.state_names = state_names(self.graph)
         self.params = self._put_params(plan.weights)
@@ -101,10 +105,11 @@ class ModelRunner:
         for p in self.graph.params:
             w = weights[p.name]
             arr = np.asarray(w, dtype=w.dtype if p.dtype == "i8" else np.float32)
-            x = jnp.asarray(arr, dtype=JNP_DTYPES[p.dtype])
             if self.mesh is not None:
-                x = self.mesh.put_param(p, x)
-            out[p.name] = x
+                # Straight from host to each device's shard: no device ever holds a whole weight.
+                out[p.name] = self.mesh.put_param(p, arr, JNP_DTYPES[p.dtype])
+            else:
+                out[p.name] = jnp.asarray(arr, dtype=JNP_DTYPES[p.dtype])
         return out
 
     def _alloc_state(self):
@@ -113,10 +118,8 @@ class ModelRunner:
         for leaf in self.graph.runtime_inputs:
             if leaf.name in self.state_names:
                 shape = bind_shape(leaf.shape, env)
-                x = jnp.zeros(shape, JNP_DTYPES[leaf.dtype])
-                if self.mesh is not None:
-                    x = self.mesh.put_state(leaf, x)
-                state[leaf.name] = x
+                device = self.mesh.node_sharding(leaf) if self.mesh is not None else None
+                state[leaf.name] = jnp.zeros(shape, JNP_DTYPES[leaf.dtype], device=device)
         return state
 
     def kv_cache_bytes(self) -> int:
@@ -206,6 +209,8 @@ class ModelRunner:
             raise KeyError(f"bucket {bucket} is not in the plan's bucket table "
                            f"{self.plan.buckets.pairs()}")
         outs, self.state = fn(self.params, self.state, inputs)
+        if self.mesh is not None:
+            outs = {k: self.mesh.local_copy(v) for k, v in outs.items()}
         return outs
 
     def _lm_head_weights(self):

@@ -1,7 +1,8 @@
 """Materializes the weights a compiled graph's params name, applying the passes' recorded transforms.
 
 Passes never touch weight values: a fused or quantized param records where it comes from
-(`concat=[...]`, `quantize_int8=name`, `int8_scale=name`), and this module computes it once.
+(`concat=[...]`, `quantize_int8=name`, `int8_scale=name`, and the `shard` pass's column order
+`tp_layout={...}`), and this module computes it once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,23 @@ def quantize_int8_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
     q = np.clip(np.rint(w / scale[None, :]), -127, 127).astype(np.int8)
     return q, scale
+
+
+def tp_column_layout(w: np.ndarray, parts, repeat, head_dim: int, shards: int) -> np.ndarray:
+    """Reorders the last axis [p0 | p1 | ...] into per-shard groups [p0_0 p1_0 .. | p0_1 p1_1 .. | ...].
+
+    Part i is first widened by repeating each of its heads (`head_dim` columns) `repeat[i]`
+    times (kv heads replicated when there are fewer than shards). Works for [in, out] weights
+    and for [out] biases and int8 scales alike.
+    """
+    cols = np.split(np.asarray(w), np.cumsum(parts)[:-1], axis=-1)
+    pieces = []
+    for c, r in zip(cols, repeat):
+        if r > 1:
+            heads = c.reshape(c.shape[:-1] + (-1, head_dim))
+            c = np.repeat(heads, r, axis=-2).reshape(c.shape[:-1] + (-1,))
+        pieces.append(np.split(c, shards, axis=-1))
+    return np.concatenate([p[d] for d in range(shards) for p in pieces], axis=-1)
 
 
 def materialize(graph: Graph, weights: dict[str, np.ndarray],
@@ -43,6 +61,9 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
             v = int8_cache[src][0 if p.attr("quantize_int8") else 1]
         else:
             v = base(p)
+        if p.attr("tp_layout"):
+            lay = dict(p.attr("tp_layout"))
+            v = tp_column_layout(v, lay["parts"], lay["repeat"], lay["head_dim"], lay["shards"])
         if tuple(v.shape) != tuple(p.shape):
             raise ValueError(f"param %{p.name}: materialized shape {v.shape} != declared {p.shape}")
         out[p.name] = v
