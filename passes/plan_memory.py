@@ -16,12 +16,22 @@ _VIEWS = {"reshape"}
 _IN_PLACE = {"kv_write", "kv_cache_update", "copy_blocks"}
 
 
+def _ways(node: Node, env: dict[str, int]) -> int:
+    """How many devices share a value: the size of mesh axis `tp` (bound in env like a dim) when
+    the `shard` pass split it, 1 when it is replicated (a gathered output is replicated)."""
+    split = "tp" in (node.attr("sharding") or ()) and node.attr("all_gather") is None
+    return env.get("tp", 1) if split else 1
+
+
 def _nbytes(node: Node, env: dict[str, int]) -> int:
-    return math.prod(bind_shape(node.shape, env)) * DTYPE_BYTES[node.dtype]
+    """Bytes of a value on one device."""
+    return math.prod(bind_shape(node.shape, env)) * DTYPE_BYTES[node.dtype] // _ways(node, env)
 
 
 def _workspace_bytes(node: Node, env: dict[str, int]) -> int:
     """Scratch an op's lowering needs beyond its output (the XLA paged gather)."""
+    if _ways(node, env) > 1:  # heads split: each device runs the lowering on its share
+        return _workspace_bytes(node, {**env, "tp": 1}) // _ways(node, env)
     if node.op == "paged_attention":
         q, kp = node.inputs[0], node.inputs[1]
         t, hq, d = bind_shape(q.shape, env)
@@ -67,12 +77,15 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int]) -> int:
 
 
 def weight_bytes(graph: Graph) -> int:
-    return sum(math.prod(p.shape) * DTYPE_BYTES[p.dtype] for p in graph.params)
+    """Weight bytes on one device: a weight the `shard` pass split counts 1/tp."""
+    env = {"tp": graph.meta_value("tp", 1)}
+    return sum(math.prod(p.shape) * DTYPE_BYTES[p.dtype] // _ways(p, env) for p in graph.params)
 
 
 def kv_bytes_per_block(graph: Graph) -> int:
     pools = [x for x in graph.runtime_inputs if "_pool." in x.name]
-    return sum(math.prod(p.shape[1:]) * DTYPE_BYTES[p.dtype] for p in pools)
+    env = {"tp": graph.meta_value("tp", 1)}
+    return sum(math.prod(p.shape[1:]) * DTYPE_BYTES[p.dtype] // _ways(p, env) for p in pools)
 
 
 @dataclass(frozen=True)
@@ -138,19 +151,19 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
                        num_kv_blocks: int | None = None) -> MemoryPlan:
     """Sizes the KV pool from what is left after weights and the worst bucket's activations.
 
-    With tensor parallelism every byte figure is per device: weights, activations and KV
-    are divided by the shard count the `shard` pass chose (recorded in graph meta).
+    With tensor parallelism every byte figure is per device: a weight, KV pool or activation
+    the `shard` pass split (its `sharding` attr) counts 1/tp, a replicated one counts fully.
     """
     if not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
     max_blocks = -(-max_model_len // block_size)
     per_bucket = []
     for t, s in buckets:
-        env = {"T": t, "S": s, "R": s, "M": max_blocks, "B": 1}
+        env = {"T": t, "S": s, "R": s, "M": max_blocks, "B": 1, "tp": graph.meta_value("tp", 1)}
         per_bucket.append(BucketMemory(t, s, activation_bytes(graph, env, tensor_parallel_size)))
     peak = max((b.activation_bytes for b in per_bucket), default=0)
-    w = weight_bytes(graph) // _shards(graph, "weights", tensor_parallel_size)
-    per_block = kv_bytes_per_block(graph) // _shards(graph, "kv", tensor_parallel_size)
+    w = weight_bytes(graph)
+    per_block = kv_bytes_per_block(graph)
     budget = int(device_memory_bytes * memory_utilization) - w - peak - reserve_bytes
     blocks = max(budget // per_block, 0) if per_block else 0
     if num_kv_blocks is not None:
@@ -160,12 +173,8 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
                       tensor_parallel_size)
 
 
-def _shards(graph: Graph, what: str, tp: int) -> int:
-    return graph.meta_value(f"tp_shards_{what}", tp if tp > 1 else 1) or 1
-
-
 def activation_bytes(graph: Graph, env: dict[str, int], tp: int = 1) -> int:
-    return activation_peak_bytes(graph, env) // _shards(graph, "activations", tp)
+    return activation_peak_bytes(graph, env)  # per device: see _ways
 
 
 def plan_memory(graph: Graph, **options) -> Graph:

@@ -90,6 +90,11 @@ class Plan:
                  f"{self.config.num_kv_heads} kv heads, dtype {self.engine.dtype}",
                  f"buckets (tokens x seqs): {' '.join(f'{t}x{s}' for t, s in self.buckets.pairs())}",
                  self.memory.table()]
+        tp = self.graph.meta_value("tp", 1)
+        if tp > 1:
+            lines.append(f"  tensor parallel over {tp} devices: attention {self.graph.meta_value('tp_attention')}, "
+                         f"MLP and vocab split; replicated weights count fully on every device")
+            lines += [f"  note: {n}" for n in self.graph.meta_value("tp_notes", ()) or ()]
         return "\n".join(lines)
 
     # -------------------------------------------------------------- save / load
