@@ -67,6 +67,7 @@ class Plan:
     weights: dict[str, np.ndarray] | None = None  # final params (fused, maybe quantized)
     tokenizer: object | None = None
     directory: Path | None = None
+    saved_hash: str | None = None  # content hash read from plan.json
 
     @property
     def num_kv_blocks(self) -> int:
@@ -80,7 +81,7 @@ class Plan:
         for name in sorted(self.weights or {}):
             w = self.weights[name]
             h.update(name.encode())
-            h.update(np.ascontiguousarray(w).tobytes()[:4096])  # a cheap fingerprint per tensor
+            h.update(np.ascontiguousarray(np.ravel(w)[:1024]).tobytes())  # a cheap fingerprint per tensor
             h.update(str(w.shape).encode())
         return h.hexdigest()[:16]
 
@@ -99,7 +100,7 @@ class Plan:
 
     # -------------------------------------------------------------- save / load
 
-    def save(self, out: str | os.PathLike) -> Path:
+    def save(self, out: str | os.PathLike, *, weights: bool = True) -> Path:
         from models.weights import save_orbax
 
         out = Path(out).absolute()
@@ -107,7 +108,7 @@ class Plan:
         for i, (name, text) in enumerate(self.pass_texts):
             (out / "ir" / f"{i:02d}-{name}.txt").write_text(text)
         (out / "graph.txt").write_text(print_graph(self.graph))
-        if self.weights is not None:
+        if self.weights is not None and weights:
             save_orbax(self.weights, out / "weights", force=True)
         if self.tokenizer is not None:
             self.tokenizer.save(out / "tokenizer")
@@ -116,6 +117,7 @@ class Plan:
                 "content_hash": self.content_hash()}
         (out / "plan.json").write_text(json.dumps(meta, indent=1))
         self.directory = out
+        self.saved_hash = meta["content_hash"]
         return out
 
     @classmethod
@@ -135,7 +137,8 @@ class Plan:
         weights = load_orbax(d / "weights") if load_weights and (d / "weights").exists() else None
         return cls(ModelConfig.from_dict(meta["config"]), EngineConfig(**meta["engine"]), graph,
                    BucketTable.from_dict(meta["buckets"]), MemoryPlan.from_dict(meta["memory"]),
-                   weights=weights, tokenizer=tok, directory=d.absolute())
+                   weights=weights, tokenizer=tok, directory=d.absolute(),
+                   saved_hash=meta.get("content_hash"))
 
 
 def is_plan_dir(path) -> bool:
@@ -231,7 +234,7 @@ def main(argv=None) -> int:
     runner = ModelRunner(plan, cache_dir=out / "xla_cache")
     runner.warmup(progress=True, measure_memory=True)
     plan.memory = runner.memory_with_xla(plan.memory)
-    plan.save(out)  # rewrite plan.json with XLA's own numbers next to ours
+    plan.save(out, weights=False)  # rewrite plan.json with XLA's own numbers next to ours
     print(plan.describe())
     print(f"plan written to {out} in {time.perf_counter() - t0:.1f}s "
           f"(hash {json.loads((out / 'plan.json').read_text())['content_hash']})")
