@@ -44,13 +44,15 @@ def insert_paged_kv(graph: Graph, block_size: int = 16) -> Graph:
                              (ins[0], ins[1], ins[2], block_tables, context_lens, cu_q_lens), attrs)
         return None
 
-    leaves = []
-    for leaf in graph.inputs:
-        if leaf.name in pools:
-            continue
-        leaves.append(leaf)
-        if leaf.name == "positions":
-            leaves += [slot_mapping, block_tables, context_lens, cu_q_lens] + pool_inputs
+    # The paged inputs go right after `positions` (or after the last runtime input when the
+    # graph has none of that name); the contiguous caches they replace drop out.
+    kept = [leaf for leaf in graph.inputs if leaf.name not in pools]
+    names = [leaf.name for leaf in kept]
+    if "positions" in names:
+        at = names.index("positions") + 1
+    else:
+        at = max((i + 1 for i, leaf in enumerate(kept) if leaf.op == "input"), default=0)
+    leaves = kept[:at] + [slot_mapping, block_tables, context_lens, cu_q_lens] + pool_inputs + kept[at:]
     out = rewrite(graph, fn, new_inputs=tuple(leaves))
     renamed = tuple((name.replace("_cache", "_pool") if name in pools else name, node)
                     for name, node in out.outputs)

@@ -24,6 +24,8 @@ class PipelineOptions:
     num_kv_blocks: int | None = None
     quantization: str | None = None
     tensor_parallel_size: int = 1
+    # How the executor lowers paged_attention (see passes.plan_memory); sizes its workspace.
+    paged_attention_lowering: str = "chunked"
 
 
 def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], Graph]]]:
@@ -46,7 +48,8 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
             plan_memory, buckets=list(opts.buckets), device_memory_bytes=opts.device_memory_bytes,
             memory_utilization=opts.memory_utilization, block_size=opts.block_size,
             max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
-            tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks)),
+            tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks,
+            paged_attention_lowering=opts.paged_attention_lowering)),
     ]
 
 

@@ -8,12 +8,23 @@ from dataclasses import asdict, dataclass, field
 from ir import DTYPE_BYTES, Graph, Node, bind_shape
 from ir.graph import freeze_attrs
 
-# Ops XLA folds into a neighbouring fusion, so their result is never a buffer of its own when
-# their only consumer is also fusible. Views (reshape) never allocate.
+# Elementwise ops XLA fuses into their consumer: a result with exactly one user that is itself
+# fusible never gets a buffer of its own. A result with several users is materialized once
+# (XLA only duplicates a producer into several fusions when it is nearly free). Views never
+# allocate.
 _FUSIBLE = {"add", "mul", "silu", "scale", "causal_mask", "rope", "slice", "reshape", "rms_norm"}
 _VIEWS = {"reshape"}
-# Outputs that alias a donated input buffer (KV pools updated in place).
+# Outputs that alias a donated input buffer (KV pools and caches updated in place).
 _IN_PLACE = {"kv_write", "kv_cache_update", "copy_blocks"}
+
+# How the executor lowers `paged_attention` on the XLA backend (CPU):
+#   "chunked": runtime.kernels.paged_attention_xla, a fori_loop over chunks of XLA_CHUNK_BLOCKS
+#              blocks with an online softmax;
+#   "gather":  the jnp reference in ir.ops, which gathers every token's whole context at once.
+PAGED_ATTENTION_LOWERINGS = ("chunked", "gather")
+# Mirrors runtime.kernels.XLA_CHUNK_BLOCKS (passes may not import runtime; a test checks they agree).
+XLA_CHUNK_BLOCKS = 8
+F32 = 4
 
 
 def _ways(node: Node, env: dict[str, int]) -> int:
@@ -28,52 +39,106 @@ def _nbytes(node: Node, env: dict[str, int]) -> int:
     return math.prod(bind_shape(node.shape, env)) * DTYPE_BYTES[node.dtype] // _ways(node, env)
 
 
-def _workspace_bytes(node: Node, env: dict[str, int]) -> int:
-    """Scratch an op's lowering needs beyond its output (the XLA paged gather)."""
+def _chunk_tokens(node: Node, env: dict[str, int], chunk_blocks: int) -> int:
+    return min(chunk_blocks, env["M"]) * node.inputs[1].shape[1]
+
+
+def _loop_state_bytes(node: Node, env: dict[str, int]) -> int:
+    """The chunked loop's carry in f32: running max and denominator [T, hq], accumulator [T, hq, d]."""
+    t, hq, d = bind_shape(node.inputs[0].shape, env)
+    return t * hq * (d + 2) * F32 // _ways(node, env)
+
+
+def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
+                     chunk_blocks: int = XLA_CHUNK_BLOCKS) -> int:
+    """Scratch an op's lowering needs beyond its inputs and its output, at its own peak."""
     if _ways(node, env) > 1:  # heads split: each device runs the lowering on its share
-        return _workspace_bytes(node, {**env, "tp": 1}) // _ways(node, env)
+        return _workspace_bytes(node, {**env, "tp": 1}, lowering, chunk_blocks) // _ways(node, env)
     if node.op == "paged_attention":
         q, kp = node.inputs[0], node.inputs[1]
         t, hq, d = bind_shape(q.shape, env)
-        ctx = env["M"] * kp.shape[1]
         kvh = kp.shape[2]
+        if lowering == "chunked":
+            # One loop iteration, in program order: the chunk's K and V gathered and transposed
+            # to f32 [T, kvh, chunk, d] (both live at the score matmul), and the scores
+            # [T, hq, chunk]. The loop carry is counted by the caller (it lives longer).
+            c = _chunk_tokens(node, env, chunk_blocks)
+            return 2 * t * c * kvh * d * F32 + t * hq * c * F32
+        ctx = env["M"] * kp.shape[1]
         gathered = 2 * t * ctx * kvh * d * DTYPE_BYTES[kp.dtype]
-        scores = 2 * t * hq * ctx * 4
+        scores = 2 * t * hq * ctx * F32
         return gathered + scores
     if node.op == "attention":
         q, kc = node.inputs[0], node.inputs[1]
         t, hq, d = bind_shape(q.shape, env)
         ctx, kvh = bind_shape(kc.shape, env)[1:3]
-        return 2 * t * ctx * kvh * d * 4 + 2 * t * hq * ctx * 4
+        return 2 * t * ctx * kvh * d * F32 + 2 * t * hq * ctx * F32
     return 0
 
 
-def activation_peak_bytes(graph: Graph, env: dict[str, int]) -> int:
-    """Peak bytes of live intermediates, walking the nodes in the executor's order."""
+def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "chunked",
+                          chunk_blocks: int = XLA_CHUNK_BLOCKS) -> int:
+    """Peak bytes of a step's temporaries (what XLA reports as temp_size), for one bucket.
+
+    Walks the nodes in the executor's order with a liveness analysis: a value is allocated when
+    its node runs and freed after the last op that reads it. Like XLA's buffer assignment, it
+    leaves out the step's arguments and its outputs (separate buffers; see `step_io_bytes`),
+    views, values updated in place in donated buffers, and elementwise results fused into their
+    only consumer. Each op adds its lowering's workspace while it runs. The chunked attention loop's
+    initial carry is a copy of a constant with no inputs, and XLA's scheduler places those
+    copies at the top of the program, so every layer's carry is live from the start of the
+    step until its loop runs.
+    """
+    if lowering not in PAGED_ATTENTION_LOWERINGS:
+        raise ValueError(f"paged attention lowering must be one of {PAGED_ATTENTION_LOWERINGS}, "
+                         f"got {lowering!r}")
     nodes = graph.nodes()
     index = {id(n): i for i, n in enumerate(nodes)}
-    last_use: dict[int, int] = {}
     users: dict[int, list[Node]] = {}
-    for i, n in enumerate(nodes):
+    for n in nodes:
         for x in n.inputs:
-            last_use[id(x)] = i
             users.setdefault(id(x), []).append(n)
-    end = len(nodes)
-    for _, out in graph.outputs:
-        last_use[id(out)] = end
-    runtime_bytes = sum(_nbytes(x, env) for x in graph.runtime_inputs if "_pool" not in x.name
-                        and "_cache" not in x.name)
+    outputs = {id(n) for _, n in graph.outputs}
+
+    def fused(n: Node) -> bool:
+        us = users.get(id(n), ())
+        return n.op in _FUSIBLE and len(us) == 1 and us[0].op in _FUSIBLE and id(n) not in outputs
+
+    # A view or a fused result has no buffer of its own: its inputs are read when its data is
+    # (by the fusion's root, or by the view's readers). So a value lives until the last op that
+    # reads it through such chains, found walking the order backwards.
+    through = {id(n): n.op in _VIEWS or fused(n) for n in nodes}
+    last_read: dict[int, int] = {}
+    for i in range(len(nodes) - 1, -1, -1):
+        n = nodes[i]
+        t = len(nodes) if id(n) in outputs else i
+        for u in users.get(id(n), ()):
+            t = max(t, last_read[id(u)] if through[id(u)] else index[id(u)])
+        last_read[id(n)] = t
+
+    hoisted = {}
+    if lowering == "chunked":
+        hoisted = {id(n): _loop_state_bytes(n, env) for n in nodes if n.op == "paged_attention"}
+    live = sum(hoisted.values())
+    peak = live
     frees: dict[int, int] = {}
-    live, peak = runtime_bytes, runtime_bytes
     for i, n in enumerate(nodes):
-        us = users.get(id(n), [])
-        fused = n.op in _FUSIBLE and us and all(u.op in _FUSIBLE for u in us) and last_use[id(n)] != end
-        size = 0 if (n.op in _VIEWS or n.op in _IN_PLACE or fused) else _nbytes(n, env)
-        peak = max(peak, live + size + _workspace_bytes(n, env))
+        # Outputs get their own buffers and in-place results alias donated ones: not temporaries.
+        owns = not (through[id(n)] or n.op in _IN_PLACE or id(n) in outputs)
+        size = _nbytes(n, env) if owns else 0
+        peak = max(peak, live + size + _workspace_bytes(n, env, lowering, chunk_blocks))
         live += size
-        frees[last_use.get(id(n), i)] = frees.get(last_use.get(id(n), i), 0) + size
-        live -= frees.pop(i, 0)
+        frees[last_read[id(n)]] = frees.get(last_read[id(n)], 0) + size
+        live -= frees.pop(i, 0) + hoisted.get(id(n), 0)
     return peak
+
+
+def step_io_bytes(graph: Graph, env: dict[str, int]) -> int:
+    """A step's argument and output buffers other than the weights and the KV state."""
+    state = {n.name for n in graph.runtime_inputs} & {name for name, _ in graph.outputs}
+    ins = sum(_nbytes(x, env) for x in graph.runtime_inputs if x.name not in state)
+    outs = sum(_nbytes(n, env) for name, n in graph.outputs if name not in state)
+    return ins + outs
 
 
 def weight_bytes(graph: Graph) -> int:
@@ -90,10 +155,18 @@ def kv_bytes_per_block(graph: Graph) -> int:
 
 @dataclass(frozen=True)
 class BucketMemory:
+    """One bucket: predicted temporaries (comparable to XLA's temp_size), XLA's own number once
+    compiled, and the step's argument/output buffers (tokens, block tables, logits...)."""
+
     num_tokens: int
     num_seqs: int
     activation_bytes: int
     xla_temp_bytes: int | None = None
+    io_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.activation_bytes + self.io_bytes
 
 
 @dataclass(frozen=True)
@@ -138,21 +211,30 @@ class MemoryPlan:
             f"  max concurrent seqs at max_model_len={self.max_model_len}: {self.max_concurrent_seqs}",
         ]
         if self.buckets:
-            lines.append("  bucket (tokens x seqs)   predicted act.   XLA temp")
+            lines.append("  peak activations = max over buckets of predicted temp + step I/O")
+            lines.append("  bucket (tokens x seqs)  predicted temp        XLA temp   pred/XLA        step I/O")
             for b in self.buckets:
-                xla = mib(b.xla_temp_bytes) if b.xla_temp_bytes is not None else "         -"
-                lines.append(f"  {b.num_tokens:>6} x {b.num_seqs:<6}       {mib(b.activation_bytes)} {xla}")
+                xla, ratio = "             -", "       -"
+                if b.xla_temp_bytes is not None:
+                    xla = mib(b.xla_temp_bytes)
+                    ratio = f"{b.activation_bytes / b.xla_temp_bytes:8.2f}" if b.xla_temp_bytes else "     inf"
+                lines.append(f"  {b.num_tokens:>6} x {b.num_seqs:<6}     {mib(b.activation_bytes)}  {xla}"
+                             f"   {ratio}  {mib(b.io_bytes)}")
         return "\n".join(lines)
 
 
 def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_memory_bytes: int,
                        memory_utilization: float, block_size: int, max_model_len: int,
                        reserve_bytes: int = 0, tensor_parallel_size: int = 1,
-                       num_kv_blocks: int | None = None) -> MemoryPlan:
+                       num_kv_blocks: int | None = None,
+                       paged_attention_lowering: str = "chunked") -> MemoryPlan:
     """Sizes the KV pool from what is left after weights and the worst bucket's activations.
 
-    With tensor parallelism every byte figure is per device: a weight, KV pool or activation
-    the `shard` pass split (its `sharding` attr) counts 1/tp, a replicated one counts fully.
+    num_kv_blocks = floor((memory_utilization x device memory - weights - peak activations
+    - reserve) / KV bytes per block), where peak activations is the largest bucket's predicted
+    temporaries plus its argument and output buffers. With tensor parallelism every byte figure
+    is per device: a weight, KV pool or activation the `shard` pass split (its `sharding` attr)
+    counts 1/tp, a replicated one counts fully.
     """
     if not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
@@ -160,8 +242,10 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
     per_bucket = []
     for t, s in buckets:
         env = {"T": t, "S": s, "R": s, "M": max_blocks, "B": 1, "tp": graph.meta_value("tp", 1)}
-        per_bucket.append(BucketMemory(t, s, activation_bytes(graph, env, tensor_parallel_size)))
-    peak = max((b.activation_bytes for b in per_bucket), default=0)
+        act = activation_bytes(graph, env, tensor_parallel_size, paged_attention_lowering)
+        io = step_io_bytes(graph, env)
+        per_bucket.append(BucketMemory(t, s, act, None, io))
+    peak = max((b.total_bytes for b in per_bucket), default=0)
     w = weight_bytes(graph)
     per_block = kv_bytes_per_block(graph)
     budget = int(device_memory_bytes * memory_utilization) - w - peak - reserve_bytes
@@ -173,8 +257,8 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
                       tensor_parallel_size)
 
 
-def activation_bytes(graph: Graph, env: dict[str, int], tp: int = 1) -> int:
-    return activation_peak_bytes(graph, env)  # per device: see _ways
+def activation_bytes(graph: Graph, env: dict[str, int], tp: int = 1, lowering: str = "chunked") -> int:
+    return activation_peak_bytes(graph, env, lowering)  # per device: see _ways
 
 
 def plan_memory(graph: Graph, **options) -> Graph:
