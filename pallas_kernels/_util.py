@@ -1,0 +1,55 @@
+"""Small helpers shared by the kernel files (jax only)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# Finite stand-in for -inf: exp2(MASK_VALUE - m) underflows to 0 without the
+# inf - inf = nan that a true -inf produces when a whole row is masked.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+LOG2_E = math.log2(math.e)
+
+# An alignment hint for Triton; identity if this jax lacks it.
+multiple_of = getattr(pl, "multiple_of", lambda x, _: x)
+
+
+def is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_power_of_two(x) -> bool:
+  return is_int(x) and x > 0 and (x & (x - 1)) == 0
+
+
+def next_power_of_two(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def cdiv(a, b):
+  """Ceil division of non-negative traced ints; lax.div is one divide on Triton."""
+  return lax.div(a + (b - 1), b)
+
+
+def full_spec(shape):
+  """BlockSpec covering a whole (small index) array, read by scalar indexing."""
+  return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+
+
+def triton_compiler_params(num_warps, num_stages):
+  """Triton launch settings, or None when unset or unavailable in this jax."""
+  if num_warps is None and num_stages is None:
+    return None
+  try:
+    from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415 (GPU-only extra)
+    kwargs = {}
+    if num_warps is not None:
+      kwargs["num_warps"] = num_warps
+    if num_stages is not None:
+      kwargs["num_stages"] = num_stages
+    return pltriton.CompilerParams(**kwargs)
+  except (ImportError, AttributeError, TypeError):
+    return None
