@@ -263,6 +263,11 @@ def run(url: str, *, request_rates: list[float], num_prompts: int, seed: int = 0
     model = model or info["id"]
     work = make_workload(workload, num_prompts, seed, int(info.get("max_model_len") or 2048),
                          int(info.get("vocab_size") or 32000), max_input_len, max_output_len)
+    # One untimed request first, like `vllm bench serve`: fails fast on a bad URL or model, and keeps
+    # first-touch costs out of the first rate's numbers.
+    first = asyncio.run(run_async(url, model, [(work[0][0], min(work[0][1], 4))], float("inf"), api_key=api_key))
+    if first.failed:
+        raise RuntimeError(f"the test request failed: {first.errors}")
     out = []
     for rate in request_rates:
         out.append(asyncio.run(run_async(url, model, work, rate, seed=seed, api_key=api_key,

@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
@@ -162,9 +162,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list"}
+
+
 def _validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
-    param = ".".join(str(x) for x in err["loc"]) or None
+    # Drop pydantic's union-member tags ('str', 'list[str]') from the location.
+    loc = [x for x in err["loc"] if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x))]
+    param = ".".join(str(x) for x in loc) or None
     return bad_request(f"{param}: {err['msg']}" if param else err["msg"], param,
                        "invalid_type" if err["type"].endswith("_type") else "invalid_value")
 
@@ -389,7 +394,6 @@ class EngineLoop:
         self._take_snapshot()
 
     def _dispatch(self, outputs) -> None:
-        now = time.monotonic()
         per_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             if self._queued:
@@ -405,15 +409,12 @@ class EngineLoop:
                     if prev is not None and m.last_token_time > prev:
                         self.metrics.itl.observe(m.last_token_time - prev)
                     self._last_token[rid] = m.last_token_time
-                sub = self._subs.get(rid)
-                if sub is None:
-                    continue
-                loop, q, idx = sub
-                per_loop.setdefault(loop, []).append((q, idx, out))
+                sub = self._subs.pop(rid, None) if out.finished else self._subs.get(rid)
                 if out.finished:
-                    del self._subs[rid]
                     self._last_token.pop(rid, None)
-        del now
+                if sub is not None:
+                    loop, q, idx = sub
+                    per_loop.setdefault(loop, []).append((q, idx, out))
         for loop, batch in per_loop.items():
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
                 loop.call_soon_threadsafe(_deliver, batch)
@@ -1170,7 +1171,7 @@ async def _until_disconnect(request: Request, coro):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-        log.info("client disconnected; request aborted")
+        log.debug("client disconnected before the response; its requests were aborted")
         return Response(b"", 499)
     return task.result()
 
