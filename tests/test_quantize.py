@@ -1,0 +1,222 @@
+"""int8 weight-only quantization: what the pass rewrites, the bytes the memory plan shows, and
+accuracy on SmolLM2 against the fp32 engine over the golden prompts.
+
+(tests/test_passes.py holds the pass's before/after text and its tiny-model numeric test.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import golden_arrays, golden_prompts
+from ir import DTYPE_BYTES, print_graph
+from models.config import get_preset
+from models.llama import lower
+from passes.pipeline import PipelineOptions, run_pipeline
+from passes.plan_memory import weight_bytes
+
+# Engine shape for the accuracy test: the longest golden prompt (293 tokens) plus 32 generated.
+ACC_ARGS = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
+
+
+def graph_for(cfg, quantization=None, dtype="f32", tp=1):
+    opts = PipelineOptions(max_model_len=128, buckets=((16, 4),), num_kv_blocks=32,
+                           quantization=quantization, tensor_parallel_size=tp)
+    return run_pipeline(lower(cfg, dtype), opts)
+
+
+def test_every_constant_matmul_becomes_matmul_int8():
+    """Untied: every matmul (q/k/v, o, gate/up, down, LM head). Tied: the LM head reads the
+    embedding table, which the lookup needs whole, so it stays; the lookup is never rewritten."""
+    for tied in (False, True):
+        cfg = get_preset("tiny").replace(tie_embeddings=tied)
+        before, after = graph_for(cfg), graph_for(cfg, "int8")
+        n_mm = sum(1 for n in before.nodes() if n.op == "matmul" and not n.attr("transpose_b"))
+        assert n_mm == 4 * cfg.num_layers + (0 if tied else 1)
+        ops = after.op_counts()
+        assert ops["matmul_int8"] == n_mm
+        assert ops.get("matmul", 0) == (1 if tied else 0)
+        assert ops["embedding"] == 1
+        assert after.output("logits").op == ("matmul" if tied else "matmul_int8")
+        for n in after.nodes():
+            if n.op == "matmul_int8":
+                w, s = n.inputs[1], n.inputs[2]
+                assert w.dtype == "i8" and s.dtype == "f32" and s.shape == (w.shape[1],)
+        emb = next(p for p in after.params if p.name == "embed")
+        assert emb.dtype == "f32"
+
+
+def test_dump_shows_the_rewrite():
+    text = print_graph(graph_for(get_preset("tiny"), "int8"))
+    assert ("param %layers.0.wqkv.int8 : i8[64, 128] {concat=[\"layers.0.wq\", \"layers.0.wk\", "
+            "\"layers.0.wv\"], quantize_int8=\"layers.0.wqkv\"}") in text
+    assert "param %layers.0.wqkv.scale : f32[128] {" in text
+    assert "= matmul_int8(%" in text and "%layers.0.w_down.int8, %layers.0.w_down.scale)" in text
+
+
+def test_weight_bytes_halve_bf16_and_quarter_f32():
+    """Each quantized weight: 1 byte per element against 2 (bf16) or 4 (f32), plus one f32 scale
+    per output column. The memory plan's weight total shows it (embedding and norms stay)."""
+    cfg = get_preset("tiny")
+    f32, q = graph_for(cfg), graph_for(cfg, "int8")
+    src = {p.name: p for p in f32.params}
+    for p in q.params:
+        if p.attr("quantize_int8"):
+            w = src[p.attr("quantize_int8")]
+            assert math.prod(p.shape) * DTYPE_BYTES["i8"] * 4 == math.prod(w.shape) * DTYPE_BYTES["f32"]
+    mm = sum(math.prod(p.shape) for p in q.params if p.attr("quantize_int8"))
+    scales = sum(4 * p.shape[0] for p in q.params if p.attr("int8_scale"))
+    assert weight_bytes(q) == weight_bytes(f32) - 3 * mm + scales
+
+    # A real model, as `runtime.compile --dry-run` plans it: llama-2-7b (32 layers, untied).
+    from runtime.buckets import BucketTable
+    from runtime.compile import build_graph
+    from runtime.config import EngineConfig
+
+    cfg = get_preset("llama-2-7b")
+    plans = {}
+    for dtype, quant in (("f32", None), ("bf16", None), ("f32", "int8"), ("bf16", "int8")):
+        engine = EngineConfig(dtype=dtype, quantization=quant, device_memory=80 << 30)
+        buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
+        plans[dtype, quant] = build_graph(cfg, engine, buckets, keep_pass_texts=False)[1]
+    gib = {k: m.weight_bytes / 2**30 for k, m in plans.items()}
+    print("llama-2-7b weights GiB:", {f"{d}/{q or 'none'}": round(v, 2) for (d, q), v in gib.items()})
+    assert 0.5 < gib["bf16", "int8"] / gib["bf16", None] < 0.52  # halves (the bf16 embedding stays)
+    assert 0.25 < gib["f32", "int8"] / gib["f32", None] < 0.27  # quarters (the f32 embedding stays)
+    # More KV blocks fit in the bytes the weights gave back.
+    assert plans["bf16", "int8"].num_kv_blocks > plans["bf16", None].num_kv_blocks
+
+
+def test_int8_with_tensor_parallel_on_one_device():
+    """quantize_int8 then shard: int8 weights and their scales take the same column layouts,
+    and the sharded graph computes what the unsharded int8 graph computes."""
+    import jax
+
+    from models.weights import random_weights
+    from runtime.executor import build_step, to_device_params
+    from runtime.params import materialize
+
+    cfg = get_preset("tiny")
+    weights = random_weights(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    T, S, M = 16, 4, 8
+    inputs = {"tokens": rng.integers(0, 256, T).astype(np.int32),
+              "positions": np.tile(np.arange(4), 4).astype(np.int32),
+              "slot_mapping": (np.repeat(np.arange(4), 4) * 16 * M + np.tile(np.arange(4), 4)).astype(np.int32),
+              "block_tables": (np.arange(S)[:, None] * M + np.arange(M)[None, :]).astype(np.int32),
+              "context_lens": np.full(S, 4, np.int32), "cu_q_lens": np.arange(0, T + 1, 4).astype(np.int32),
+              "logits_indices": np.arange(3, T, 4).astype(np.int32)}
+    logits = {}
+    for tp in (1, 2, 4):
+        g = graph_for(cfg, "int8", tp=tp)
+        if tp > 1:
+            text = print_graph(g)
+            assert 'param %layers.0.wqkv.scale : f32[' in text and '"shards": ' + str(tp) in text
+            assert 'param %layers.0.w_down.scale : f32[64] {int8_scale="layers.0.w_down", sharding=[null]}' in text
+        state = {x.name: np.zeros((32,) + tuple(x.shape[1:]), np.float32)
+                 for x in g.runtime_inputs if "_pool." in x.name}
+        outs, _ = jax.jit(build_step(g))(to_device_params(g, materialize(g, weights)), state, inputs)
+        logits[tp] = np.asarray(outs["logits"])
+    for tp in (2, 4):
+        np.testing.assert_allclose(logits[tp], logits[1], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- SmolLM2 accuracy
+
+def _hidden_states(runner, ids: list[int], bucket: tuple[int, int]) -> np.ndarray:
+    """Runs one sequence through the plan's step in chunks of the bucket's token count (KV in
+    blocks 0, 1, ...) and returns every position's final hidden state (before the last norm)."""
+    T, S = bucket
+    bs, M = runner.block_size, runner.max_blocks_per_seq
+    n = len(ids)
+    assert -(-n // bs) <= min(M, runner.num_blocks)
+    tables = np.zeros((S, M), np.int32)
+    tables[0] = np.arange(M)
+    rows = []
+    for start in range(0, n, T):
+        c = min(T, n - start)
+        pos = np.arange(start, start + c)
+        tokens = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slots = np.full(T, -1, np.int32)
+        tokens[:c], positions[:c], slots[:c] = ids[start:start + c], pos, pos  # blocks 0..k in order
+        ctx = np.zeros(S, np.int32)
+        ctx[0] = start + c
+        cu = np.full(S + 1, c, np.int32)
+        cu[0] = 0
+        outs = runner.execute(bucket, {"tokens": tokens, "positions": positions, "slot_mapping": slots,
+                                       "block_tables": tables, "context_lens": ctx, "cu_q_lens": cu,
+                                       "logits_indices": np.zeros(S, np.int32)})
+        rows.append(np.asarray(outs["hidden"])[:c])
+    return np.concatenate(rows)
+
+
+def _logits(runner, hidden: np.ndarray, eps: float) -> np.ndarray:
+    norm_w, head = (np.asarray(x) for x in runner._lm_head_weights())
+    h = hidden.astype(np.float32)
+    h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * norm_w
+    return h @ head
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def int8_llm(smollm2):
+    from runtime.compile import compile_plan
+    from runtime.config import EngineConfig
+    from runtime.llm import LLM
+
+    config, weights, tok = smollm2
+    plan = compile_plan(None, EngineConfig(**ACC_ARGS, quantization="int8"), weights=weights,
+                        config=config, tokenizer=tok)
+    return LLM.from_plan(plan)
+
+
+def test_smollm2_int8_accuracy(int8_llm):
+    """Against the fp32 engine, whose greedy tokens and last-position logits are the golden ones
+    (test_engine checks tokens exactly and logits to 1e-3). Teacher-forced: the int8 model reads
+    the fp32 greedy continuation and must pick the same next token at >= 90% of the positions.
+    KL(fp32 || int8) of each prompt's last-position distribution is reported and must be small."""
+    from runtime import SamplingParams
+
+    llm = int8_llm
+    runner = llm.engine.runner
+    eps = llm.plan.config.rms_eps
+    agree, total, kls = 0, 0, {}
+    for p in golden_prompts():
+        g = golden_arrays(p["name"])
+        prompt, gen = g["prompt_ids"].tolist(), g["gen_ids"].tolist()
+        logits = _logits(runner, _hidden_states(runner, prompt + gen[:-1], (32, 4)), eps)
+        preds = logits[len(prompt) - 1:].argmax(-1)
+        agree += int(np.sum(preds == np.asarray(gen)))
+        total += len(gen)
+        lp_ref = _log_softmax(g["last_logits"])
+        lp_q = _log_softmax(logits[len(prompt) - 1])
+        kls[p["name"]] = float(np.sum(np.exp(lp_ref) * (lp_ref - lp_q)))
+    rate = agree / total
+    print(f"\nint8 vs fp32 teacher-forced top-1 agreement: {agree}/{total} = {rate:.3f}; "
+          f"last-position KL(fp32 || int8): " + ", ".join(f"{k} {v:.5f}" for k, v in kls.items()))
+    assert rate >= 0.9
+    assert all(np.isfinite(v) and 0 <= v < 0.1 for v in kls.values()), kls
+
+    # Free-running greedy through the engine (the served path): report how far it follows fp32.
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [golden_arrays(p["name"])["prompt_ids"].tolist() for p in golden_prompts()]
+    outs = llm.generate(prompts, params)
+    same, first_diff = 0, []
+    for p, o in zip(golden_prompts(), outs):
+        gen = golden_arrays(p["name"])["gen_ids"].tolist()
+        toks = o.outputs[0].token_ids
+        same += sum(a == b for a, b in zip(toks, gen))
+        first_diff.append(next((i for i, (a, b) in enumerate(zip(toks, gen)) if a != b), len(gen)))
+    print(f"int8 free-running greedy: {same}/{total} positions equal to fp32; first divergence at "
+          f"{first_diff}")
+    assert llm.engine.stats().num_recompiles == 0
+    assert min(first_diff) >= 1  # the first token after every prompt agrees
