@@ -154,6 +154,11 @@ def config_from_hf(config: Mapping[str, Any] | str | Path, name: str | None = No
     arch = (c.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
         raise ValueError(f"unsupported architecture {arch!r}; supported: Llama, Mistral, Qwen2")
+    # transformers 5 writes rope settings under `rope_parameters` (theta included); older
+    # configs use top-level `rope_theta` and `rope_scaling`.
+    rope = dict(c.get("rope_parameters") or {})
+    rope_theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     try:
         heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
@@ -167,8 +172,8 @@ def config_from_hf(config: Mapping[str, Any] | str | Path, name: str | None = No
             num_kv_heads=c.get("num_key_value_heads") or heads,
             head_dim=c.get("head_dim") or hidden // heads,
             vocab_size=c["vocab_size"],
-            rope_theta=float(c.get("rope_theta", 10000.0)),
-            rope_scaling=_freeze_scaling(c.get("rope_scaling")),
+            rope_theta=float(rope_theta),
+            rope_scaling=_freeze_scaling(scaling),
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),

@@ -28,11 +28,9 @@ def resolve_backend(backend: str) -> str:
 
 def _kernel_impls(backend: str) -> dict[str, Callable]:
     """Overrides of the jnp references for the attention ops, by backend."""
-    if backend == "xla":
-        return {}
     from runtime import kernels
 
-    return kernels.lowerings(interpret=(backend == "interpret"))
+    return kernels.lowerings(backend)
 
 
 def state_names(graph: Graph) -> tuple[str, ...]:

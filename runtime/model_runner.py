@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ir import bind_shape
-from passes.plan_memory import BucketMemory, MemoryPlan
+from passes.plan_memory import MemoryPlan
 from runtime.executor import JNP_DTYPES, build_step, state_names
 from runtime.sampler import Sampler
 
@@ -230,8 +230,7 @@ class ModelRunner:
     def memory_with_xla(self, memory: MemoryPlan) -> MemoryPlan:
         from dataclasses import replace
 
-        buckets = tuple(BucketMemory(b.num_tokens, b.num_seqs, b.activation_bytes,
-                                     self.xla_memory.get((b.num_tokens, b.num_seqs)))
+        buckets = tuple(replace(b, xla_temp_bytes=self.xla_memory.get((b.num_tokens, b.num_seqs)))
                         for b in memory.buckets)
         return replace(memory, buckets=buckets)
 

@@ -172,9 +172,7 @@ def test_rope_settings_read_from_hf(tmp_path):
     model = LlamaForCausalLM(hf).float().eval()
     model.save_pretrained(tmp_path, safe_serialization=True)
     config = config_from_hf(tmp_path)
-    if config.rope_theta != 500.0 or not config.rope_scaling:
-        pytest.xfail("models.config.config_from_hf ignores transformers 5's `rope_parameters` "
-                     f"(read rope_theta={config.rope_theta}, rope_scaling={config.rope_scaling})")
+    assert config.rope_theta == 500.0 and dict(config.rope_scaling)["rope_type"] == "llama3"
     weights = load_safetensors(tmp_path, config)
     ids = list(range(3, 40))
     got = run_steps(lower(config), weights, [[(0, 0, ids)]], num_seqs=1, cache_len=40)[0]

@@ -268,7 +268,5 @@ def test_predicted_activation_peak_matches_xla(smol_plan, lowering, monkeypatch,
         assert all(planned[(b.num_tokens, b.num_seqs)] == b.activation_bytes for b in memory.buckets)
 
 
-@pytest.mark.xfail(strict=False, reason="runtime.executor lowers paged_attention with the ir.ops "
-                   "reference on CPU, while the plan sizes the chunked runtime.kernels lowering")
 def test_plan_models_the_executors_lowering():
     assert executor_paged_lowering() == PipelineOptions().paged_attention_lowering
