@@ -83,20 +83,49 @@ def lowerings(backend: str) -> dict:
     """op name -> implementation for the given backend (`xla`, `pallas` or `interpret`)."""
     if backend == "xla":
         return {"paged_attention": paged_attention_xla}
-    import pallas_kernels
+    import pallas_kernels as pk
 
     interpret = backend == "interpret"
 
     def paged(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale, num_kv_heads,
-              block_size, head_dim):
-        return pallas_kernels.paged_attention(q, k_pool, v_pool, block_tables, context_lens,
-                                              cu_q_lens, sm_scale=scale, interpret=interpret)
+              block_size, head_dim, k_new=None, v_new=None):
+        # One IR op, three kernels, picked at run time so no bucket is added:
+        #   every sequence decodes one token  -> the decode-shaped paged kernel (one q row per seq);
+        #   no sequence has cached context    -> FlashAttention over the new tokens' own k/v;
+        #   anything else (chunked prefill, prefix hits, mixes) -> the ragged paged kernel.
+        t = q.shape[0]
+        q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+
+        def general():
+            return pk.paged_attention(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens,
+                                      sm_scale=scale, interpret=interpret)
+
+        def decode():
+            rows = jnp.clip(cu_q_lens[:-1], 0, t - 1)
+            out = pk.paged_attention(q[rows], k_pool, v_pool, block_tables, context_lens, None,
+                                     sm_scale=scale, interpret=interpret)
+            dst = jnp.where(q_lens == 1, rows, t)
+            return jnp.zeros_like(q).at[dst].set(out, mode="drop")
+
+        branches = [general]
+        if t >= context_lens.shape[0]:
+            branches.append(decode)
+        which = jnp.where(jnp.all(q_lens <= 1), len(branches) - 1, 0)
+        if k_new is not None:
+            def fresh():
+                return pk.flash_attention(q, k_new, v_new, cu_q_lens, causal=True, sm_scale=scale,
+                                          interpret=interpret)
+
+            branches.append(fresh)
+            which = jnp.where(jnp.all(context_lens == q_lens) & ~jnp.all(q_lens <= 1), len(branches) - 1, which)
+        return jax.lax.switch(which, branches)
+
+    paged.takes_new_kv = True
 
     def attention(q, k_cache, v_cache, seq_ids, positions, *, scale, causal, num_kv_heads, head_dim):
         if not causal:
             raise ValueError("the Pallas attention lowering supports causal attention only")
         kp, vp, tables, ctx, cu, _ = _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, 16)
-        return pallas_kernels.paged_attention(q, kp, vp, tables, ctx, cu, sm_scale=scale,
-                                              interpret=interpret)
+        return pk.paged_attention(q, kp, vp, tables, ctx, cu, sm_scale=scale, interpret=interpret)
 
     return {"paged_attention": paged, "attention": attention}
