@@ -235,8 +235,12 @@ def test_tiny_tp_engines_match_tp1():
             if tp != "1":
                 check_collectives(out, num_layers=2, attention_split=True)
                 # Each device holds only its shard of a split weight.
-                assert out["local_shapes"]["layers.0.w_down"] == [128 // int(tp), 64]
-                assert out["local_shapes"]["lm_head"] == [64, 256 // int(tp)]
+                sfx = ".int8" if name.endswith("int8") else ""
+                assert out["local_shapes"]["layers.0.w_down" + sfx] == [128 // int(tp), 64]
+                assert out["local_shapes"]["lm_head" + sfx] == [64, 256 // int(tp)]
+                if sfx:
+                    assert out["local_shapes"]["lm_head.scale"] == [256 // int(tp)]
+                    assert out["local_shapes"]["layers.0.w_down.scale"] == [64]
 
 
 def test_smollm2_tp_engines_match_tp1(smollm2):
@@ -247,7 +251,7 @@ def test_smollm2_tp_engines_match_tp1(smollm2):
     res = run_child("smollm2")
     names = [p["name"] for p in golden_prompts() if p["name"] != "p2_long_para"]
     for tp, out in res["tp"].items():
-        for name, toks in zip(names, out["tokens"]):
+        for name, (toks,) in zip(names, out["tokens"]):
             assert toks == golden_arrays(name)["gen_ids"][:len(toks)].tolist(), (tp, name)
         assert out["recompiles"] == 0
         check_collectives(out, num_layers=30, attention_split=tp == "3")
@@ -259,17 +263,17 @@ def _collectives(hlo: str) -> list[tuple[str, str]]:
     return [(m.group(1).split("{")[0], m.group(2)) for m in COLLECTIVE.finditer(hlo)]
 
 
-def _engine_case(cfg, weights, tp: int, prompts, params, tokenizer=None) -> dict:
+def _engine_case(cfg, weights, tp: int, prompts, params, tokenizer=None, quantization=None) -> dict:
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
     from runtime.llm import LLM
 
-    plan = compile_plan(None, EngineConfig(**SMALL_ENGINE, tensor_parallel_size=tp), weights=weights,
-                        config=cfg, tokenizer=tokenizer)
+    engine = EngineConfig(**SMALL_ENGINE, tensor_parallel_size=tp, quantization=quantization)
+    plan = compile_plan(None, engine, weights=weights, config=cfg, tokenizer=tokenizer)
     llm = LLM.from_plan(plan, check_invariants=True)
     outs = llm.generate(prompts, params)
     runner = llm.engine.runner
-    out = {"tokens": [o.outputs[0].token_ids for o in outs],
+    out = {"tokens": [[c.token_ids for c in o.outputs] for o in outs],
            "recompiles": llm.engine.stats().num_recompiles}
     if tp > 1:
         out["collectives"] = _collectives(runner.compile_bucket(HLO_BUCKET).as_text())
@@ -285,12 +289,17 @@ def child_tiny() -> dict:
 
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=2)
     prompts = [[5, 9, 33, 100, 7], [3] * 20 + [17, 18], [200, 11, 12, 13, 99, 1, 4]]
+    # n=2 shares the prompt's blocks and copies the partial one on write (copy_blocks on the mesh).
+    params = [greedy, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=2, n=2),
+              greedy]
     models = {}
-    for name, cfg, tps in (("tiny_4q2kv", tiny(), (1, 2, 4)), ("tiny_8q4kv", tiny_8q4kv(), (1, 4))):
+    for name, cfg, tps, quant in (("tiny_4q2kv", tiny(), (1, 2, 4), None),
+                                  ("tiny_8q4kv", tiny_8q4kv(), (1, 4), None),
+                                  ("tiny_4q2kv_int8", tiny(), (1, 2), "int8")):
         w = random_weights(cfg, seed=0)
         cases = {}
         for tp in tps:
-            out, outs = _engine_case(cfg, w, tp, prompts, greedy)
+            out, outs = _engine_case(cfg, w, tp, prompts, params, quantization=quant)
             out["prompt_lp"] = [lp[t] for o in outs for lp, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
             cases[str(tp)] = out
         models[name] = cases
