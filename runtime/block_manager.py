@@ -146,11 +146,9 @@ class BlockManager:
         return max(need, 0) + int(shared_tail) <= self.num_free
 
     def _tail_is_shared(self, seq: Sequence) -> bool:
-        if not seq.block_table or seq.num_computed_tokens % self.block_size == 0:
-            return False
-        tail = self.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]] \
-            if seq.num_computed_tokens // self.block_size < len(seq.block_table) else None
-        return tail is not None and tail.ref_count > 1
+        """Whether the next write lands in a partly filled block that another sequence also holds."""
+        i, offset = divmod(seq.num_computed_tokens, self.block_size)
+        return offset > 0 and i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1
 
     def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> None:
         """Makes room for the next tokens: new blocks as needed, and copy-on-write of a shared tail."""

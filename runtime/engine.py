@@ -391,7 +391,6 @@ class LLMEngine:
         if self.tokenizer is not None and p.detokenize:
             if seq.detok_state is None:
                 seq.detok_state = detokenizer.new_state()
-            is_special_stop = reason == "stop" and p.skip_special_tokens
             new_text = detokenizer.step(self.tokenizer, seq.output_token_ids, seq.detok_state,
                                         p.skip_special_tokens)
             seq.text += new_text
@@ -401,7 +400,6 @@ class LLMEngine:
                     i, s = hit
                     seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
                     reason, stop_reason = "stop", s
-            del is_special_stop
         if reason is None and (n_out >= p.max_tokens or len(seq) >= self.engine_config.max_model_len):
             reason = "length"
         if reason is not None:

@@ -58,10 +58,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        return self.num_uncomputed > 1
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
