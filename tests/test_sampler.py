@@ -1,0 +1,96 @@
+"""The jitted sampler against plain expectations on small vocabularies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.sampler import Sampler, build_inputs
+from runtime.sampling_params import SamplingParams
+
+V = 32
+
+
+def draw(logits, params_list, histories=None, counters=None, seeds=None):
+    logits = np.asarray(logits, np.float32)
+    rows = []
+    for i, p in enumerate(params_list):
+        hist = (histories or [[]] * len(params_list))[i]
+        rows.append((p, (seeds or [i] * len(params_list))[i], (counters or [0] * len(params_list))[i],
+                     hist, len(hist)))
+    si = build_inputs(rows, logits.shape[0], 64, lambda p: [2])
+    tokens, chosen, top_ids, top_lp = Sampler(V, 64)(logits, si)
+    return np.asarray(tokens), np.asarray(chosen), np.asarray(top_ids), np.asarray(top_lp)
+
+
+def rand_logits(n, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, V)).astype(np.float32) * 3
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw():
+    lg = rand_logits(4)
+    tokens, chosen, top_ids, top_lp = draw(lg, [SamplingParams(temperature=0)] * 4)
+    assert (tokens == lg.argmax(-1)).all()
+    ref = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
+    np.testing.assert_allclose(chosen, ref[np.arange(4), tokens], atol=1e-5)
+    np.testing.assert_array_equal(top_ids[:, 0], tokens)
+    np.testing.assert_allclose(top_lp[:, :5], -np.sort(-ref, axis=-1)[:, :5], atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1),
+                                    SamplingParams(temperature=1.0, top_p=1e-6),
+                                    SamplingParams(temperature=1.0, min_p=1.0)])
+def test_filters_that_leave_one_token_pick_the_argmax(params):
+    lg = rand_logits(4, 1)
+    tokens, *_ = draw(lg, [params] * 4, seeds=[1, 2, 3, 4])
+    assert (tokens == lg.argmax(-1)).all()
+
+
+def test_top_k_and_top_p_keep_only_the_allowed_set():
+    lg = rand_logits(1, 2)
+    order = np.argsort(-lg[0])
+    for c in range(60):
+        t, *_ = draw(lg, [SamplingParams(temperature=1.0, top_k=3)], counters=[c])
+        assert t[0] in order[:3]
+    p = np.exp(lg[0] - lg[0].max())
+    p /= p.sum()
+    nucleus = order[:np.searchsorted(np.cumsum(p[order]), 0.5) + 1]
+    for c in range(60):
+        t, *_ = draw(lg, [SamplingParams(temperature=1.0, top_p=0.5)], counters=[c])
+        assert t[0] in nucleus
+
+
+def test_seeded_samples_follow_the_softmax():
+    lg = np.zeros((1, V), np.float32)
+    lg[0, :4] = np.log([0.4, 0.3, 0.2, 0.1])
+    lg[0, 4:] = -1e9
+    counts = np.zeros(4)
+    for c in range(600):
+        t, *_ = draw(lg, [SamplingParams(temperature=1.0, seed=5)], counters=[c])
+        counts[t[0]] += 1
+    np.testing.assert_allclose(counts / counts.sum(), [0.4, 0.3, 0.2, 0.1], atol=0.06)
+    again = [draw(lg, [SamplingParams(temperature=1.0)], counters=[7], seeds=[9])[0][0] for _ in range(3)]
+    assert len(set(again)) == 1
+
+
+def test_penalties_and_logit_bias():
+    lg = np.zeros((1, V), np.float32)
+    lg[0, 3], lg[0, 4] = 5.0, 4.0
+    greedy = lambda **kw: draw(lg, [SamplingParams(temperature=0, **kw)], histories=[[3, 3]])[0][0]
+    assert greedy() == 3
+    assert greedy(repetition_penalty=2.0) == 4  # 5 / 2 < 4
+    # History [3, 3] is all prompt here (prompt_len = 2): presence/frequency see no outputs.
+    assert greedy(presence_penalty=2.0) == 3
+    # Prompt [7], outputs [3, 3]: the frequency penalty counts the two outputs.
+    si_rows = [(SamplingParams(temperature=0, frequency_penalty=1.0), 0, 2, [7, 3, 3], 1)]
+    tokens, *_ = Sampler(V, 64)(lg, build_inputs(si_rows, 1, 64, lambda p: []))
+    assert int(np.asarray(tokens)[0]) == 4  # 5 - 2 * 1.0 < 4
+    assert draw(lg, [SamplingParams(temperature=0, logit_bias={9: 100.0})])[0][0] == 9
+
+
+def test_min_tokens_bans_stop_ids():
+    lg = np.zeros((1, V), np.float32)
+    lg[0, 2] = 10.0  # the stop id the helper passes (2)
+    p = SamplingParams(temperature=0, min_tokens=3)
+    assert draw(lg, [p], counters=[0])[0][0] != 2
+    assert draw(lg, [p], counters=[3])[0][0] == 2
