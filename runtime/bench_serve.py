@@ -257,17 +257,19 @@ def _rate(s: str) -> float:
 def run(url: str, *, request_rates: list[float], num_prompts: int, seed: int = 0, workload: str = "mixed",
         api_key: str | None = None, model: str | None = None, max_concurrency: int | None = None,
         max_input_len: int | None = None, max_output_len: int | None = None, temperature: float = 0.0,
-        progress: bool = False) -> list[BenchResult]:
+        num_warmups: int = 4, progress: bool = False) -> list[BenchResult]:
     """One benchmark per request rate, each on the same seeded workload."""
     info = server_info(url, api_key)
     model = model or info["id"]
     work = make_workload(workload, num_prompts, seed, int(info.get("max_model_len") or 2048),
                          int(info.get("vocab_size") or 32000), max_input_len, max_output_len)
-    # One untimed request first, like `vllm bench serve`: fails fast on a bad URL or model, and keeps
-    # first-touch costs out of the first rate's numbers.
-    first = asyncio.run(run_async(url, model, [(work[0][0], min(work[0][1], 4))], float("inf"), api_key=api_key))
-    if first.failed:
-        raise RuntimeError(f"the test request failed: {first.errors}")
+    # Untimed requests first (like `vllm bench serve`'s test prompt): fail fast on a bad URL or model,
+    # and keep first-touch costs of the step shapes out of the first rate's numbers.
+    if num_warmups > 0:
+        warm = [(ids, min(o, 8)) for ids, o in work[:num_warmups]]
+        first = asyncio.run(run_async(url, model, warm, float("inf"), api_key=api_key))
+        if first.failed:
+            raise RuntimeError(f"the warm-up requests failed: {first.errors}")
     out = []
     for rate in request_rates:
         out.append(asyncio.run(run_async(url, model, work, rate, seed=seed, api_key=api_key,
@@ -292,6 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-output-len", type=int, default=None, help="cap output lengths (smoke tests)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--num-warmups", type=int, default=4,
+                    help="untimed requests (the workload's first, outputs capped at 8) sent before measuring")
     ap.add_argument("--plot", default=None, help="with --sweep: latency vs throughput PNG")
     ap.add_argument("--result-json", default=None, help="write the results here")
     ap.add_argument("--progress", action="store_true")
@@ -300,7 +304,8 @@ def main(argv=None) -> int:
     results = run(args.url, request_rates=rates, num_prompts=args.num_prompts, seed=args.seed,
                   workload=args.workload, api_key=args.api_key, model=args.model,
                   max_concurrency=args.max_concurrency, max_input_len=args.max_input_len,
-                  max_output_len=args.max_output_len, temperature=args.temperature, progress=args.progress)
+                  max_output_len=args.max_output_len, temperature=args.temperature,
+                  num_warmups=args.num_warmups, progress=args.progress)
     for r in results:
         print(format_result(r))
     if len(results) > 1:

@@ -414,7 +414,7 @@ class TestServer:
         from runtime import bench_serve
 
         res = bench_serve.run(srv.url, request_rates=[8.0], num_prompts=3, seed=1, max_input_len=24,
-                              max_output_len=4)
+                              max_output_len=4, num_warmups=1)
         r = res[0]
         assert r.completed == 3 and r.failed == 0
         assert r.total_output_tokens == sum(min(o, 4) for _, o in bench_serve.make_workload(
