@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import pickle
 import sys
 import threading
 import time
@@ -47,49 +46,6 @@ def enable_compilation_cache(cache_dir: str | Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-class ExecutableCache:
-    """Serialized AOT executables in a plan directory, so a second start skips tracing and lowering.
-
-    JAX's persistent cache still traces and lowers every bucket to find its key; this cache is
-    keyed by the plan's content hash, the JAX version and the device kind instead.
-    """
-
-    def __init__(self, directory: Path | None):
-        self.directory = directory
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-
-    @classmethod
-    def for_plan(cls, plan, backend: str) -> "ExecutableCache":
-        if plan.directory is None:
-            return cls(None)
-        dev = jax.devices()[0]
-        key = (f"{jax.__version__}-{dev.platform}-{len(jax.devices())}dev-{backend}-"
-               f"{plan.saved_hash or plan.content_hash()}")
-        return cls(Path(plan.directory) / "executables" / key)
-
-    def get(self, name: str, lower):
-        """The executable called `name`: loaded if saved, else `lower().compile()` and saved."""
-        from jax.experimental import serialize_executable as se
-
-        path = self.directory / f"{name}.bin" if self.directory is not None else None
-        if path is not None and path.exists():
-            try:
-                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-                return se.deserialize_and_load(payload, in_tree, out_tree)
-            except Exception as e:  # a stale or foreign file: recompile and overwrite it
-                print(f"executable cache: {path.name} unusable ({e}); recompiling", file=sys.stderr)
-        compiled = lower().compile()
-        if path is not None:
-            try:
-                tmp = path.with_suffix(".tmp")
-                tmp.write_bytes(pickle.dumps(se.serialize(compiled)))
-                tmp.replace(path)
-            except Exception as e:
-                print(f"executable cache: cannot save {path.name} ({e})", file=sys.stderr)
-        return compiled
 
 
 # ---------------------------------------------------------------- prompt logprobs
@@ -138,8 +94,7 @@ class ModelRunner:
         self._step = jax.jit(step, donate_argnums=(1,))
         self._copy = jax.jit(self._copy_blocks, donate_argnums=(0,))
         self._copy_compiled = None
-        self.exec_cache = ExecutableCache.for_plan(plan, self.backend)
-        self.sampler = Sampler(plan.config.vocab_size, engine.max_model_len, self.exec_cache)
+        self.sampler = Sampler(plan.config.vocab_size, engine.max_model_len)
 
     # ------------------------------------------------------------ device state
 
@@ -190,9 +145,8 @@ class ModelRunner:
     def compile_bucket(self, bucket: tuple[int, int]):
         if bucket not in self.compiled:
             specs = self.input_specs(*bucket)
-            self.compiled[bucket] = self.exec_cache.get(
-                f"step-{bucket[0]}x{bucket[1]}",
-                lambda: self._step.lower(self._abstract(self.params), self._abstract(self.state), specs))
+            lowered = self._step.lower(self._abstract(self.params), self._abstract(self.state), specs)
+            self.compiled[bucket] = lowered.compile()
         return self.compiled[bucket]
 
     def warmup(self, progress: bool = False, measure_memory: bool = False) -> float:
@@ -212,15 +166,15 @@ class ModelRunner:
         for s in self.plan.buckets.seq_sizes:
             self.sampler.warmup(s)
         n = self.max_num_copy_pairs
-        self._copy_compiled = self.exec_cache.get("copy-blocks", lambda: self._copy.lower(
+        self._copy_compiled = self._copy.lower(
             self._abstract(self.state), jax.ShapeDtypeStruct((n,), jnp.int32),
-            jax.ShapeDtypeStruct((n,), jnp.int32)))
+            jax.ShapeDtypeStruct((n,), jnp.int32)).compile()
         norm_w, lm_head = self._lm_head = self._lm_head_weights()
-        self._plp_compiled = self.exec_cache.get("prompt-logprobs", lambda: _prompt_logprobs.lower(
+        self._plp_compiled = _prompt_logprobs.lower(
             jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK, self.plan.config.hidden_size), jnp.float32),
             self._abstract(norm_w), self._abstract(lm_head),
             jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.float32)))
+            jax.ShapeDtypeStruct((), jnp.float32)).compile()
         return time.perf_counter() - t0
 
     @property

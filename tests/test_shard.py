@@ -226,6 +226,8 @@ def check_collectives(res: dict, num_layers: int, attention_split: bool) -> None
 
 def test_tiny_tp_engines_match_tp1():
     res = run_child("tiny")
+    first, second = res["restart"]["runs"]
+    assert first["tokens"] == second["tokens"] == [t[0] for t in res["models"]["tiny_4q2kv"]["1"]["tokens"]]
     for name, cases in res["models"].items():
         ref = cases["1"]
         for tp, out in cases.items():
@@ -303,7 +305,30 @@ def child_tiny() -> dict:
             out["prompt_lp"] = [lp[t] for o in outs for lp, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
             cases[str(tp)] = out
         models[name] = cases
-    return {"models": models}
+    return {"models": models, "restart": _plan_restart(prompts, greedy)}
+
+
+def _plan_restart(prompts, params) -> dict:
+    """A saved tp=2 plan started twice: the second start loads its executables from the plan."""
+    import tempfile
+
+    from models.weights import random_weights
+    from runtime.compile import compile_plan
+    from runtime.config import EngineConfig
+    from runtime.llm import LLM
+
+    cfg = tiny()
+    plan = compile_plan(None, EngineConfig(**SMALL_ENGINE, tensor_parallel_size=2),
+                        weights=random_weights(cfg, seed=0), config=cfg)
+    with tempfile.TemporaryDirectory() as d:
+        plan.save(d)
+        runs = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            llm = LLM(d, tensor_parallel_size=2)
+            runs.append({"start_s": time.perf_counter() - t0,
+                         "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]})
+    return {"runs": runs}
 
 
 def child_smollm2() -> dict:
