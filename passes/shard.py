@@ -35,7 +35,6 @@ Divisibility (checked here, at compile time):
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ir import Graph, Node, input_node, make_node
@@ -344,11 +343,3 @@ def shard(graph: Graph, tp: int = 1) -> Graph:
         meta["tp_notes"] = tuple(plan.notes)
     return Graph(tuple(leaves), outputs, freeze_attrs(meta))
 
-
-def num_shards(node: Node, tp: int) -> int:
-    """How many ways a node's value is divided across devices (1 when replicated)."""
-    return tp if _sharded(node.attr("sharding")) else 1
-
-
-def per_device_bytes(shape, dtype_bytes: int, node: Node, tp: int) -> int:
-    return math.prod(shape) * dtype_bytes // num_shards(node, tp)
