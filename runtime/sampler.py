@@ -145,10 +145,9 @@ def _args(logits, si: SamplerInputs):
 class Sampler:
     """Holds one AOT-compiled sampler per (rows, greedy, penalties); compiled at warm-up."""
 
-    def __init__(self, vocab_size: int, max_model_len: int, exec_cache=None):
+    def __init__(self, vocab_size: int, max_model_len: int):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.exec_cache = exec_cache
         self.compiled: dict[tuple[int, bool, bool], object] = {}
 
     def _compile(self, num_rows: int, greedy: bool, penalties: bool):
@@ -161,9 +160,7 @@ class Sampler:
                     f32(num_rows), jax.ShapeDtypeStruct((num_rows,), jnp.uint32), i32(num_rows),
                     i32(num_rows, MAX_LOGIT_BIAS), f32(num_rows, MAX_LOGIT_BIAS), f32(num_rows),
                     f32(num_rows), f32(num_rows), i32(num_rows, hist), i32(num_rows))
-            lower = lambda: sample.lower(*args, greedy=greedy, penalties=penalties)
-            self.compiled[key] = (self.exec_cache.get(f"sampler-{num_rows}-{int(greedy)}{int(penalties)}", lower)
-                                  if self.exec_cache is not None else lower().compile())
+            self.compiled[key] = sample.lower(*args, greedy=greedy, penalties=penalties).compile()
         return self.compiled[key]
 
     def warmup(self, num_rows: int) -> None:
