@@ -22,8 +22,10 @@ _IN_PLACE = {"kv_write", "kv_cache_update", "copy_blocks"}
 #              blocks with an online softmax;
 #   "gather":  the jnp reference in ir.ops, which gathers every token's whole context at once.
 PAGED_ATTENTION_LOWERINGS = ("chunked", "gather")
-# Mirrors runtime.kernels.XLA_CHUNK_BLOCKS (passes may not import runtime; a test checks they agree).
+# Mirror runtime.kernels' XLA_CHUNK_BLOCKS and XLA_DENSE_MAX_SEQS (passes may not import
+# runtime; a test checks they agree).
 XLA_CHUNK_BLOCKS = 8
+XLA_DENSE_MAX_SEQS = 4
 F32 = 4
 
 
@@ -63,6 +65,11 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
             # to f32 [T, kvh, chunk, d] (both live at the score matmul), and the scores
             # [T, hq, chunk]. The loop carry is counted by the caller (it lives longer).
             c = _chunk_tokens(node, env, chunk_blocks)
+            s = env["S"]
+            if s <= XLA_DENSE_MAX_SEQS and t > s:
+                # Dense few-sequence form: K/V gathered once per sequence [S, chunk, kvh, d],
+                # scores over every (sequence, slot) [T, hq, S x chunk], plus their mask.
+                return 2 * s * c * kvh * d * F32 + t * hq * s * c * F32 + t * s * c
             return 2 * t * c * kvh * d * F32 + t * hq * c * F32
         ctx = env["M"] * kp.shape[1]
         gathered = 2 * t * ctx * kvh * d * DTYPE_BYTES[kp.dtype]
