@@ -96,7 +96,7 @@ def run_engine(plan, runner, policy: str, work, tokenizer) -> RunResult:
         start = t0
         by_bin = defaultdict(int)
         for t in tr:
-            by_bin[int((t.time - start) / window)] += min(t.num_seqs, t.num_tokens)
+            by_bin[int((t.time - start) / window)] += t.num_sampled
         for t in tr:
             timeline.append((t.time - start, by_bin[int((t.time - start) / window)] / window,
                              t.kv_used_slots / pool))

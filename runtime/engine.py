@@ -87,6 +87,7 @@ class StepTrace:
     bucket: tuple[int, int]
     num_tokens: int
     num_seqs: int
+    num_sampled: int  # tokens sampled (one per sequence that reached its end this step)
     kv_used_slots: int  # slots that hold real tokens
     kv_allocated_slots: int  # slots of allocated blocks
     schedule_s: float
@@ -259,7 +260,8 @@ class LLMEngine:
             used = sum(s.num_computed_tokens for s in self.scheduler.running)
             alloc = sum(len(s.block_table) for s in self.scheduler.running) * self.engine_config.block_size
             self.trace.append(StepTrace(time.monotonic(), sched.bucket, sched.num_tokens,
-                                        len(sched.scheduled), used, alloc, t1 - t0, t2 - t1, t3 - t2))
+                                        len(sched.scheduled), len(rows), used, alloc, t1 - t0, t2 - t1,
+                                        t3 - t2))
         if self.check_invariants:
             self.block_manager.check_invariants(
                 [s for r in self.requests.values() for s in r.seqs if not s.is_finished])
