@@ -40,6 +40,9 @@ def num_backend_compiles() -> int:
     return _num_compiles
 
 
+DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
+
+
 def enable_compilation_cache(cache_dir: str | Path) -> None:
     """JAX's persistent compilation cache: a second start loads executables instead of compiling."""
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
@@ -73,6 +76,8 @@ class ModelRunner:
         engine = plan.engine
         if cache_dir is None and plan.directory is not None:
             cache_dir = Path(plan.directory) / "xla_cache"
+        if cache_dir is None and not jax.config.jax_compilation_cache_dir:
+            cache_dir = DEFAULT_COMPILATION_CACHE  # in-memory plans share one per-user cache
         if cache_dir is not None:
             enable_compilation_cache(cache_dir)
         self.backend = backend or engine.kernel_backend

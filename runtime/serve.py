@@ -1408,12 +1408,12 @@ def main(argv=None) -> int:
     from runtime.args import engine_kwargs_from_args
     from runtime.engine import LLMEngine
     from runtime.llm import load_plan
-    from runtime.model_runner import ModelRunner
+    from runtime.model_runner import DEFAULT_COMPILATION_CACHE, ModelRunner
 
     t0 = time.perf_counter()
     cache = args.compilation_cache_dir
     if cache is None and not args.plan:
-        cache = str(Path.home() / ".cache" / "jaxserve" / "xla")
+        cache = str(DEFAULT_COMPILATION_CACHE)
     cache = None if cache in (None, "none", "") else str(Path(cache).expanduser())
     if args.plan:
         plan = load_plan(args.plan, _explicit_engine_kwargs(ap, args))
