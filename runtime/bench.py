@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     config, weights, tok = load_model(args.model)
     plan = compile_plan(None, EngineConfig.from_kwargs(**kw), weights=weights, config=config, tokenizer=tok)
     runner = ModelRunner(plan)
-    warm = runner.warmup(progress=True)
+    warm = runner.warmup(progress=True, execute=True)
     print(f"warm-up (compile {len(plan.buckets.pairs())} buckets): {warm:.1f}s; "
           f"KV pool {plan.num_kv_blocks} blocks x {plan.engine.block_size}", file=sys.stderr)
     work = make_workload(args.workload, args.num_prompts, args.workload_seed, plan.engine.max_model_len,

@@ -99,14 +99,15 @@ class LLMEngine:
     """Continuous-batching engine over a compiled plan. Thread-safe add/abort; `step` from one thread."""
 
     def __init__(self, plan: Plan, tokenizer=None, *, runner: ModelRunner | None = None,
-                 warmup: bool = True, progress: bool = False, check_invariants: bool = False):
+                 warmup: bool = True, progress: bool = False, check_invariants: bool = False,
+                 warm_execute: bool = False):
         self.plan = plan
         self.config = plan.config
         self.engine_config = e = plan.engine
         self.tokenizer = tokenizer if tokenizer is not None else plan.tokenizer
         self.runner = runner or ModelRunner(plan)
         if warmup:
-            self.warmup_s = self.runner.warmup(progress=progress)
+            self.warmup_s = self.runner.warmup(progress=progress, execute=warm_execute)
         self.block_manager = BlockManager(plan.num_kv_blocks, e.block_size, e.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,

@@ -1423,7 +1423,7 @@ def main(argv=None) -> int:
         source = args.model
     log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
     runner = ModelRunner(plan, cache_dir=cache)
-    engine = LLMEngine(plan, runner=runner, progress=True)
+    engine = LLMEngine(plan, runner=runner, progress=True, warm_execute=True)
     log.info("engine warm in %.1fs (%d buckets compiled or loaded)", time.perf_counter() - t0,
              len(plan.buckets.pairs()))
     names = args.served_model_name or [args.model if not args.plan else plan.config.name]
