@@ -96,6 +96,11 @@ class Plan:
             lines.append(f"  tensor parallel over {tp} devices: attention {self.graph.meta_value('tp_attention')}, "
                          f"MLP and vocab split; replicated weights count fully on every device")
             lines += [f"  note: {n}" for n in self.graph.meta_value("tp_notes", ()) or ()]
+        if self.memory.num_kv_blocks * self.engine.block_size < self.engine.max_model_len:
+            lines.append(f"does not fit: the KV cache cannot hold one {self.engine.max_model_len}-token "
+                         "sequence; raise --device-memory, --memory-utilization or "
+                         "--tensor-parallel-size, use --dtype bfloat16 or --quantization int8, or lower "
+                         "--max-model-len")
         return "\n".join(lines)
 
     # -------------------------------------------------------------- save / load
