@@ -53,3 +53,22 @@ def triton_compiler_params(num_warps, num_stages):
     return pltriton.CompilerParams(**kwargs)
   except (ImportError, AttributeError, TypeError):
     return None
+
+
+def online_softmax_step(carry, q, k, v, mask, scale_log2):
+  """One key tile of FlashAttention's online softmax, in the log2 domain, accumulating in f32.
+
+  carry: (running max [rows], running sum [rows], accumulator [rows, head_dim]);
+  q [rows, d], k and v [keys, d], mask [rows, keys] (True = attend).
+  """
+  m_prev, l_prev, acc_prev = carry
+  s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                      preferred_element_type=jnp.float32) * scale_log2
+  s = jnp.where(mask, s, MASK_VALUE)
+  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+  alpha = jnp.exp2(m_prev - m_new)
+  p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
+  l_new = alpha * l_prev + jnp.sum(p, axis=1)
+  pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                       preferred_element_type=jnp.float32)
+  return m_new, l_new, acc_prev * alpha[:, None] + pv

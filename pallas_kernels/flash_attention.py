@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._util import (LOG2_E, MASK_VALUE, cdiv, is_power_of_two, multiple_of,
-                                  next_power_of_two, triton_compiler_params)
+                                  next_power_of_two, online_softmax_step, triton_compiler_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,24 +82,13 @@ def _flash_kernel(row_start_ref, row_end_ref, q_ref, k_ref, v_ref, o_ref, *,
   q = q_ref[...]
 
   def body(kv_block, carry):
-    m_prev, l_prev, acc_prev = carry
     kv_start = multiple_of(kv_block * block_kv, block_kv)
     k = k_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, head_dim]
     v = v_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, head_dim]
-    # Scores in the log2 domain so the exponentials are exp2.
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32) * scale_log2
     key_ids = kv_start + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
     mask = ((key_ids[None, :] >= row_start[:, None])
             & (key_ids[None, :] < row_end[:, None]))  # [block_q, block_kv]
-    s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m_prev - m_new)
-    p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-    return m_new, l_new, acc_prev * alpha[:, None] + pv
+    return online_softmax_step(carry, q, k, v, mask, scale_log2)
 
   carry = (jnp.full((block_q,), MASK_VALUE, jnp.float32),
            jnp.zeros((block_q,), jnp.float32),

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._util import (LOG2_E, MASK_VALUE, cdiv, full_spec, is_int, is_power_of_two,
-                                  next_power_of_two, triton_compiler_params)
+                                  next_power_of_two, online_softmax_step, triton_compiler_params)
 
 # Programs that roughly fill a large GPU; below this, flash decoding splits kv.
 _TARGET_PROGRAMS = 128
@@ -116,7 +116,6 @@ def _paged_kernel(work_seq_ref, work_pos_ref, work_kv_len_ref, block_tables_ref,
   q = q_ref[...]
 
   def body(step, carry):
-    m_prev, l_prev, acc_prev = carry
     page_lo = step * pages_per_compute_block
     page_ids = page_lo + lax.broadcasted_iota(jnp.int32, (pages_per_compute_block,), 0)
     block_ids = block_tables_ref[seq, pl.ds(page_lo, pages_per_compute_block)]
@@ -129,17 +128,8 @@ def _paged_kernel(work_seq_ref, work_pos_ref, work_kv_len_ref, block_tables_ref,
     # Slots past kv_len in the last page may hold nan; 0 * nan would leak into
     # the p @ v product, so v is zeroed there, not only p.
     v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32) * scale_log2
     mask = key_pos[None, :] < row_limit[:, None]  # [rows, keys_per_step]
-    s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m_prev - m_new)
-    p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-    return m_new, l_new, acc_prev * alpha[:, None] + pv
+    return online_softmax_step(carry, q, k, v, mask, scale_log2)
 
   carry = (jnp.full((rows,), MASK_VALUE, jnp.float32),
            jnp.zeros((rows,), jnp.float32),
