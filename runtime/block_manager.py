@@ -51,6 +51,8 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         # Copy-on-write work for the next step: (src block, dst block).
         self.pending_copies: list[tuple[int, int]] = []
+        self._last_lookup = None
+        self._version = 0  # bumped by every change to block contents or the cache index
 
     # ------------------------------------------------------------------ accounting
 
@@ -72,6 +74,7 @@ class BlockManager:
     # ------------------------------------------------------------------ internals
 
     def _take_block(self) -> int:
+        self._version += 1
         if self.free:
             bid = self.free.popleft()
         elif self.cached:
@@ -86,6 +89,7 @@ class BlockManager:
         return bid
 
     def _release(self, bid: int) -> None:
+        self._version += 1
         blk = self.blocks[bid]
         blk.ref_count -= 1
         if blk.ref_count == 0:
@@ -114,8 +118,15 @@ class BlockManager:
 
     # ------------------------------------------------------------------ verbs
 
+    def _lookup_cached(self, seq: Sequence) -> list[int]:
+        # can_allocate and allocate run back to back on the same sequence: hash its blocks once.
+        key = (seq.seq_id, len(seq), self._version)
+        if self._last_lookup is None or self._last_lookup[0] != key:
+            self._last_lookup = (key, self._lookup(seq))
+        return self._last_lookup[1]
+
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._lookup(seq)
+        hits = self._lookup_cached(seq)
         reusable_from_lru = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = self.blocks_needed(len(seq)) - len(hits)
         return needed <= self.num_free - reusable_from_lru
@@ -123,7 +134,8 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Gives a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
         assert not seq.block_table, f"{seq} already has blocks"
-        hits = self._lookup(seq)
+        hits = self._lookup_cached(seq)
+        self._last_lookup = None
         if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.stats.queries += len(seq)
             self.stats.hits += len(hits) * self.block_size
@@ -186,6 +198,7 @@ class BlockManager:
             bid = seq.block_table[i]
             blk = self.blocks[bid]
             if blk.hash is None and h not in self.hash_to_block:
+                self._version += 1
                 blk.hash, blk.token_ids = h, toks
                 self.hash_to_block[h] = bid
             seq.block_hashes.append(h)
@@ -206,6 +219,7 @@ class BlockManager:
         return copies
 
     def reset_prefix_cache(self) -> None:
+        self._version += 1
         for bid in list(self.cached):
             blk = self.blocks[bid]
             self.hash_to_block.pop(blk.hash, None)
