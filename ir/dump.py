@@ -137,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
     """Lowers and runs the pipeline; returns [(stage name, graph)] starting with `lower`, and the plan."""
     from models.llama import lower
-    from passes.pipeline import PipelineOptions, run_pipeline
-    from passes.plan_memory import plan_memory_report
+    from passes.pipeline import PipelineOptions, memory_report, run_pipeline
 
     config = resolve_config(args.model)
     max_model_len = args.max_model_len or min(2048, config.max_position_embeddings)
@@ -152,17 +151,8 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
                            tensor_parallel_size=args.tensor_parallel_size)
     graph = lower(config, args.dtype)
     stages = [("lower", graph)]
-    try:
-        final = run_pipeline(graph, opts, on_pass=lambda i, name, g: stages.append((name, g)))
-    except NotImplementedError as e:
-        raise SystemExit(f"error: {e}") from None
-    plan = None
-    if args.stats:
-        plan = plan_memory_report(final, buckets=list(buckets), device_memory_bytes=opts.device_memory_bytes,
-                                  memory_utilization=opts.memory_utilization, block_size=opts.block_size,
-                                  max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
-                                  tensor_parallel_size=opts.tensor_parallel_size)
-    return stages, plan
+    final = run_pipeline(graph, opts, on_pass=lambda i, name, g: stages.append((name, g)))
+    return stages, memory_report(final, opts) if args.stats else None
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,7 @@ from ir import Graph, verify
 from passes.fuse_attention import fuse_attention
 from passes.fuse_matmuls import fuse_matmuls
 from passes.insert_paged_kv import insert_paged_kv
-from passes.plan_memory import plan_memory
+from passes.plan_memory import plan_memory, plan_memory_report
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,21 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
         # Phase 4: distribution over devices.
         ("shard", partial(shard, tp=opts.tensor_parallel_size)),
         # Phase 5: memory planning (sizes the KV pool).
-        ("plan_memory", partial(
-            plan_memory, buckets=list(opts.buckets), device_memory_bytes=opts.device_memory_bytes,
-            memory_utilization=opts.memory_utilization, block_size=opts.block_size,
-            max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
-            tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks,
-            paged_attention_lowering=opts.paged_attention_lowering)),
+        ("plan_memory", partial(plan_memory, **_memory_options(opts))),
     ]
+
+
+def _memory_options(opts: PipelineOptions) -> dict:
+    return dict(buckets=list(opts.buckets), device_memory_bytes=opts.device_memory_bytes,
+                memory_utilization=opts.memory_utilization, block_size=opts.block_size,
+                max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
+                tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks,
+                paged_attention_lowering=opts.paged_attention_lowering)
+
+
+def memory_report(graph: Graph, opts: PipelineOptions):
+    """The structured memory plan (dataclass + text table) of a pipeline's final graph."""
+    return plan_memory_report(graph, **_memory_options(opts))
 
 
 def _identity(graph: Graph) -> Graph:

@@ -24,8 +24,8 @@ import numpy as np
 from ir import Graph, parse_graph, print_graph
 from models.config import ModelConfig, PRESETS
 from models.llama import lower
-from passes.pipeline import PipelineOptions, run_pipeline
-from passes.plan_memory import MemoryPlan, plan_memory_report
+from passes.pipeline import PipelineOptions, memory_report, run_pipeline
+from passes.plan_memory import MemoryPlan
 from runtime.buckets import BucketTable
 from runtime.config import CPU_DEVICE_MEMORY, EngineConfig
 
@@ -164,13 +164,7 @@ def build_graph(config: ModelConfig, engine: EngineConfig, buckets: BucketTable,
     opts = pipeline_options(engine, buckets, device_memory or device_memory_bytes(engine))
     graph = run_pipeline(graph, opts, on_pass=(lambda i, name, g: texts.append((name, print_graph(g))))
                          if keep_pass_texts else None)
-    memory = plan_memory_report(graph, buckets=list(buckets.pairs()),
-                                device_memory_bytes=opts.device_memory_bytes,
-                                memory_utilization=opts.memory_utilization, block_size=opts.block_size,
-                                max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
-                                tensor_parallel_size=opts.tensor_parallel_size,
-                                num_kv_blocks=opts.num_kv_blocks)
-    return graph, memory, texts
+    return graph, memory_report(graph, opts), texts
 
 
 def compile_plan(model, engine: EngineConfig | None = None, *, progress: bool = False,

@@ -62,7 +62,7 @@ class EngineStats:
     num_recompiles: int
     prompt_tokens_total: int
     generation_tokens_total: int
-    prompt_throughput: float  # tok/s over the last interval
+    prompt_throughput: float  # tok/s, averaged since the engine started
     generation_throughput: float
     padded_tokens_total: int
     scheduled_tokens_total: int
@@ -127,7 +127,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.padded_tokens_total = 0
         self.scheduled_tokens_total = 0
-        self._tput_mark = (time.monotonic(), 0, 0)
+        self.start_time = time.monotonic()
         self.trace: list[StepTrace] | None = None
         self.finished_callbacks = []  # fn(request) when a request finishes
         self.num_recompiles = 0
@@ -427,12 +427,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> EngineStats:
-        now = time.monotonic()
-        t, p0, g0 = self._tput_mark
-        dt = max(now - t, 1e-9)
-        ptp = (self.prompt_tokens_total - p0) / dt
-        gtp = (self.generation_tokens_total - g0) / dt
-        self._tput_mark = (now, self.prompt_tokens_total, self.generation_tokens_total)
+        """A snapshot; reading it changes nothing (interval rates are the caller's: see serve)."""
+        dt = max(time.monotonic() - self.start_time, 1e-9)
+        ptp = self.prompt_tokens_total / dt
+        gtp = self.generation_tokens_total / dt
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
