@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
+from models.llama import weight_shapes
 
 # canonical name -> (HF safetensors name, GGUF name, transposed?). `{}` is the layer index.
 # "transposed" means the file stores nn.Linear's [out, in] and we keep [in, out].
@@ -38,30 +39,13 @@ WEIGHT_MAP: dict[str, tuple[str, str, bool]] = {
     "lm_head": ("lm_head.weight", "output.weight", True),
 }
 
-_BIAS_NAMES = ("bq", "bk", "bv")
 # GGUF architectures whose converter (llama.cpp's LlamaModel) permuted q/k rows for interleaved RoPE.
 _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape for every tensor `config` needs, in a stable order."""
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.q_size, config.kv_size
-    per_layer = {
-        "attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv),
-        "bq": (q,), "bk": (kv,), "bv": (kv,), "wo": (q, h),
-        "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),
-    }
-    shapes: dict[str, tuple[int, ...]] = {"embed": (v, h)}
-    for layer in range(config.num_layers):
-        for key, shape in per_layer.items():
-            if key in _BIAS_NAMES and not config.qkv_bias:
-                continue
-            shapes[f"layers.{layer}.{key}"] = shape
-    shapes["final_norm"] = (h,)
-    if not config.tie_embeddings:
-        shapes["lm_head"] = (h, v)
-    return shapes
+    """Canonical name -> shape for every tensor `config` needs: the lowering's own table."""
+    return weight_shapes(config)
 
 
 def _pattern_of(name: str) -> tuple[str, int | None]:
