@@ -2,6 +2,7 @@
 
     python -m pallas_kernels.bench               # on a GPU
     python -m pallas_kernels.bench --interpret   # tiny shapes on CPU, a smoke test
+    python -m pallas_kernels.bench --only decode --case-timeout-s 10 --max-seconds 120
 
 Prints three tables:
   * device ceilings measured in the same run: a large copy (GB/s) and a large
@@ -14,14 +15,21 @@ Prints three tables:
     `jax.nn.dot_product_attention` on the same KV gathered into a contiguous
     cache, as a fraction of the copy ceiling.
 
-Times are medians over `--repeats` calls, each ending in block_until_ready.
+Every row is printed as soon as it is measured. Each row (one implementation on
+one case) is bounded: its first call (compile + run) is timed, then up to
+`--repeats` calls while `--case-timeout-s` lasts; the time is their median. An
+implementation whose time, scaled from its previous case, would not fit that
+budget is skipped with a note, and so is one whose temporaries would not fit
+the device. `--max-seconds` bounds the whole run: rows not reached by then are
+listed as skipped. A single call cannot be interrupted; a caller that must
+survive a hung kernel runs this in a subprocess with a timeout (as
+`python -m runtime.selfcheck` does).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import statistics
 import sys
 import time
@@ -38,8 +46,21 @@ from pallas_kernels.paged_attention import BlockSizes as PagedBlockSizes
 from pallas_kernels.paged_attention import paged_attention
 
 # Skip an implementation whose temporaries would exceed this (the xla path
-# materializes the full [B, H, L, L] logits).
+# materializes the full [B, H, L, L] logits), or this fraction of the device's
+# memory where the device reports it.
 _MAX_TEMP_BYTES = 24 << 30
+_MAX_TEMP_FRACTION = 0.4
+# A case whose inputs (and their contiguous copies) exceed this fraction of the
+# device's memory is skipped whole.
+_MAX_INPUT_FRACTION = 0.6
+
+OURS_PREFILL = "ours (pallas)"
+OURS_DECODE = "ours (paged pallas)"
+XLA_PREFILL = "dot_product_attention[xla]"
+CUDNN_PREFILL = "dot_product_attention[cudnn]"
+XLA_DECODE = "dot_product_attention[xla] contiguous"
+CUDNN_DECODE = "dot_product_attention[cudnn] contiguous"
+MHA_PREFILL = "jax pallas mha (baseline)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,20 +107,51 @@ class Row:
   table: str
   case: str
   impl: str
-  seconds: float | None
+  seconds: float | None  # median of the timed calls
   rate: float | None  # TFLOP/s or GB/s
   fraction: float | None
   note: str = ""
+  spec: PrefillCase | DecodeCase | None = None
+  first_s: float | None = None  # the first call: compile + run
+  num_timed: int = 0
 
 
-def _median_seconds(fn: Callable[[], jax.Array], repeats: int) -> float:
-  jax.block_until_ready(fn())  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+@dataclasses.dataclass
+class Report:
+  ceilings: dict[str, float]
+  rows: list[Row]
+
+  def find(self, impl: str, spec) -> Row | None:
+    return next((r for r in self.rows if r.impl == impl and r.spec == spec), None)
+
+
+@dataclasses.dataclass
+class Timing:
+  first_s: float
+  median_s: float | None
+  num_timed: int
+  output: object
+
+
+def time_calls(fn: Callable[[], jax.Array], repeats: int, budget_s: float) -> Timing:
+  """Times the first call (compile + run), then up to `repeats` calls while `budget_s` lasts.
+
+  A further call is made only if the one before it, added to the time already
+  spent, still fits the budget; the first timed call is predicted by the first
+  call, which includes the compile, so a slow compile can leave no timed call.
+  """
+  start = time.perf_counter()
+  output = jax.block_until_ready(fn())
+  first = time.perf_counter() - start
+  times: list[float] = []
+  while len(times) < repeats:
+    predicted = times[-1] if times else first
+    if time.perf_counter() - start + predicted > budget_s:
+      break
+    t0 = time.perf_counter()
     jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    times.append(time.perf_counter() - t0)
+  return Timing(first, statistics.median(times) if times else None, len(times), output)
 
 
 def _short_error(err: Exception) -> str:
@@ -107,46 +159,65 @@ def _short_error(err: Exception) -> str:
   return f"{type(err).__name__}: {text[0][:60] if text else ''}"
 
 
-def measure_ceilings(*, small: bool, repeats: int) -> dict[str, float]:
+def device_memory_bytes() -> int | None:
+  """What the first device reports it can allocate, or None (e.g. on CPU)."""
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # noqa: BLE001 (not every backend implements memory_stats)
+    return None
+  return stats.get("bytes_limit")
+
+
+def measure_ceilings(*, small: bool, repeats: int, budget_s: float = 60.0) -> dict[str, float]:
   """Copy bandwidth (GB/s, read + write) and bf16 matmul throughput (TFLOP/s)."""
   n = (1 << 20) if small else (1 << 30)  # elements; 2 GiB of bf16 on a GPU
   copy = jax.jit(lambda a: a + jnp.bfloat16(1))
-  t_copy = _median_seconds(functools.partial(copy, jnp.ones((n,), jnp.bfloat16)), repeats)
+  src = jnp.ones((n,), jnp.bfloat16)
+  t = time_calls(lambda: copy(src), repeats, budget_s / 2)
+  t_copy = t.median_s or t.first_s
   m = 256 if small else 8192
   # Random operands: all-ones matmuls draw less power and can clock higher.
   key_a, key_b = jax.random.split(jax.random.key(0))
   a = jax.random.normal(key_a, (m, m), jnp.bfloat16)
   b = jax.random.normal(key_b, (m, m), jnp.bfloat16)
   matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))
-  t_mm = _median_seconds(functools.partial(matmul, a, b), repeats)
+  t = time_calls(lambda: matmul(a, b), repeats, budget_s / 2)
+  t_mm = t.median_s or t.first_s
   return {"copy_gbps": 2 * n * 2 / t_copy / 1e9, "copy_s": t_copy,
           "matmul_tflops": 2 * m**3 / t_mm / 1e12, "matmul_s": t_mm}
 
 
-def _prefill_impls(case: PrefillCase, *, interpret: bool, flash_blocks):
-  rng = np.random.default_rng(0)
+def _max_temp_bytes(device_bytes: int | None) -> float:
+  if device_bytes is None:
+    return _MAX_TEMP_BYTES
+  return min(_MAX_TEMP_BYTES, _MAX_TEMP_FRACTION * device_bytes)
+
+
+def _prefill_impls(case: PrefillCase, *, interpret: bool, flash_blocks, device_bytes):
   dtype = jnp.bfloat16
   B, L, Hq, Hkv, D = (case.batch, case.seq_len, case.num_q_heads, case.num_kv_heads,
                       case.head_dim)
-  q = jnp.asarray(rng.standard_normal((B, L, Hq, D)), dtype)
-  k = jnp.asarray(rng.standard_normal((B, L, Hkv, D)), dtype)
-  v = jnp.asarray(rng.standard_normal((B, L, Hkv, D)), dtype)
+  # Drawn on the device: host random numbers for the large cases take longer than the kernels.
+  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(kq, (B, L, Hq, D), dtype)
+  k = jax.random.normal(kk, (B, L, Hkv, D), dtype)
+  v = jax.random.normal(kv, (B, L, Hkv, D), dtype)
   scale = 1.0 / np.sqrt(D)
   impls = {}
 
   packed = [x.reshape(B * L, x.shape[2], D) for x in (q, k, v)]
   cu = jnp.arange(B + 1, dtype=jnp.int32) * L
-  impls["ours (pallas)"] = lambda: flash_attention(
+  impls[OURS_PREFILL] = lambda: flash_attention(
       *packed, cu, causal=True, sm_scale=scale, block_sizes=flash_blocks, interpret=interpret)
 
   logits_bytes = B * Hq * L * L * 4
-  for impl in ("xla", "cudnn"):
-    if impl == "xla" and logits_bytes > _MAX_TEMP_BYTES:
-      impls[f"dot_product_attention[{impl}]"] = "skip: logits too large"
+  for impl, name in (("xla", XLA_PREFILL), ("cudnn", CUDNN_PREFILL)):
+    if impl == "xla" and logits_bytes > _max_temp_bytes(device_bytes):
+      impls[name] = f"skip: {logits_bytes / 2**30:.0f} GiB of logits would not fit"
       continue
     fn = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, implementation=impl))
-    impls[f"dot_product_attention[{impl}]"] = lambda fn=fn: fn(q, k, v)
+    impls[name] = lambda fn=fn: fn(q, k, v)
 
   try:  # JAX's shipped Pallas kernel, as a baseline only.
     from jax.experimental.pallas.ops.gpu import attention as jax_pallas_attention  # noqa: PLC0415
@@ -154,26 +225,36 @@ def _prefill_impls(case: PrefillCase, *, interpret: bool, flash_blocks):
     k_rep, v_rep = (jnp.repeat(x, group, axis=2) for x in (k, v))  # it has no GQA
     mha = jax.jit(lambda q, k, v: jax_pallas_attention.mha(
         q, k, v, None, sm_scale=scale, causal=True, interpret=interpret))
-    impls["jax pallas mha (baseline)"] = lambda: mha(q, k_rep, v_rep)
+    impls[MHA_PREFILL] = lambda: mha(q, k_rep, v_rep)
   except Exception as err:  # noqa: BLE001 (any import/API drift just drops the baseline)
-    impls["jax pallas mha (baseline)"] = f"unavailable: {_short_error(err)}"
+    impls[MHA_PREFILL] = f"unavailable: {_short_error(err)}"
   return impls
 
 
-def _decode_impls(case: DecodeCase, *, interpret: bool, paged_blocks):
+def _decode_input_bytes(case: DecodeCase) -> int:
+  # k and v caches plus their contiguous copies for the baselines, bf16.
+  return 4 * case.num_seqs * case.context_len * case.num_kv_heads * case.head_dim * 2
+
+
+def _decode_impls(case: DecodeCase, *, interpret: bool, paged_blocks, device_bytes):
+  if device_bytes is not None and _decode_input_bytes(case) > _MAX_INPUT_FRACTION * device_bytes:
+    note = (f"skip: {_decode_input_bytes(case) / 2**30:.1f} GiB of caches would not fit "
+            f"{device_bytes / 2**30:.0f} GiB")
+    return {OURS_DECODE: note, XLA_DECODE: note, CUDNN_DECODE: note}
   rng = np.random.default_rng(1)
   dtype = jnp.bfloat16
   S, C, Hq, Hkv, D, P = (case.num_seqs, case.context_len, case.num_q_heads, case.num_kv_heads,
                          case.head_dim, case.block_size)
   pages = -(-C // P)
   num_blocks = S * pages + 1
-  k_cache = jnp.asarray(rng.standard_normal((num_blocks, P, Hkv, D), np.float32), dtype)
-  v_cache = jnp.asarray(rng.standard_normal((num_blocks, P, Hkv, D), np.float32), dtype)
+  kk, kv, kq = jax.random.split(jax.random.key(1), 3)
+  k_cache = jax.random.normal(kk, (num_blocks, P, Hkv, D), dtype)
+  v_cache = jax.random.normal(kv, (num_blocks, P, Hkv, D), dtype)
   tables = jnp.asarray(rng.permutation(num_blocks)[:S * pages].reshape(S, pages), jnp.int32)
   context_lens = jnp.full((S,), C, jnp.int32)
-  q = jnp.asarray(rng.standard_normal((S, Hq, D)), dtype)
+  q = jax.random.normal(kq, (S, Hq, D), dtype)
   scale = 1.0 / np.sqrt(D)
-  impls = {"ours (paged pallas)": lambda: paged_attention(
+  impls = {OURS_DECODE: lambda: paged_attention(
       q, k_cache, v_cache, tables, context_lens, sm_scale=scale, block_sizes=paged_blocks,
       interpret=interpret)}
 
@@ -182,36 +263,107 @@ def _decode_impls(case: DecodeCase, *, interpret: bool, paged_blocks):
     return cache[tables].reshape(S, pages * P, Hkv, D)[:, :C]
   k_contig, v_contig = jax.jit(gather)(k_cache), jax.jit(gather)(v_cache)
   q4 = q[:, None]
-  for impl in ("xla", "cudnn"):
+  for impl, name in (("xla", XLA_DECODE), ("cudnn", CUDNN_DECODE)):
     fn = jax.jit(lambda q, k, v, lens, impl=impl: jax.nn.dot_product_attention(
         q, k, v, scale=scale, key_value_seq_lengths=lens, implementation=impl))
-    impls[f"dot_product_attention[{impl}] contiguous"] = (
-        lambda fn=fn: fn(q4, k_contig, v_contig, context_lens))
+    impls[name] = lambda fn=fn: fn(q4, k_contig, v_contig, context_lens)
   return impls
 
 
-def _run_impls(table, case_name, impls, repeats, to_rate, ceiling, *, ours, reference):
-  """Times every implementation; notes ours' max abs difference from the reference."""
-  rows, outputs = [], {}
-  for impl, fn in impls.items():
-    if isinstance(fn, str):
-      rows.append(Row(table, case_name, impl, None, None, None, fn))
-      continue
-    try:
-      seconds = _median_seconds(fn, repeats)
-      outputs[impl] = fn()
-    except Exception as err:  # noqa: BLE001 (e.g. cudnn absent: report, keep going)
-      rows.append(Row(table, case_name, impl, None, None, None, _short_error(err)))
-      continue
-    rate = to_rate(seconds)
-    rows.append(Row(table, case_name, impl, seconds, rate, rate / ceiling if ceiling else None))
-  if ours in outputs and reference in outputs:
-    a = np.asarray(outputs[ours], np.float32)
-    b = np.asarray(outputs[reference], np.float32).reshape(a.shape)
-    for row in rows:
-      if row.impl == ours:
-        row.note = f"max|diff| vs {reference.split()[0]}: {np.max(np.abs(a - b)):.2e}"
-  return rows
+class RowPrinter:
+  """Prints a table one row at a time (flushed), with widths fixed up front."""
+
+  def __init__(self, title: str, case_names, impl_names, rate_unit: str, fraction_of: str,
+               out: Callable[[str], None]):
+    self.out = out
+    self.widths = [max(map(len, case_names), default=4), max(map(len, impl_names), default=4),
+                   9, 9, 9, 7]
+    header = ("case", "impl", "ms", rate_unit, f"of {fraction_of}", "first s")
+    out(f"\n{title}")
+    self._line(header, "note")
+    out("  ".join("-" * w for w in self.widths) + "  ----")
+
+  def _line(self, cells, note):
+    text = "  ".join(c.ljust(w) for c, w in zip(cells, self.widths))
+    self.out(f"{text}  {note}".rstrip())
+
+  def row(self, r: Row):
+    self._line((r.case, r.impl,
+                "-" if r.seconds is None else f"{r.seconds * 1e3:.3f}",
+                "-" if r.rate is None else f"{r.rate:.4g}",
+                "-" if r.fraction is None else f"{100 * r.fraction:.1f}%",
+                "-" if r.first_s is None else f"{r.first_s:.2f}"), r.note)
+
+
+class _Run:
+  """Shared state of one benchmark run: the deadline and each impl's last time per unit of work."""
+
+  def __init__(self, repeats: int, case_timeout_s: float, max_seconds: float | None):
+    self.repeats = repeats
+    self.case_timeout_s = case_timeout_s
+    self.deadline = None if max_seconds is None else time.perf_counter() + max_seconds
+    self.last: dict[str, tuple[float, float, str]] = {}  # impl -> (work, seconds, case name)
+
+  def budget(self) -> float:
+    if self.deadline is None:
+      return self.case_timeout_s
+    return min(self.case_timeout_s, self.deadline - time.perf_counter())
+
+  def predicted_skip(self, impl: str, work: float, budget: float) -> str | None:
+    if impl not in self.last:
+      return None
+    prev_work, prev_s, prev_case = self.last[impl]
+    predicted = prev_s * work / prev_work
+    if predicted <= budget:
+      return None
+    return (f"skip: ~{predicted:.3g} s a call (scaled from {prev_case}) > {budget:.0f} s "
+            "case budget")
+
+  def measure(self, table, case, impls, work, to_rate, ceiling, *, ours, reference,
+              emit) -> list[Row]:
+    """Times every implementation on one case, emitting each row as it is measured."""
+    rows, outputs = [], {}
+    # The reference first, so that ours' row can carry its difference when printed.
+    order = sorted(impls, key=lambda name: name != reference)
+    for impl in order:
+      fn = impls[impl]
+      row = Row(table, case.name, impl, None, None, None, spec=case)
+      budget = self.budget()
+      if isinstance(fn, str):
+        row.note = fn
+      elif budget <= 0:
+        row.note = "skip: --max-seconds reached"
+      elif skip := self.predicted_skip(impl, work, budget):
+        row.note = skip
+      else:
+        try:
+          timing = time_calls(fn, self.repeats, budget)
+        except Exception as err:  # noqa: BLE001 (e.g. cudnn absent: report, keep going)
+          row.note = _short_error(err)
+        else:
+          if impl in (ours, reference):
+            outputs[impl] = timing.output
+          row.first_s, row.num_timed = timing.first_s, timing.num_timed
+          self.last[impl] = (work, timing.median_s or timing.first_s, case.name)
+          if timing.median_s is None:
+            row.note = (f"first call {timing.first_s:.3g} s (compile + run) left no time "
+                        f"in the {budget:.0f} s budget for a timed call")
+          else:
+            row.seconds = timing.median_s
+            row.rate = to_rate(timing.median_s)
+            row.fraction = row.rate / ceiling if ceiling else None
+      if impl == ours and ours in outputs and reference in outputs:
+        row.note = (row.note + "; " if row.note else "") + _diff_note(
+            outputs[ours], outputs[reference], reference)
+      rows.append(row)
+      emit(row)
+    return rows
+
+
+def _diff_note(ours, reference, reference_name) -> str:
+  a = np.asarray(ours, np.float32)
+  b = np.asarray(reference, np.float32).reshape(a.shape)
+  return f"max|diff| vs {reference_name.split()[0]}: {np.max(np.abs(a - b)):.2e}"
 
 
 def prefill_cases(small: bool) -> list[PrefillCase]:
@@ -231,29 +383,63 @@ def decode_cases(small: bool) -> list[DecodeCase]:
     return [DecodeCase(2, 40, 4, 2, 64), DecodeCase(1, 100, 8, 1, 128)]
   cases = []
   for num_seqs in (1, 16, 64, 256):
-    for context_len in (128, 1024, 8192, 32768):
+    for context_len in (128, 1024, 4096, 8192, 32768):
       if num_seqs * context_len <= (1 << 21):  # <= 8 GiB per bf16 cache
         cases.append(DecodeCase(num_seqs, context_len, 32, 8, 128))
   return cases
 
 
-def format_table(rows: list[Row], rate_unit: str, fraction_of: str) -> str:
-  header = ("case", "impl", "ms", rate_unit, f"of {fraction_of}", "note")
-  lines = [header]
-  for r in rows:
-    lines.append((
-        r.case, r.impl,
-        "-" if r.seconds is None else f"{r.seconds * 1e3:.3f}",
-        "-" if r.rate is None else f"{r.rate:.4g}",
-        "-" if r.fraction is None else f"{100 * r.fraction:.1f}%",
-        r.note))
-  widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-  out = []
-  for n, line in enumerate(lines):
-    out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-    if n == 0:
-      out.append("  ".join("-" * w for w in widths))
-  return "\n".join(out)
+def run(*, parts=("ceilings", "prefill", "decode"), prefill: list[PrefillCase] | None = None,
+        decode: list[DecodeCase] | None = None, interpret: bool = False, repeats: int = 10,
+        case_timeout_s: float = 30.0, max_seconds: float | None = None,
+        flash_blocks: FlashBlockSizes | None = None,
+        paged_blocks: PagedBlockSizes | None = None,
+        out: Callable[[str], None] | None = None) -> Report:
+  """Measures the ceilings and the requested tables, printing each row as it comes."""
+  def emit(line: str) -> None:
+    (out or print)(line)
+    sys.stdout.flush()
+
+  small = interpret
+  prefill = prefill_cases(small) if prefill is None else prefill
+  decode = decode_cases(small) if decode is None else decode
+  state = _Run(repeats, case_timeout_s, max_seconds)
+  device_bytes = device_memory_bytes()
+  emit(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+       f", interpret={interpret}, repeats={repeats}, case budget {case_timeout_s:g} s"
+       + ("" if max_seconds is None else f", at most {max_seconds:g} s in all"))
+  # Always measured: the fractions in the other tables are relative to these.
+  ceilings = measure_ceilings(small=small, repeats=repeats, budget_s=2 * case_timeout_s)
+  emit(f"\nceilings: copy {ceilings['copy_gbps']:.1f} GB/s (read+write), "
+       f"bf16 matmul {ceilings['matmul_tflops']:.1f} TFLOP/s")
+  report = Report(ceilings, [])
+
+  if "prefill" in parts and prefill:
+    names = (OURS_PREFILL, XLA_PREFILL, CUDNN_PREFILL, MHA_PREFILL)
+    printer = RowPrinter("prefill (causal, GQA, bf16)", [c.name for c in prefill], names,
+                         "TFLOP/s", "matmul", emit)
+    for case in prefill:
+      impls = _prefill_impls(case, interpret=interpret, flash_blocks=flash_blocks,
+                             device_bytes=device_bytes)
+      report.rows += state.measure(
+          "prefill", case, impls, case.flops, lambda s, case=case: case.flops / s / 1e12,
+          ceilings["matmul_tflops"], ours=OURS_PREFILL, reference=XLA_PREFILL,
+          emit=printer.row)
+      del impls
+
+  if "decode" in parts and decode:
+    names = (OURS_DECODE, XLA_DECODE, CUDNN_DECODE)
+    printer = RowPrinter("decode (one query per sequence, bf16, block_size 16)",
+                         [c.name for c in decode], names, "GB/s", "copy", emit)
+    for case in decode:
+      impls = _decode_impls(case, interpret=interpret, paged_blocks=paged_blocks,
+                            device_bytes=device_bytes)
+      nbytes = case.bytes_moved(jnp.dtype(jnp.bfloat16).itemsize)
+      report.rows += state.measure(
+          "decode", case, impls, nbytes, lambda s, nbytes=nbytes: nbytes / s / 1e9,
+          ceilings["copy_gbps"], ours=OURS_DECODE, reference=XLA_DECODE, emit=printer.row)
+      del impls
+  return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,48 +451,20 @@ def main(argv: list[str] | None = None) -> int:
                       help="timed calls per measurement (default 10, 1 with --interpret)")
   parser.add_argument("--only", choices=("ceilings", "prefill", "decode"), action="append",
                       help="run only these parts (repeatable)")
+  parser.add_argument("--case-timeout-s", type=float, default=30.0,
+                      help="time budget of each row, one implementation on one case (default 30)")
+  parser.add_argument("--max-seconds", type=float, default=None,
+                      help="time budget of the whole run; later rows are skipped with a note")
   parser.add_argument("--block-q", type=int, default=None, help="flash_attention block_q")
   parser.add_argument("--block-kv", type=int, default=None, help="flash_attention block_kv")
   parser.add_argument("--num-splits", type=int, default=None, help="paged_attention num_splits")
   args = parser.parse_args(argv)
-  small = args.interpret
-  repeats = args.repeats or (1 if small else 10)
-  parts = set(args.only or ("ceilings", "prefill", "decode"))
-
   flash_kwargs = {k: v for k, v in (("block_q", args.block_q), ("block_kv", args.block_kv))
                   if v is not None}
-  flash_blocks = FlashBlockSizes(**flash_kwargs)
-  paged_blocks = PagedBlockSizes(num_splits=args.num_splits)
-
-  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-        f", interpret={args.interpret}, repeats={repeats}")
-  # Always measured: the fractions in the other tables are relative to these.
-  ceilings = measure_ceilings(small=small, repeats=repeats)
-  print(f"\nceilings: copy {ceilings['copy_gbps']:.1f} GB/s (read+write), "
-          f"bf16 matmul {ceilings['matmul_tflops']:.1f} TFLOP/s")
-
-  if "prefill" in parts:
-    rows = []
-    for case in prefill_cases(small):
-      impls = _prefill_impls(case, interpret=args.interpret, flash_blocks=flash_blocks)
-      rows += _run_impls("prefill", case.name, impls, repeats,
-                         lambda s, case=case: case.flops / s / 1e12, ceilings["matmul_tflops"],
-                         ours="ours (pallas)", reference="dot_product_attention[xla]")
-    print("\nprefill (causal, GQA, bf16)")
-    print(format_table(rows, "TFLOP/s", "matmul"))
-
-  if "decode" in parts:
-    rows = []
-    for case in decode_cases(small):
-      impls = _decode_impls(case, interpret=args.interpret, paged_blocks=paged_blocks)
-      nbytes = case.bytes_moved(jnp.dtype(jnp.bfloat16).itemsize)
-      rows += _run_impls("decode", case.name, impls, repeats,
-                         lambda s, nbytes=nbytes: nbytes / s / 1e9, ceilings["copy_gbps"],
-                         ours="ours (paged pallas)",
-                         reference="dot_product_attention[xla] contiguous")
-    print("\ndecode (one query per sequence, bf16, block_size 16)")
-    print(format_table(rows, "GB/s", "copy"))
-  sys.stdout.flush()
+  run(parts=set(args.only or ("ceilings", "prefill", "decode")), interpret=args.interpret,
+      repeats=args.repeats or (1 if args.interpret else 10), case_timeout_s=args.case_timeout_s,
+      max_seconds=args.max_seconds, flash_blocks=FlashBlockSizes(**flash_kwargs),
+      paged_blocks=PagedBlockSizes(num_splits=args.num_splits))
   return 0
 
 

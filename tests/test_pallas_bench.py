@@ -1,6 +1,9 @@
-"""Smoke test of `python -m pallas_kernels.bench --interpret` (tiny shapes on CPU)."""
+"""`python -m pallas_kernels.bench`: the --interpret smoke run (tiny shapes on CPU) and its bounds."""
 
 import re
+import time
+
+import jax.numpy as jnp
 
 from pallas_kernels import bench
 
@@ -26,4 +29,54 @@ def test_bench_full_case_lists_are_sane():
   assert {c.batch for c in prefill} == {1, 4, 16}
   assert {c.seq_len for c in prefill} == {512, 2048, 8192}
   assert {c.num_seqs for c in decode} == {1, 16, 64, 256}
-  assert {c.context_len for c in decode} == {128, 1024, 8192, 32768}
+  assert {c.context_len for c in decode} == {128, 1024, 4096, 8192, 32768}
+  # The decode target (64 sequences x 4k context) is one of the cases.
+  assert any(c.num_seqs == 64 and c.context_len == 4096 for c in decode)
+
+
+def _sleeper(seconds):
+  def fn():
+    time.sleep(seconds)
+    return jnp.zeros(())
+  return fn
+
+
+def test_time_calls_stops_when_the_budget_is_spent():
+  timing = bench.time_calls(_sleeper(0.05), repeats=100, budget_s=0.3)
+  assert timing.first_s >= 0.05
+  assert 1 <= timing.num_timed < 6
+  # A first call longer than the budget leaves no timed call at all.
+  timing = bench.time_calls(_sleeper(0.05), repeats=100, budget_s=0.04)
+  assert timing.num_timed == 0 and timing.median_s is None
+
+
+def _measure(state, case, impls, work):
+  rows = []
+  state.measure("t", case, impls, work, lambda s: work / s, 1.0, ours="ours", reference="ref",
+                emit=rows.append)
+  return rows
+
+
+def test_slow_baseline_is_skipped_from_its_previous_time():
+  state = bench._Run(repeats=2, case_timeout_s=1.0, max_seconds=None)
+  small, large = bench.PrefillCase(1, 64, 4, 2, 64), bench.PrefillCase(1, 4096, 4, 2, 64)
+  impls = {"ref": _sleeper(0.02), "ours": _sleeper(0.001), "note only": "skip: reason"}
+  rows = {r.impl: r for r in _measure(state, small, impls, small.flops)}
+  assert rows["ref"].seconds and rows["ours"].seconds and rows["ours"].num_timed == 2
+  assert rows["ours"].note.startswith("max|diff| vs ref: 0.00e+00")
+  assert rows["note only"].note == "skip: reason"
+  # 4096x the flops: ref predicts ~80 s a call, ours ~4 s; both over the 1 s budget.
+  start = time.perf_counter()
+  rows = {r.impl: r for r in _measure(state, large, impls, large.flops)}
+  assert time.perf_counter() - start < 0.5
+  for impl in ("ref", "ours"):
+    assert rows[impl].seconds is None
+    assert "skip: ~" in rows[impl].note and "scaled from B=1 L=64" in rows[impl].note
+
+
+def test_max_seconds_skips_the_rest():
+  state = bench._Run(repeats=1, case_timeout_s=10.0, max_seconds=0.05)
+  case = bench.DecodeCase(1, 16, 4, 2, 64)
+  rows = _measure(state, case, {"ref": _sleeper(0.06), "ours": _sleeper(0.0)}, 1.0)
+  assert rows[0].impl == "ref" and rows[0].first_s >= 0.06
+  assert rows[1].note == "skip: --max-seconds reached"
