@@ -40,18 +40,24 @@ def full_spec(shape):
 
 
 def triton_compiler_params(num_warps, num_stages):
-  """Triton launch settings, or None when unset or unavailable in this jax."""
-  if num_warps is None and num_stages is None:
-    return None
+  """Triton launch settings, always explicit on GPU.
+
+  Passing Triton's CompilerParams (even empty) picks the Triton lowering: with None, some jax
+  versions default to Mosaic GPU, which these kernels are not written for. None only when this
+  jax has no Triton backend.
+  """
   try:
     from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415 (GPU-only extra)
-    kwargs = {}
-    if num_warps is not None:
-      kwargs["num_warps"] = num_warps
-    if num_stages is not None:
-      kwargs["num_stages"] = num_stages
+  except ImportError:
+    return None
+  kwargs = {}
+  if num_warps is not None:
+    kwargs["num_warps"] = num_warps
+  if num_stages is not None:
+    kwargs["num_stages"] = num_stages
+  try:
     return pltriton.CompilerParams(**kwargs)
-  except (ImportError, AttributeError, TypeError):
+  except (AttributeError, TypeError):
     return None
 
 

@@ -89,11 +89,14 @@ def _paged_kernel(work_seq_ref, work_pos_ref, work_kv_len_ref, block_tables_ref,
   # work_kv_len_ref:  [num_work] int32  keys the tile needs (last position + 1)
   # block_tables_ref: [num_seqs, padded_blocks_per_seq] int32
   # q_ref:            [rows, head_dim]  row = token_in_tile * heads_pad + head_in_group
-  # k_ref, v_ref:     [num_blocks, page_size, head_dim]  (this program's kv head)
+  # k_ref, v_ref:     [num_blocks, page_size, num_kv_heads, head_dim]  the whole pool, unblocked:
+  #                   the program reads only its kv head's pages, so no block of the pool is
+  #                   ever staged or copied (the pools are donated and updated in place)
   # out_refs: o_ref [rows, head_dim], and with num_splits > 1 also
   #           m_ref [rows] (running max, log2 domain), l_ref [rows] (running sum);
   #           with splits o_ref holds the unnormalized accumulator in f32.
   work = pl.program_id(0)
+  kv_head = pl.program_id(1)
   split = pl.program_id(2)
   rows, head_dim = q_ref.shape
   num_blocks = k_ref.shape[0]
@@ -122,8 +125,8 @@ def _paged_kernel(work_seq_ref, work_pos_ref, work_kv_len_ref, block_tables_ref,
     # Table slots past the sequence's last page hold garbage; never follow them.
     block_ids = jnp.where(page_ids < num_pages, block_ids, 0)
     block_ids = jnp.clip(block_ids, 0, num_blocks - 1)
-    k = k_ref[block_ids].reshape(keys_per_step, head_dim)  # [keys_per_step, head_dim]
-    v = v_ref[block_ids].reshape(keys_per_step, head_dim)  # [keys_per_step, head_dim]
+    k = k_ref[block_ids, :, kv_head, :].reshape(keys_per_step, head_dim)  # [keys_per_step, head_dim]
+    v = v_ref[block_ids, :, kv_head, :].reshape(keys_per_step, head_dim)  # [keys_per_step, head_dim]
     key_pos = page_lo * page_size + lax.broadcasted_iota(jnp.int32, (keys_per_step,), 0)
     # Slots past kv_len in the last page may hold nan; 0 * nan would leak into
     # the p @ v product, so v is zeroed there, not only p.
@@ -315,8 +318,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens=N
   kernel = functools.partial(
       _paged_kernel, scale_log2=float(sm_scale) * LOG2_E, heads_pad=heads_pad,
       page_size=page_size, pages_per_compute_block=pages_per_step, num_splits=num_splits)
-  cache_spec = pl.BlockSpec((num_blocks, page_size, None, head_dim),
-                            lambda w, h, s: (0, 0, h, 0))
+  # The pools are passed whole (memory space ANY): a per-head block would be staged as a copy of
+  # a quarter of the pool per program in interpret mode, and the kernel needs no staging anyway.
+  cache_spec = pl.BlockSpec(memory_space=pl.ANY)
   if num_splits == 1:
     out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda w, h, s: (w, h, 0, 0))
     out_shape = jax.ShapeDtypeStruct((num_work, num_kv_heads, rows, head_dim), q.dtype)

@@ -21,6 +21,7 @@ class PipelineOptions:
     device_memory_bytes: int = 4 << 30
     memory_utilization: float = 0.9
     reserve_bytes: int = 0
+    memory_limit_bytes: int | None = None
     num_kv_blocks: int | None = None
     quantization: str | None = None
     tensor_parallel_size: int = 1
@@ -53,7 +54,8 @@ def _memory_options(opts: PipelineOptions) -> dict:
                 memory_utilization=opts.memory_utilization, block_size=opts.block_size,
                 max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
                 tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks,
-                paged_attention_lowering=opts.paged_attention_lowering)
+                paged_attention_lowering=opts.paged_attention_lowering,
+                memory_limit_bytes=opts.memory_limit_bytes)
 
 
 def memory_report(graph: Graph, opts: PipelineOptions):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ir import DTYPE_BYTES, Graph, Node, bind_shape
 from ir.graph import freeze_attrs
@@ -190,6 +190,19 @@ class MemoryPlan:
     max_concurrent_seqs: int
     buckets: tuple[BucketMemory, ...] = field(default=())
     tensor_parallel_size: int = 1
+    # What the allocator can still hand out (JAX's preallocation fraction minus what is held),
+    # when it is less than utilization x device memory. None: no separate limit (CPU).
+    memory_limit_bytes: int | None = None
+
+    @property
+    def budget_bytes(self) -> int:
+        """What weights, activations, the reserve and the KV cache may use together."""
+        budget = int(self.device_memory_bytes * self.memory_utilization)
+        return budget if self.memory_limit_bytes is None else min(budget, self.memory_limit_bytes)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_bytes_per_block
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -209,6 +222,11 @@ class MemoryPlan:
             f"memory plan{per} (tensor_parallel_size={tp})" if tp > 1 else "memory plan",
             f"  device memory          {mib(self.device_memory_bytes)}",
             f"  x utilization {self.memory_utilization:<8} {mib(self.device_memory_bytes * self.memory_utilization)}",
+        ]
+        if self.memory_limit_bytes is not None:
+            binds = self.memory_limit_bytes < self.device_memory_bytes * self.memory_utilization
+            lines.append(f"  allocator limit        {mib(self.memory_limit_bytes)}{'  (binds)' if binds else ''}")
+        lines += [
             f"  - weights              {mib(self.weight_bytes)}",
             f"  - peak activations     {mib(self.peak_activation_bytes)}",
             f"  - reserve              {mib(self.reserve_bytes)}",
@@ -234,11 +252,12 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
                        memory_utilization: float, block_size: int, max_model_len: int,
                        reserve_bytes: int = 0, tensor_parallel_size: int = 1,
                        num_kv_blocks: int | None = None,
-                       paged_attention_lowering: str = "chunked") -> MemoryPlan:
+                       paged_attention_lowering: str = "chunked",
+                       memory_limit_bytes: int | None = None) -> MemoryPlan:
     """Sizes the KV pool from what is left after weights and the worst bucket's activations.
 
-    num_kv_blocks = floor((memory_utilization x device memory - weights - peak activations
-    - reserve) / KV bytes per block), where peak activations is the largest bucket's predicted
+    num_kv_blocks = floor((min(memory_utilization x device memory, allocator limit) - weights
+    - peak activations - reserve) / KV bytes per block), where peak activations is the largest bucket's predicted
     temporaries plus its argument and output buffers. With tensor parallelism every byte figure
     is per device: a weight, KV pool or activation the `shard` pass split (its `sharding` attr)
     counts 1/tp, a replicated one counts fully.
@@ -255,13 +274,14 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
     peak = max((b.total_bytes for b in per_bucket), default=0)
     w = weight_bytes(graph)
     per_block = kv_bytes_per_block(graph)
-    budget = int(device_memory_bytes * memory_utilization) - w - peak - reserve_bytes
+    plan = MemoryPlan(device_memory_bytes, memory_utilization, reserve_bytes, w, peak, per_block,
+                      block_size, 0, max_model_len, 0, tuple(per_bucket), tensor_parallel_size,
+                      memory_limit_bytes)
+    budget = plan.budget_bytes - w - peak - reserve_bytes
     blocks = max(budget // per_block, 0) if per_block else 0
     if num_kv_blocks is not None:
         blocks = num_kv_blocks
-    return MemoryPlan(device_memory_bytes, memory_utilization, reserve_bytes, w, peak, per_block,
-                      block_size, blocks, max_model_len, blocks // max_blocks, tuple(per_bucket),
-                      tensor_parallel_size)
+    return replace(plan, num_kv_blocks=blocks, max_concurrent_seqs=blocks // max_blocks)
 
 
 def activation_bytes(graph: Graph, env: dict[str, int], tp: int = 1, lowering: str = "chunked") -> int:

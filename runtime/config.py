@@ -5,8 +5,25 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-DTYPE_ALIASES = {"auto": "f32", "float32": "f32", "fp32": "f32", "f32": "f32", "bfloat16": "bf16",
-                 "bf16": "bf16", "float16": "f16", "half": "f16", "f16": "f16"}
+DTYPE_ALIASES = {"float32": "f32", "fp32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
+                 "float16": "f16", "half": "f16", "f16": "f16"}
+# `auto` (vLLM's default) takes the model's dtype where the hardware runs it well: bf16 on
+# accelerators; f32 on CPU, where XLA's bf16 matmuls are emulated and slower than f32.
+AUTO_DTYPE = {"gpu": "bf16", "cuda": "bf16", "rocm": "bf16", "tpu": "bf16"}
+
+
+def resolve_dtype(dtype: str, platform: str | None = None) -> str:
+    """An IR dtype name (f32/bf16/f16) for a user's dtype; `auto` depends on the platform."""
+    name = str(dtype).lower()
+    if name == "auto":
+        if platform is None:
+            import jax
+
+            platform = jax.default_backend()
+        return AUTO_DTYPE.get(platform, "f32")
+    if name not in DTYPE_ALIASES:
+        raise ValueError(f"dtype must be one of {['auto'] + sorted(DTYPE_ALIASES)}, got {dtype!r}")
+    return DTYPE_ALIASES[name]
 
 # On a CPU there is no device memory to measure; like vLLM's CPU backend (4 GiB KV space by
 # default) we assume a fixed budget, which `device_memory` overrides.
@@ -20,7 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     block_size: int = 16
     memory_utilization: float = 0.9
-    dtype: str = "f32"
+    dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling: str = "continuous"
@@ -30,13 +47,13 @@ class EngineConfig:
     quantization: str | None = None
     seed: int = 0
     num_kv_blocks: int | None = None
-    device_memory: int | None = None
+    device_memory: int | None = None  # bytes of one device; measured on GPU, CPU_DEVICE_MEMORY on CPU
+    memory_limit: int | None = None  # bytes the allocator can still give; measured on GPU
     kernel_backend: str = "auto"
     reserve_bytes: int = 64 << 20
 
     def __post_init__(self):
-        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), None) or _bad("dtype", self.dtype,
-                                                                            sorted(DTYPE_ALIASES))
+        self.dtype = resolve_dtype(self.dtype)
         for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "tensor_parallel_size"):
             v = getattr(self, f)
@@ -68,7 +85,3 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _bad(name, value, allowed):
-    raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

@@ -59,27 +59,29 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
             raise ValueError(f"op {node.op!r} has no implementation")
         # Sharding annotations steer mesh_constraints; the op's implementation never sees them.
         attrs = {k: v for k, v in node.attrs if k not in SHARDING_ATTRS}
-        extra = {}
-        if getattr(fn, "takes_new_kv", False) and all(x.op == "kv_write" for x in node.inputs[1:3]):
-            # Kernels that can attend over the step's own k/v (fresh prefill) get them too.
-            extra = {"k_new": id(node.inputs[1].inputs[1]), "v_new": id(node.inputs[2].inputs[1])}
-        plan.append((id(node), fn, tuple(id(i) for i in node.inputs), attrs, extra, node))
+        plan.append((id(node), fn, tuple(id(i) for i in node.inputs), attrs, node))
 
     def step(params: dict[str, Any], kv_state: dict[str, Any], inputs: dict[str, Any]):
         env: dict[int, Any] = {}
         for leaf in leaves:
             src = params if leaf.op == "param" else (kv_state if leaf.name in state else inputs)
             env[id(leaf)] = src[leaf.name]
-        for nid, fn, ins, attrs, extra, node in plan:
-            val = fn(*(env[i] for i in ins), **attrs, **{k: env[i] for k, i in extra.items()})
+        for nid, fn, ins, attrs, node in plan:
+            val = fn(*(env[i] for i in ins), **attrs)
             if mesh_constraints is not None:
                 val = mesh_constraints(node, val)
             env[nid] = val
-        outs = {name: env[i] for name, i in out_names if name not in state}
+        # Logits and hidden states leave the step in f32 whatever the model's dtype: the sampler,
+        # logprobs and prompt logprobs work in f32 (a bf16 softmax over 49k entries loses digits).
+        outs = {name: _f32(env[i]) for name, i in out_names if name not in state}
         new_state = {name: env[i] for name, i in out_names if name in state}
         return outs, new_state
 
     return step
+
+
+def _f32(x):
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def jit_step(graph: Graph, backend: str = "xla", **jit_kwargs):

@@ -109,39 +109,18 @@ def lowerings(backend: str) -> dict:
     interpret = backend == "interpret"
 
     def paged(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale, num_kv_heads,
-              block_size, head_dim, k_new=None, v_new=None):
-        # One IR op, three kernels, picked at run time so no bucket is added:
-        #   every sequence decodes one token  -> the decode-shaped paged kernel (one q row per seq);
-        #   no sequence has cached context    -> FlashAttention over the new tokens' own k/v;
-        #   anything else (chunked prefill, prefix hits, mixes) -> the ragged paged kernel.
-        t = q.shape[0]
-        q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-
-        def general():
-            return pk.paged_attention(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens,
-                                      sm_scale=scale, interpret=interpret)
-
-        def decode():
-            rows = jnp.clip(cu_q_lens[:-1], 0, t - 1)
-            out = pk.paged_attention(q[rows], k_pool, v_pool, block_tables, context_lens, None,
-                                     sm_scale=scale, interpret=interpret)
-            dst = jnp.where(q_lens == 1, rows, t)
-            return jnp.zeros_like(q).at[dst].set(out, mode="drop")
-
-        branches = [general]
-        if t >= context_lens.shape[0]:
-            branches.append(decode)
-        which = jnp.where(jnp.all(q_lens <= 1), len(branches) - 1, 0)
-        if k_new is not None:
-            def fresh():
-                return pk.flash_attention(q, k_new, v_new, cu_q_lens, causal=True, sm_scale=scale,
-                                          interpret=interpret)
-
-            branches.append(fresh)
-            which = jnp.where(jnp.all(context_lens == q_lens) & ~jnp.all(q_lens <= 1), len(branches) - 1, which)
-        return jax.lax.switch(which, branches)
-
-    paged.takes_new_kv = True
+              block_size, head_dim):
+        # One kernel call, tiled per bucket at trace time; no run-time branch. A conditional
+        # would take the pools as operands, and XLA may copy a conditional's operands; the pools
+        # must reach the kernel as the donated buffers themselves.
+        #   decode-shaped buckets (no more tokens than sequences): one query token per work item,
+        #     so a decode row wastes no tile rows;
+        #   prefill-shaped buckets: tiles of several tokens of one sequence, so each KV page is
+        #     read once per tile rather than once per token.
+        t, s = q.shape[0], context_lens.shape[0]
+        blocks = pk.PagedAttentionBlockSizes(block_q=1) if t <= s else None
+        return pk.paged_attention(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens,
+                                  sm_scale=scale, block_sizes=blocks, interpret=interpret)
 
     def attention(q, k_cache, v_cache, seq_ids, positions, *, scale, causal, num_kv_heads, head_dim):
         if not causal:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import threading
@@ -16,6 +17,8 @@ from ir import bind_shape
 from passes.plan_memory import MemoryPlan
 from runtime.executor import JNP_DTYPES, build_step, state_names
 from runtime.sampler import Sampler
+
+log = logging.getLogger("runtime.model_runner")
 
 # ---------------------------------------------------------------- compile counting
 
@@ -66,6 +69,25 @@ def _prompt_logprobs(hidden, norm_w, lm_head, targets, eps):
     return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0], top_ids, top_lp
 
 
+def check_fit(memory: MemoryPlan, measured_peak: int | None = None) -> None:
+    """Raises MemoryError, with the numbers, when weights + KV pools + the activation peak exceed
+    what the device (and its allocator) can give: better to stop at start than to sit in
+    allocator retries or fail in the middle of serving."""
+    peak = memory.peak_activation_bytes if measured_peak is None else measured_peak
+    need = memory.weight_bytes + memory.kv_cache_bytes + peak
+    if need <= memory.budget_bytes:
+        return
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    which = "planned" if measured_peak is None else "measured"
+    raise MemoryError(
+        f"the plan does not fit: weights {mib(memory.weight_bytes)} + KV cache "
+        f"{mib(memory.kv_cache_bytes)} ({memory.num_kv_blocks} blocks) + {which} activation peak "
+        f"{mib(peak)} = {mib(need)}, but the budget is {mib(memory.budget_bytes)} "
+        f"(memory_utilization {memory.memory_utilization} x device {mib(memory.device_memory_bytes)}"
+        + (f", allocator limit {mib(memory.memory_limit_bytes)}" if memory.memory_limit_bytes is not None else "")
+        + "); lower num_kv_blocks, max_num_batched_tokens or max_model_len, or raise memory_utilization")
+
+
 class ModelRunner:
     """Owns the device state of a plan and executes one bucketed step at a time."""
 
@@ -91,6 +113,7 @@ class ModelRunner:
             mesh = TensorParallelMesh.for_graph(self.graph, engine.tensor_parallel_size)
         self.mesh = mesh
         self.state_names = state_names(self.graph)
+        check_fit(plan.memory)  # before any weight or pool reaches the device
         self.params = self._put_params(plan.weights)
         self.state = self._alloc_state()
         self.compiled: dict[tuple[int, int], object] = {}
@@ -154,7 +177,7 @@ class ModelRunner:
             self.compiled[bucket] = lowered.compile()
         return self.compiled[bucket]
 
-    def warmup(self, progress: bool = False, measure_memory: bool = False, execute: bool = False) -> float:
+    def warmup(self, progress: bool = False, execute: bool = False) -> float:
         """AOT-compiles every bucket and sampler variant (from the persistent cache when warm).
 
         With `execute`, also runs each bucket once on all-padding inputs (nothing is written to
@@ -171,8 +194,8 @@ class ModelRunner:
             it = tqdm(buckets, desc="compile buckets", unit="bucket", file=sys.stderr)
         for b in it:
             c = self.compile_bucket(b)
-            if measure_memory:
-                self.xla_memory[b] = int(c.memory_analysis().temp_size_in_bytes)
+            self.xla_memory[b] = int(c.memory_analysis().temp_size_in_bytes)
+        self.check_measured_fit()
         if execute:
             for b in buckets:
                 args = {k: np.zeros(v.shape, v.dtype) for k, v in self.input_specs(*b).items()}
@@ -193,6 +216,16 @@ class ModelRunner:
             jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.float32)).compile()
         return time.perf_counter() - t0
+
+    def check_measured_fit(self) -> None:
+        """The planned peak against XLA's own numbers for the compiled buckets; refuses to run a
+        plan whose measured workspace no longer fits beside the weights and the KV pools."""
+        memory = self.memory_with_xla(self.plan.memory)
+        measured = max((b.xla_temp_bytes + b.io_bytes for b in memory.buckets
+                        if b.xla_temp_bytes is not None), default=0)
+        log.info("activation peak: planned %.1f MiB, measured (XLA) %.1f MiB over %d buckets",
+                 memory.peak_activation_bytes / 2**20, measured / 2**20, len(self.xla_memory))
+        check_fit(memory, measured)
 
     @property
     def max_num_copy_pairs(self) -> int:

@@ -1,0 +1,130 @@
+"""The GPU path, checked on CPU: bf16 end to end, dtype auto, no KV-pool copies in the Pallas step,
+the kernels lowering through Triton, and a plan that does not fit refused at start."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ir import bind_shape
+from models.config import get_preset
+from models.weights import random_weights
+from runtime import SamplingParams
+from runtime.buckets import BucketTable
+from runtime.compile import build_graph, compile_plan
+from runtime.config import EngineConfig, resolve_dtype
+from runtime.executor import JNP_DTYPES, build_step, state_names
+from runtime.llm import LLM
+
+TINY = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
+
+
+def tiny_llm(**engine) -> LLM:
+    cfg = get_preset("tiny")
+    plan = compile_plan(None, EngineConfig(**(TINY | dict(num_kv_blocks=48) | engine)),
+                        weights=random_weights(cfg, seed=0), config=cfg)
+    return LLM.from_plan(plan, check_invariants=True)
+
+
+# ---------------------------------------------------------------- bf16 and dtype auto
+
+
+def test_bf16_generates_through_llm_on_every_cpu_backend():
+    """bf16 logits reach the sampler (and logprobs) as f32; xla and interpreted Pallas agree."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = {}
+    for backend in ("xla", "interpret"):
+        llm = tiny_llm(dtype="bfloat16", kernel_backend=backend)
+        assert llm.plan.engine.dtype == "bf16"
+        assert all(x.dtype == jnp.bfloat16 for x in llm.engine.runner.state.values())
+        res = llm.generate([[1, 2, 3, 4], list(range(5, 40))], params)
+        for r in res:
+            assert len(r.outputs[0].token_ids) == 6
+            assert all(np.isfinite(list(d.values())).all() for d in r.outputs[0].logprobs)
+        outs[backend] = [r.outputs[0].token_ids for r in res]
+        sampled = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.8, seed=3, max_tokens=4,
+                                                         ignore_eos=True))
+        assert len(sampled[0].outputs[0].token_ids) == 4
+    assert outs["xla"] == outs["interpret"]
+
+
+def test_dtype_auto_is_bf16_on_gpu_and_f32_on_cpu():
+    assert resolve_dtype("auto", "gpu") == "bf16"
+    assert resolve_dtype("auto", "cpu") == "f32"
+    assert resolve_dtype("float32", "gpu") == "f32"
+    assert EngineConfig().dtype == resolve_dtype("auto", jax.default_backend())
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float8")
+
+
+# ---------------------------------------------------------------- the Pallas step and the pools
+
+
+def _step_at(num_kv_blocks: int, backend: str, platforms=None):
+    cfg = get_preset("tiny")
+    e = EngineConfig(**TINY, num_kv_blocks=num_kv_blocks, dtype="f32")
+    graph, _, _ = build_graph(cfg, e, BucketTable.build(32, 4), device_memory=1 << 30, keep_pass_texts=False)
+    names = set(state_names(graph))
+    env = {"T": 32, "S": 4, "R": 4, "M": math.ceil(128 / 16), "B": num_kv_blocks}
+    spec = lambda leaf: jax.ShapeDtypeStruct(bind_shape(leaf.shape, env), JNP_DTYPES[leaf.dtype])  # noqa: E731
+    params = {p.name: jax.ShapeDtypeStruct(p.shape, JNP_DTYPES[p.dtype]) for p in graph.params}
+    state = {x.name: spec(x) for x in graph.runtime_inputs if x.name in names}
+    inputs = {x.name: spec(x) for x in graph.runtime_inputs if x.name not in names}
+    step = jax.jit(build_step(graph, backend), donate_argnums=(1,))
+    traced = step.trace(params, state, inputs)
+    pool_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in state.values())
+    return traced, pool_bytes, len(state)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_step_temp_does_not_grow_with_the_pool_and_pools_alias(backend):
+    """The KV pools reach every kernel as the donated buffers: no copy of a pool, in place."""
+    temps = []
+    for blocks in (64, 1024):
+        traced, pool_bytes, _ = _step_at(blocks, backend)
+        ma = traced.lower().compile().memory_analysis()
+        temps.append(ma.temp_size_in_bytes)
+        # Every pool byte of the outputs aliases a donated input.
+        assert ma.alias_size_in_bytes >= pool_bytes
+    # 16x the pool: the temporaries stay the same (a copy of one pool would add 2 MiB here).
+    assert temps[1] == temps[0], temps
+
+
+def test_pallas_step_lowers_for_cuda_through_triton():
+    """On CPU we can't compile for a GPU, but we can lower: the paged kernels go to Triton
+    custom calls (not Mosaic GPU), one per layer, and the pools are donated."""
+    traced, _, num_pools = _step_at(64, "pallas")
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.custom_call @__gpu$xla.gpu.triton" in text
+    # One call of the jitted kernel per layer (its body holds the Triton custom call).
+    assert len(re.findall(r"call @paged_attention\b", text)) == get_preset("tiny").num_layers
+    assert "mosaic" not in text.lower()
+    donated = text.count("tf.aliasing_output") + text.count("jax.buffer_donor")
+    assert donated >= num_pools
+
+
+# ---------------------------------------------------------------- KV sizing and the fit check
+
+
+def test_plan_budget_respects_the_allocator_limit():
+    """memory_utilization is a fraction of the device; the allocator's limit caps it."""
+    cfg = get_preset("tiny")
+    free = EngineConfig(**TINY, device_memory=1 << 30)
+    capped = EngineConfig(**TINY, device_memory=1 << 30, memory_limit=256 << 20)
+    b = BucketTable.build(32, 4)
+    _, plan_free, _ = build_graph(cfg, free, b, keep_pass_texts=False)
+    _, plan_capped, _ = build_graph(cfg, capped, b, keep_pass_texts=False)
+    assert plan_capped.num_kv_blocks < plan_free.num_kv_blocks
+    used = plan_capped.weight_bytes + plan_capped.peak_activation_bytes + plan_capped.reserve_bytes
+    assert used + plan_capped.num_kv_blocks * plan_capped.kv_bytes_per_block <= 256 << 20
+
+
+def test_engine_refuses_a_plan_that_does_not_fit():
+    """More KV blocks than the device holds: a clear error with the numbers, before any pool exists."""
+    with pytest.raises(MemoryError, match=r"does not fit.*KV cache.*MiB"):
+        tiny_llm(num_kv_blocks=2_000_000, device_memory=64 << 20)
