@@ -128,3 +128,44 @@ def test_engine_refuses_a_plan_that_does_not_fit():
     """More KV blocks than the device holds: a clear error with the numbers, before any pool exists."""
     with pytest.raises(MemoryError, match=r"does not fit.*KV cache.*MiB"):
         tiny_llm(num_kv_blocks=2_000_000, device_memory=64 << 20)
+
+
+# ---------------------------------------------------------------- SmolLM2 in bf16
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_through_llm_and_server(smollm2):
+    """The real model in bf16 (what `auto` means on a GPU): teacher-forced on HF's f32 golden
+    continuations, its top-1 equals HF's wherever HF's top-1/top-2 margin is wide enough for bf16
+    rounding not to matter; and the HTTP server returns what LLM.generate does."""
+    import httpx
+    from conftest import golden_arrays, golden_prompts
+
+    from runtime.serve import ServerThread, build_app
+
+    config, weights, tok = smollm2
+    engine = EngineConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=96,
+                          dtype="bfloat16")
+    llm = LLM.from_plan(compile_plan(None, engine, weights=weights, config=config, tokenizer=tok),
+                        check_invariants=True)
+    assert llm.engine.runner.params["embed"].dtype == jnp.bfloat16
+    checked = 0
+    for p in golden_prompts():
+        g = golden_arrays(p["name"])
+        prompt, gen = g["prompt_ids"].tolist(), g["gen_ids"].tolist()
+        out = llm.generate([prompt + gen], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+        for i, margin in enumerate(p["top1_top2_margin_per_step"]):
+            if margin >= 1.0:
+                lps = out.prompt_logprobs[len(prompt) + i]
+                assert max(lps, key=lps.get) == gen[i], (p["name"], i)
+                checked += 1
+    assert checked >= 40
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = [r.outputs[0].text for r in llm.generate(prompts, params)]
+    with ServerThread(build_app(llm.engine, served_model_names=["smol-bf16"], log_stats_interval=0)) as st:
+        r = httpx.post(st.url + "/v1/completions", timeout=120, json={
+            "model": "smol-bf16", "prompt": prompts, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == want
