@@ -27,7 +27,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--device-memory", type=float, default=None,
                    help="device memory in GiB to plan for (default: measured on GPU, 4 GiB on CPU)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="override the planned KV block count")
-    g.add_argument("--dtype", default=d.dtype, help="float32 (default) or bfloat16")
+    g.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on GPU, float32 on CPU), float32 or bfloat16")
     g.add_argument("--enable-prefix-caching", type=_bool, default=d.enable_prefix_caching)
     g.add_argument("--enable-chunked-prefill", type=_bool, default=d.enable_chunked_prefill)
     g.add_argument("--scheduling", default=d.scheduling, help="continuous (default), dynamic or static")

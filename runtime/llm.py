@@ -6,7 +6,7 @@ import sys
 from typing import Sequence
 
 from runtime.compile import Plan, compile_plan, is_plan_dir
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, resolve_dtype
 from runtime.engine import LLMEngine, RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -20,6 +20,8 @@ def load_plan(model, engine_args: dict) -> Plan:
     if is_plan_dir(model):
         plan = Plan.load(model)
         fixed = {k: v for k, v in engine_args.items() if k not in RUNTIME_ARGS and k != "gpu_memory_utilization"}
+        if "dtype" in fixed:
+            fixed["dtype"] = resolve_dtype(fixed["dtype"])
         for k, v in fixed.items():
             if getattr(plan.engine, k, v) != v:
                 raise ValueError(f"{model} was compiled with {k}={getattr(plan.engine, k)!r}; "
