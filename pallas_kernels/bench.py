@@ -44,6 +44,7 @@ from pallas_kernels.flash_attention import BlockSizes as FlashBlockSizes
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.paged_attention import BlockSizes as PagedBlockSizes
 from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.testing import tolerance
 
 # Skip an implementation whose temporaries would exceed this (the xla path
 # materializes the full [B, H, L, L] logits), or this fraction of the device's
@@ -114,6 +115,7 @@ class Row:
   spec: PrefillCase | DecodeCase | None = None
   first_s: float | None = None  # the first call: compile + run
   num_timed: int = 0
+  matches_reference: bool | None = None  # ours only: within the dtype's kernel tolerance
 
 
 @dataclasses.dataclass
@@ -353,17 +355,19 @@ class _Run:
             row.rate = to_rate(timing.median_s)
             row.fraction = row.rate / ceiling if ceiling else None
       if impl == ours and ours in outputs and reference in outputs:
-        row.note = (row.note + "; " if row.note else "") + _diff_note(
-            outputs[ours], outputs[reference], reference)
+        note, row.matches_reference = _compare(outputs[ours], outputs[reference], reference)
+        row.note = (row.note + "; " if row.note else "") + note
       rows.append(row)
       emit(row)
     return rows
 
 
-def _diff_note(ours, reference, reference_name) -> str:
+def _compare(ours, reference, reference_name) -> tuple[str, bool]:
   a = np.asarray(ours, np.float32)
   b = np.asarray(reference, np.float32).reshape(a.shape)
-  return f"max|diff| vs {reference_name.split()[0]}: {np.max(np.abs(a - b)):.2e}"
+  close = bool(np.allclose(a, b, **tolerance(ours.dtype)))
+  note = f"max|diff| vs {reference_name.split()[0]}: {np.max(np.abs(a - b)):.2e}"
+  return note + ("" if close else " (outside tolerance)"), close
 
 
 def prefill_cases(small: bool) -> list[PrefillCase]:

@@ -1,0 +1,643 @@
+"""Checks this machine and this build: `python -m runtime.selfcheck [--quick] [--json PATH]`.
+
+Runs five parts, each in its own subprocess with its own timeout, so a hang or a crash is
+reported (TIMEOUT / FAIL with the tail of its output) and the next part still runs:
+
+  devices     versions, devices, and one matmul checked against numpy
+  kernels     every Pallas kernel against its jnp reference at f32 and bf16 (compiled on a
+              GPU, interpreted elsewhere)
+  tiny        the tiny model through the Pallas kernels against XLA, token for token
+  throughput  SmolLM2-135M's shape with random weights, XLA against Pallas, at one sequence and
+              at 64, over a small bucket table
+  bench       pallas_kernels.bench on the cases the targets name, each row time-capped
+
+Then it prints one table and the performance targets (PASS / FAIL / n.a.; they are set for an
+H200 and only measurable on a GPU). It exits 1 if any part did not pass; target misses count
+only with --strict-targets. `--quick` shrinks every part (CPU CI); its table says where the
+shapes differ from the full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PARTS = ("devices", "kernels", "tiny", "throughput", "bench")
+# Seconds each part may take: (full run on a GPU, --quick). The full column sums to 8 minutes.
+TIMEOUTS = {"devices": (45, 45), "kernels": (75, 75), "tiny": (75, 75), "throughput": (165, 120),
+            "bench": (120, 60)}
+BENCH_MAX_SECONDS = {False: 95.0, True: 40.0}  # inside the bench part's timeout
+TAIL_LINES = 25
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass
+class PartResult:
+    part: str
+    status: str  # PASS, FAIL or TIMEOUT
+    seconds: float
+    summary: str
+    data: dict = dataclasses.field(default_factory=dict)
+    tail: str = ""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _print_rows(rows: list[tuple], out=print) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for n, r in enumerate(rows):
+        out("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        if n == 0:
+            out("  ".join("-" * w for w in widths))
+
+
+def _short(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:160] if lines else ''}"
+
+
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+# ----------------------------------------------------------------------------- part: devices
+
+
+def part_devices(args) -> tuple[bool, str, dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    print(jax.print_environment_info(return_string=True).strip())
+    backend = jax.default_backend()
+    devices = jax.devices()
+    rows = [("id", "platform", "kind", "memory GiB")]
+    for d in devices:
+        try:
+            limit = (d.memory_stats() or {}).get("bytes_limit")
+        except Exception:  # noqa: BLE001 (CPU devices have no memory stats)
+            limit = None
+        rows.append((d.id, d.platform, d.device_kind, "-" if limit is None else f"{limit / 2**30:.1f}"))
+    _print_rows(rows)
+    problems = []
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 128, 128)).astype(np.float32)
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    for d in devices:
+        got = jax.jit(lambda x, y: jnp.dot(x, y, precision=jax.lax.Precision.HIGHEST))(
+            jax.device_put(a, d), jax.device_put(b, d))
+        err = float(np.max(np.abs(np.asarray(got, np.float64) - expected)))
+        print(f"device {d.id}: 128x128 f32 matmul, max|diff| vs numpy {err:.2e}")
+        if not err < 1e-3:
+            problems.append(f"device {d.id} matmul off by {err:.2e}")
+    if args.expect_backend and backend != args.expect_backend:
+        problems.append(f"backend is {backend}, expected {args.expect_backend}")
+    elif not args.expect_backend and backend == "cpu" and _nvidia_smi_sees_gpus():
+        problems.append("nvidia-smi lists GPUs but JAX runs on cpu (is the CUDA plugin installed? "
+                        "pass --expect-backend cpu if this is meant)")
+    kind = devices[0].device_kind
+    summary = f"{backend}: {len(devices)} x {kind}, jax {jax.__version__}"
+    if problems:
+        summary += "; " + "; ".join(problems)
+    return not problems, summary, {"backend": backend, "device_kind": kind,
+                                   "num_devices": len(devices), "jax": jax.__version__}
+
+
+def _nvidia_smi_sees_gpus() -> bool:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+# ----------------------------------------------------------------------------- part: kernels
+
+
+def _flash_case(lens, pad, num_q_heads, num_kv_heads, head_dim):
+    def run(dtype, interpret):
+        import jax.numpy as jnp
+        import numpy as np
+
+        from pallas_kernels import flash_attention, flash_attention_reference
+        from pallas_kernels.testing import cu_from_lens
+
+        rng = np.random.default_rng(0)
+        n = sum(lens) + pad
+        q = jnp.asarray(rng.standard_normal((n, num_q_heads, head_dim)), dtype)
+        k, v = (jnp.asarray(rng.standard_normal((n, num_kv_heads, head_dim)), dtype) for _ in "kv")
+        cu = jnp.asarray(cu_from_lens(lens))
+        out = flash_attention(q, k, v, cu, interpret=interpret)
+        return out, flash_attention_reference(q, k, v, cu), sum(lens)
+
+    name = f"flash_attention lens={list(lens)}+{pad} pad, H={num_q_heads}/{num_kv_heads} D={head_dim}"
+    return name, run
+
+
+def _paged_case(context_lens, q_lens, pad, num_q_heads, num_kv_heads, head_dim):
+    """q_lens None: decode (one query per sequence); else chunked prefill over cached context."""
+    def run(dtype, interpret):
+        import jax.numpy as jnp
+        import numpy as np
+
+        from pallas_kernels import paged_attention, paged_attention_reference
+        from pallas_kernels.testing import cu_from_lens, random_paged_cache
+
+        rng = np.random.default_rng(1)
+        # Poisoned: unused blocks and slots hold nan / 1e30, so a stray read shows.
+        k_cache, v_cache, tables, ctx = random_paged_cache(
+            rng, context_lens, block_size=16, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            dtype=dtype)
+        cu = None if q_lens is None else jnp.asarray(cu_from_lens(q_lens))
+        n = len(context_lens) if q_lens is None else sum(q_lens) + pad
+        q = jnp.asarray(rng.standard_normal((n, num_q_heads, head_dim)), dtype)
+        args = (q, k_cache, v_cache, tables, ctx, cu)
+        out = paged_attention(*args, interpret=interpret)
+        return out, paged_attention_reference(*args), n - (0 if q_lens is None else pad)
+
+    what = "decode" if q_lens is None else f"chunks q={list(q_lens)}+{pad} pad"
+    name = (f"paged_attention {what}, ctx={_brief(context_lens)}, H={num_q_heads}/{num_kv_heads} "
+            f"D={head_dim}")
+    return name, run
+
+
+def _brief(values) -> str:
+    values = list(values)
+    return str(values) if len(values) <= 5 else f"{len(values)} seqs {min(values)}..{max(values)}"
+
+
+def kernel_cases(large: bool):
+    """SmolLM2's heads (9/3, D=64) always; on a GPU also Llama-8B's (32/8, D=128) at length."""
+    if not large:
+        return [_flash_case([1, 17, 64, 129], 7, 9, 3, 64),
+                _paged_case([1, 16, 100, 257], None, 0, 9, 3, 64),
+                _paged_case([21, 40, 100], [1, 7, 33], 5, 9, 3, 64)]
+    import numpy as np
+
+    ctx = np.random.default_rng(2).integers(1, 4097, 64).tolist()
+    return [_flash_case([1, 100, 513, 1023, 2048], 13, 9, 3, 64),
+            _flash_case([3, 700, 2048], 5, 32, 8, 128),
+            _paged_case(ctx, None, 0, 9, 3, 64),
+            _paged_case(ctx, None, 0, 32, 8, 128),
+            _paged_case([21, 40, 1000, 3000], [1, 7, 300, 1000], 11, 32, 8, 128)]
+
+
+def part_kernels(args) -> tuple[bool, str, dict]:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.testing import tolerance
+
+    interpret = not _on_gpu()
+    large = not interpret and not args.quick
+    print(f"mode: {'interpret (CPU)' if interpret else 'compiled'}; tolerances by dtype from "
+          "pallas_kernels.testing")
+    rows = [("kernel case", "dtype", "status", "max|diff|", "s (compile+run)")]
+    results = []
+    for name, run in kernel_cases(large):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            t0 = time.perf_counter()
+            problem, diff = None, float("nan")
+            try:
+                out, ref, num_valid = run(dtype, interpret)
+                out = np.asarray(out.astype(jnp.float32))
+                ref = np.asarray(ref.astype(jnp.float32))
+                diff = float(np.max(np.abs(out[:num_valid] - ref[:num_valid])))
+                if out.shape != ref.shape:
+                    problem = f"shape {out.shape} != {ref.shape}"
+                elif not np.isfinite(out).all():
+                    problem = "non-finite output"
+                elif not np.allclose(out[:num_valid], ref[:num_valid], **tolerance(dtype)):
+                    problem = f"outside tolerance {tolerance(dtype)}"
+                elif np.any(out[num_valid:] != 0.0):
+                    problem = "padding rows are not zero"
+            except Exception as err:  # noqa: BLE001 (report the row, check the rest)
+                problem = _short(err)
+            seconds = time.perf_counter() - t0
+            dname = jnp.dtype(dtype).name
+            rows.append((name, dname, "PASS" if problem is None else f"FAIL {problem}",
+                         f"{diff:.2e}", f"{seconds:.1f}"))
+            results.append({"case": name, "dtype": dname, "ok": problem is None,
+                            "max_abs_diff": diff, "problem": problem, "seconds": seconds})
+            print(f"  {name} {dname}: {'PASS' if problem is None else 'FAIL ' + problem}", flush=True)
+    _print_rows(rows)
+    failed = [r for r in results if not r["ok"]]
+    worst = max(results, key=lambda r: r["max_abs_diff"] if r["ok"] else -1.0)
+    summary = f"{len(results) - len(failed)}/{len(results)} within tolerance"
+    if failed:
+        summary += "; failed: " + ", ".join(f"{r['case'].split(',')[0]} {r['dtype']}" for r in failed)
+    else:
+        summary += f" (largest diff {worst['max_abs_diff']:.1e}, {worst['dtype']})"
+    return not failed, summary, {"interpret": interpret, "rows": results}
+
+
+# ----------------------------------------------------------------------------- parts: tiny, throughput
+
+
+def build_llm(cfg, weights, *, backend: str, dtype: str, buckets=None, **engine_args):
+    """A compiled LLM over in-memory random weights (no GGUF, no tokenizer)."""
+    from runtime.compile import compile_plan
+    from runtime.config import EngineConfig
+    from runtime.llm import LLM
+
+    engine = EngineConfig(kernel_backend=backend, dtype=dtype, **engine_args)
+    plan = compile_plan(None, engine, weights=weights, config=cfg)
+    if buckets is not None:
+        # A subset of the default table: the memory plan, made for the superset, still holds.
+        plan = dataclasses.replace(plan, buckets=buckets)
+    return LLM.from_plan(plan)
+
+
+def _greedy(max_tokens: int):
+    from runtime.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def _random_prompts(num: int, lengths, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, int(lengths[i % len(lengths)])).tolist() for i in range(num)]
+
+
+def part_tiny(args) -> tuple[bool, str, dict]:
+    from models.config import get_preset
+    from models.weights import random_weights
+
+    pallas = "pallas" if _on_gpu() else "interpret"
+    cfg = get_preset("tiny")
+    weights = random_weights(cfg, seed=0)
+    # Lengths cover a fresh prefill (FlashAttention), chunked prefill over cached blocks (the
+    # ragged paged kernel, 32-token steps) and decode (the decode kernel); 5 prompts > 4 seqs.
+    prompts = _random_prompts(5, [1, 5, 17, 40, 90], cfg.vocab_size, seed=0)
+    params = _greedy(12)
+    rows = [("dtype", "status", "sequences equal", "first difference")]
+    results = {}
+    for dtype in ("f32", "bf16"):
+        try:
+            tokens = {}
+            for backend in ("xla", pallas):
+                llm = build_llm(cfg, weights, backend=backend, dtype=dtype, max_model_len=128,
+                                max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
+                tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+                del llm
+            a, b = tokens["xla"], tokens[pallas]
+            same = sum(x == y for x, y in zip(a, b))
+            first = next((f"prompt {i} token {next(j for j in range(len(x)) if x[j] != y[j])}"
+                          for i, (x, y) in enumerate(zip(a, b)) if x != y), "-")
+            ok = same == len(prompts) and all(len(x) == params.max_tokens for x in a)
+            results[dtype] = {"ok": ok, "equal": same, "num_prompts": len(prompts)}
+            rows.append((dtype, "PASS" if ok else "FAIL", f"{same}/{len(prompts)}", first))
+        except Exception as err:  # noqa: BLE001 (report this dtype, try the next)
+            results[dtype] = {"ok": False, "error": _short(err)}
+            rows.append((dtype, "FAIL", "-", _short(err)))
+        print(f"  {dtype}: {rows[-1][1]}", flush=True)
+    print(f"tiny model ({cfg.num_layers} layers, H={cfg.num_q_heads}/{cfg.num_kv_heads} "
+          f"D={cfg.head_dim}), greedy, 12 tokens each: xla vs {pallas}")
+    _print_rows(rows)
+    ok = all(r["ok"] for r in results.values())
+    summary = "; ".join(f"{d} " + (f"{r['equal']}/{r['num_prompts']} equal" if "equal" in r
+                                   else r["error"]) for d, r in results.items())
+    return ok, f"xla vs {pallas}: {summary}", {"pallas_backend": pallas, "dtypes": results}
+
+
+def throughput_setup(quick: bool, on_gpu: bool) -> dict:
+    """The probe's shapes; --quick on a CPU keeps SmolLM2's attention but cuts depth and vocab."""
+    import dataclasses as dc
+
+    from models.config import get_preset
+
+    cfg = get_preset("smollm2-135m")
+    setup = dict(prompt_len=128, max_tokens=64, batch=64, dtype="bf16" if on_gpu else "f32",
+                 token_sizes=(4, 64, 512), seq_sizes=(4, 64), shape="SmolLM2-135M")
+    if quick and not on_gpu:
+        cfg = dc.replace(cfg, name="smollm2-135m-2layer", num_layers=2, vocab_size=8192)
+        setup.update(prompt_len=24, max_tokens=16, token_sizes=(4, 64, 128),
+                     shape="SmolLM2-135M heads and widths, 2 layers, vocab 8192 (--quick on CPU)")
+    setup["config"] = cfg
+    return setup
+
+
+def part_throughput(args) -> tuple[bool, str, dict]:
+    import gc
+
+    from models.weights import random_weights
+    from runtime.buckets import BucketTable
+
+    on_gpu = _on_gpu()
+    pallas = "pallas" if on_gpu else "interpret"
+    s = throughput_setup(args.quick, on_gpu)
+    cfg = s["config"]
+    buckets = BucketTable.build(s["token_sizes"][-1], s["seq_sizes"][-1],
+                                token_sizes=s["token_sizes"], seq_sizes=s["seq_sizes"])
+    max_model_len = 16 * -(-(s["prompt_len"] + s["max_tokens"]) // 16)
+    print(f"shape: {s['shape']}; dtype {s['dtype']}; prompts of {s['prompt_len']} tokens, "
+          f"{s['max_tokens']} output tokens each; buckets {' '.join(f'{t}x{q}' for t, q in buckets.pairs())}",
+          flush=True)
+    weights = random_weights(cfg, seed=0)
+    warm = _random_prompts(s["batch"], [s["prompt_len"]], cfg.vocab_size, seed=1)
+    timed = _random_prompts(s["batch"], [s["prompt_len"]], cfg.vocab_size, seed=2)
+    params = _greedy(s["max_tokens"])
+    results: dict[str, dict] = {}
+    big = f"batch{s['batch']}"
+    for backend in ("xla", pallas):
+        t0 = time.perf_counter()
+        llm = build_llm(cfg, weights, backend=backend, dtype=s["dtype"], buckets=buckets,
+                        max_model_len=max_model_len, max_num_seqs=s["batch"],
+                        max_num_batched_tokens=s["token_sizes"][-1], enable_prefix_caching=False,
+                        num_kv_blocks=s["batch"] * max_model_len // 16 + 1)
+        compile_s = time.perf_counter() - t0
+        # Every bucket's first executions are slow; run them before the clock starts.
+        llm.generate(warm[:1], _greedy(2), use_tqdm=False)
+        llm.generate(warm, _greedy(2), use_tqdm=False)
+        r = {"compile_s": compile_s}
+        for label, prompts in (("batch1", timed[:1]), (big, timed)):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            if num_out != len(prompts) * s["max_tokens"]:
+                raise RuntimeError(f"{backend} {label}: {num_out} tokens, expected "
+                                   f"{len(prompts) * s['max_tokens']}")
+            r[label] = num_out / dt
+        r["recompiles"] = llm.engine.stats().num_recompiles
+        results[backend] = r
+        print(f"  {backend}: compile {compile_s:.1f} s, batch 1 {r['batch1']:.1f} tok/s, "
+              f"batch {s['batch']} {r[big]:.1f} tok/s, recompiles {r['recompiles']}", flush=True)
+        del llm
+        gc.collect()
+    rows = [("backend", "compile s", "batch 1 tok/s", f"{s['batch']} seqs tok/s", "recompiles")]
+    for backend, r in results.items():
+        rows.append((backend, f"{r['compile_s']:.1f}", f"{r['batch1']:.1f}", f"{r[big]:.1f}",
+                     r["recompiles"]))
+    ratio1 = results[pallas]["batch1"] / results["xla"]["batch1"]
+    ratio = results[pallas][big] / results["xla"][big]
+    rows.append((f"{pallas}/xla", "", f"{ratio1:.2f}x", f"{ratio:.2f}x", ""))
+    print("output tokens per second (greedy, prefix caching off):")
+    _print_rows(rows)
+    recompiles = sum(r["recompiles"] for r in results.values())
+    summary = (f"{pallas}/xla {ratio1:.2f}x at 1 seq, {ratio:.2f}x at {s['batch']} seqs "
+               f"({s['shape']}, {s['dtype']})")
+    if recompiles:
+        summary += f"; {recompiles} recompiles while serving"
+    data = {"shape": s["shape"], "full_shape": s["shape"] == "SmolLM2-135M", "dtype": s["dtype"],
+            "batch": s["batch"], "pallas_backend": pallas, "results": results,
+            "ratio_batch1": ratio1, "ratio_batch": ratio}
+    return recompiles == 0, summary, data
+
+
+# ----------------------------------------------------------------------------- part: bench
+
+
+def bench_cases(large: bool):
+    from pallas_kernels import bench
+
+    if not large:
+        return bench.prefill_cases(True), bench.decode_cases(True)
+    # The cases the targets name: L = 512 and L >= 2048, and 64 sequences x 4k context.
+    prefill = [bench.PrefillCase(4, 512, 32, 8, 128), bench.PrefillCase(1, 2048, 32, 8, 128),
+               bench.PrefillCase(1, 8192, 32, 8, 128), bench.PrefillCase(4, 512, 16, 4, 64),
+               bench.PrefillCase(1, 2048, 16, 4, 64)]
+    decode = [bench.DecodeCase(64, 4096, 32, 8, 128), bench.DecodeCase(1, 4096, 32, 8, 128),
+              bench.DecodeCase(64, 1024, 32, 8, 128)]
+    return prefill, decode
+
+
+def part_bench(args) -> tuple[bool, str, dict]:
+    from pallas_kernels import bench
+
+    on_gpu = _on_gpu()
+    prefill, decode = bench_cases(on_gpu and not args.quick)
+    report = bench.run(prefill=prefill, decode=decode, interpret=not on_gpu,
+                       repeats=10 if on_gpu else 1, case_timeout_s=10.0 if on_gpu else 8.0,
+                       max_seconds=BENCH_MAX_SECONDS[args.quick])
+    ours = [r for r in report.rows if r.impl in (bench.OURS_PREFILL, bench.OURS_DECODE)]
+    # A budget skip is a note, not a failure; an error or a wrong result is.
+    bad = [r for r in ours if r.matches_reference is False
+           or (r.first_s is None and not r.note.startswith("skip"))]
+    rows = []
+    for r in report.rows:
+        if r.spec is None:
+            continue
+        rows.append({"table": r.table, "impl": r.impl, "spec": dataclasses.asdict(r.spec),
+                     "seconds": r.seconds, "rate": r.rate, "fraction": r.fraction,
+                     "note": r.note, "first_s": r.first_s})
+    timed = sum(r.seconds is not None for r in ours)
+    summary = (f"ceilings {report.ceilings['copy_gbps']:.0f} GB/s copy, "
+               f"{report.ceilings['matmul_tflops']:.1f} TFLOP/s bf16; ours timed on "
+               f"{timed}/{len(ours)} cases")
+    if bad:
+        summary += "; failed: " + ", ".join(f"{r.case} ({r.note})" for r in bad)
+    return not bad, summary, {"interpret": not on_gpu, "ceilings": report.ceilings, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def evaluate_targets(results: dict[str, PartResult]) -> list[tuple[str, str, str]]:
+    """(status, target, detail) for the H200 targets; n.a. where not measurable here."""
+    backend = next((r.data["backend"] for r in results.values() if "backend" in r.data), None)
+    targets = []
+
+    def add(name, measure):
+        if backend != "gpu":
+            targets.append(("n.a.", name, f"needs a GPU (backend here: {backend or 'unknown'})"))
+            return
+        try:
+            status, detail = measure()
+        except LookupError as err:
+            status, detail = "FAIL", f"not measured: {err}"
+        targets.append((status, name, detail))
+
+    def e2e():
+        part = results.get("throughput")
+        if part is None or "ratio_batch" not in part.data:
+            raise LookupError("the throughput part did not finish")
+        if not part.data["full_shape"]:
+            raise LookupError(f"ran on {part.data['shape']}, not SmolLM2's shape")
+        ratio = part.data["ratio_batch"]
+        return ("PASS" if ratio >= 1.0 else "FAIL"), f"measured {ratio:.2f}x"
+
+    def bench_rows():
+        part = results.get("bench")
+        if part is None or "rows" not in part.data:
+            raise LookupError("the bench part did not finish")
+        return part.data["rows"]
+
+    def prefill(select, goal):
+        def measure():
+            from pallas_kernels import bench
+
+            rows = bench_rows()
+            ratios = []
+            for r in rows:
+                if r["table"] != "prefill" or r["impl"] != bench.OURS_PREFILL or not select(r["spec"]):
+                    continue
+                cudnn = next((c for c in rows if c["impl"] == bench.CUDNN_PREFILL
+                              and c["spec"] == r["spec"]), None)
+                if r["rate"] is None or cudnn is None or cudnn["rate"] is None:
+                    why = r["note"] if r["rate"] is None else (cudnn or {}).get("note", "no cudnn row")
+                    raise LookupError(f"B={r['spec']['batch']} L={r['spec']['seq_len']}: {why}")
+                ratios.append((r["rate"] / cudnn["rate"], r["spec"]))
+            if not ratios:
+                raise LookupError("no such case ran")
+            worst, spec = min(ratios, key=lambda x: x[0])
+            detail = (f"worst {worst:.2f}x of cuDNN (B={spec['batch']} L={spec['seq_len']} "
+                      f"H={spec['num_q_heads']}/{spec['num_kv_heads']} D={spec['head_dim']}) over "
+                      f"{len(ratios)} case(s)")
+            return ("PASS" if worst >= goal else "FAIL"), detail
+        return measure
+
+    def decode():
+        from pallas_kernels import bench
+
+        row = next((r for r in bench_rows() if r["impl"] == bench.OURS_DECODE
+                    and r["spec"]["num_seqs"] == 64 and r["spec"]["context_len"] == 4096), None)
+        if row is None or row["fraction"] is None:
+            raise LookupError(row["note"] if row else "no 64 x 4096 decode case ran")
+        return ("PASS" if row["fraction"] >= 0.70 else "FAIL"), f"measured {100 * row['fraction']:.0f}%"
+
+    add("end to end: pallas >= 1.0x xla at 64 sequences (SmolLM2, bf16)", e2e)
+    add("prefill flash_attention >= 0.8x cuDNN at L >= 2048",
+        prefill(lambda s: s["seq_len"] >= 2048, 0.8))
+    add("prefill flash_attention >= 0.5x cuDNN at L = 512", prefill(lambda s: s["seq_len"] == 512, 0.5))
+    add("decode paged_attention >= 70% of copy bandwidth at 64 seqs x 4k context", decode)
+    return targets
+
+
+# ----------------------------------------------------------------------------- driver
+
+PART_FUNCTIONS = {"devices": part_devices, "kernels": part_kernels, "tiny": part_tiny,
+                  "throughput": part_throughput, "bench": part_bench}
+
+
+def run_child(args) -> int:
+    """`--part NAME --result PATH`: runs one part here and writes its result as JSON."""
+    t0 = time.perf_counter()
+    ok, summary, data = PART_FUNCTIONS[args.part](args)
+    import jax
+
+    data["backend"] = jax.default_backend()  # the targets need it even when devices did not run
+    Path(args.result).write_text(json.dumps(
+        {"status": "PASS" if ok else "FAIL", "summary": summary, "data": data,
+         "seconds": time.perf_counter() - t0}, default=float))
+    sys.stdout.flush()
+    return 0 if ok else 1
+
+
+def run_part(part: str, args, timeout_s: float) -> PartResult:
+    """Runs one part in a subprocess, echoing its output; a timeout kills its process group."""
+    with tempfile.TemporaryDirectory(prefix="selfcheck-") as tmp:
+        result_path = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-u", "-m", "runtime.selfcheck", "--part", part,
+               "--result", str(result_path)]
+        if args.quick:
+            cmd.append("--quick")
+        if args.expect_backend:
+            cmd += ["--expect-backend", args.expect_backend]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace",
+                                start_new_session=True)
+        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+        def pump():
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+                print(f"  [{part}] {line}", end="", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+            timed_out = True
+        reader.join(timeout=10)
+        seconds = time.perf_counter() - t0
+        tail_text = "\n".join(tail)
+        if timed_out:
+            return PartResult(part, "TIMEOUT", seconds, f"no result within {timeout_s:.0f} s",
+                              tail=tail_text)
+        if not result_path.exists():
+            return PartResult(part, "FAIL", seconds, f"exited with status {rc} and no result",
+                              tail=tail_text)
+        result = json.loads(result_path.read_text())
+        return PartResult(part, result["status"], seconds, result["summary"], result["data"],
+                          tail=tail_text if result["status"] != "PASS" else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.selfcheck", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes and short timeouts (CPU CI: well under 5 minutes)")
+    parser.add_argument("--only", action="append", choices=PARTS, help="run only these parts")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--timeout-scale", type=float, default=1.0,
+                        help="multiply every part's timeout (a slow or busy machine)")
+    parser.add_argument("--expect-backend", choices=("cpu", "gpu", "tpu"),
+                        help="fail the devices part unless JAX runs on this backend")
+    parser.add_argument("--strict-targets", action="store_true",
+                        help="a missed performance target also makes the exit status 1")
+    parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.part:
+        return run_child(args)
+
+    parts = [p for p in PARTS if not args.only or p in args.only]
+    t_start = time.perf_counter()
+    results: dict[str, PartResult] = {}
+    for part in parts:
+        timeout_s = TIMEOUTS[part][args.quick] * args.timeout_scale
+        print(f"== {part} (timeout {timeout_s:.0f} s)", flush=True)
+        results[part] = run_part(part, args, timeout_s)
+        print(f"== {part}: {results[part].status} in {results[part].seconds:.1f} s", flush=True)
+    total_s = time.perf_counter() - t_start
+
+    targets = evaluate_targets(results)
+    failed = [r for r in results.values() if r.status != "PASS"]
+    missed = [t for t in targets if t[0] == "FAIL"]
+    exit_code = 1 if failed or (args.strict_targets and missed) else 0
+
+    print(f"\nselfcheck{' --quick' if args.quick else ''}")
+    _print_rows([("part", "status", "seconds", "result")]
+                + [(r.part, r.status, f"{r.seconds:.1f}", r.summary) for r in results.values()])
+    for r in failed:
+        print(f"\n{r.part} {r.status}; last lines of its output:")
+        print("\n".join(f"    {line}" for line in r.tail.splitlines()) or "    (none)")
+    print("\ntargets (set for an H200; they change the exit status only with --strict-targets):")
+    for status, name, detail in targets:
+        print(f"  {status:<5} {name}: {detail}")
+    print(f"\n{'PASS' if not failed else 'FAIL'}: {len(results) - len(failed)}/{len(results)} parts "
+          f"passed in {total_s:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "quick": args.quick, "seconds": total_s, "exit_code": exit_code,
+            "parts": [dataclasses.asdict(r) for r in results.values()],
+            "targets": [dict(status=s, target=n, detail=d) for s, n, d in targets]},
+            indent=2, default=float))
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
