@@ -1,0 +1,170 @@
+"""`python -m runtime.selfcheck`: --quick passes on this CPU, and each kind of failure shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import pytest
+
+from conftest import ROOT
+from pallas_kernels import bench
+from runtime import selfcheck
+
+
+def test_quick_run_passes_with_a_table_and_json(tmp_path):
+  out = tmp_path / "selfcheck.json"
+  t0 = time.monotonic()
+  proc = subprocess.run([sys.executable, "-m", "runtime.selfcheck", "--quick", "--json", str(out)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  elapsed = time.monotonic() - t0
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+  assert elapsed < 300
+  report = json.loads(out.read_text())
+  parts = {p["part"]: p for p in report["parts"]}
+  assert list(parts) == list(selfcheck.PARTS)
+  assert {p["status"] for p in parts.values()} == {"PASS"}
+  # The table: one line per part, then the targets, then the verdict.
+  table = proc.stdout[proc.stdout.index("\nselfcheck --quick"):]
+  for name in selfcheck.PARTS:
+    assert f"\n{name} " in table
+  assert "PASS: 5/5 parts passed" in table
+
+  kernels = parts["kernels"]["data"]["rows"]
+  assert {r["dtype"] for r in kernels} == {"float32", "bfloat16"}
+  assert {r["case"].split()[0] for r in kernels} == {"flash_attention", "paged_attention"}
+  assert all(r["ok"] and r["max_abs_diff"] < 2e-2 for r in kernels)
+  tiny = parts["tiny"]["data"]
+  assert tiny["pallas_backend"] == "interpret"
+  assert {d: r["equal"] for d, r in tiny["dtypes"].items()} == {"f32": 5, "bf16": 5}
+  thr = parts["throughput"]["data"]
+  assert not thr["full_shape"] and "--quick on CPU" in thr["shape"]
+  for r in thr["results"].values():
+    assert r["batch1"] > 0 and r["batch64"] > 0 and r["recompiles"] == 0
+  rows = parts["bench"]["data"]["rows"]
+  ours = [r for r in rows if r["impl"].startswith("ours")]
+  assert len(ours) == len(bench.prefill_cases(True)) + len(bench.decode_cases(True))
+  assert all(r["seconds"] for r in ours)
+  # Nothing here can measure the H200 targets; they say so rather than pass.
+  assert [t["status"] for t in report["targets"]] == ["n.a."] * 4
+
+
+def test_a_hang_is_a_timeout_and_the_exit_status_is_1(tmp_path, capsys):
+  out = tmp_path / "r.json"
+  # 45 s x 0.001: the child cannot even import jax in time.
+  assert selfcheck.main(["--only", "devices", "--timeout-scale", "0.001", "--json", str(out)]) == 1
+  (part,) = json.loads(out.read_text())["parts"]
+  assert part["status"] == "TIMEOUT" and part["seconds"] < 10
+  assert "devices TIMEOUT; last lines of its output" in capsys.readouterr().out
+
+
+def test_a_failing_part_shows_its_output_tail(capsys):
+  assert selfcheck.main(["--only", "devices", "--expect-backend", "gpu"]) == 1
+  out = capsys.readouterr().out
+  table = out[out.index("\nselfcheck"):]
+  assert "devices  FAIL" in table and "backend is cpu, expected gpu" in table
+  # The tail repeats what the child printed, e.g. its device table.
+  assert "devices FAIL; last lines of its output" in table and "128x128 f32 matmul" in table
+  assert "FAIL: 0/1 parts passed" in table
+
+
+def _wrong_flash(kind):
+  from pallas_kernels import flash_attention_reference
+
+  def kernel(q, k, v, cu, *, interpret):
+    out = flash_attention_reference(q, k, v, cu)
+    if kind == "offset":
+      return out + 0.1
+    if kind == "padding":
+      return out.at[-1].set(1.0)
+    return out.at[0, 0, 0].set(jnp.nan)
+  return kernel
+
+
+@pytest.mark.parametrize("kind,problem", [("offset", "outside tolerance"),
+                                          ("padding", "padding rows are not zero"),
+                                          ("nan", "non-finite output")])
+def test_kernel_part_catches_a_wrong_kernel(monkeypatch, kind, problem):
+  import pallas_kernels
+
+  monkeypatch.setattr(selfcheck, "kernel_cases",
+                      lambda large: [selfcheck._flash_case([5, 20], 3, 4, 2, 64)])
+  monkeypatch.setattr(pallas_kernels, "flash_attention", _wrong_flash(kind))
+  ok, summary, data = selfcheck.part_kernels(SimpleNamespace(quick=True))
+  assert not ok and "0/2 within tolerance" in summary
+  assert all(problem in r["problem"] for r in data["rows"])
+
+
+def test_tiny_part_reports_the_first_divergent_token(monkeypatch):
+  class FakeLLM:
+    def __init__(self, backend):
+      self.backend = backend
+
+    def generate(self, prompts, params):
+      outs = []
+      for i, _ in enumerate(prompts):
+        ids = list(range(params.max_tokens))
+        if self.backend != "xla" and i == 2:
+          ids[7] += 1
+        outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids)]))
+      return outs
+
+  monkeypatch.setattr(selfcheck, "build_llm", lambda cfg, w, *, backend, **kw: FakeLLM(backend))
+  ok, summary, data = selfcheck.part_tiny(SimpleNamespace(quick=True))
+  assert not ok
+  assert data["dtypes"]["f32"] == {"ok": False, "equal": 4, "num_prompts": 5}
+  assert "f32 4/5 equal" in summary
+
+
+def _bench_row(impl, spec, rate=None, fraction=None, note=""):
+  return {"table": "prefill" if isinstance(spec, bench.PrefillCase) else "decode", "impl": impl,
+          "spec": dataclasses.asdict(spec), "rate": rate, "fraction": fraction, "note": note,
+          "seconds": None if rate is None else 1.0}
+
+
+def _gpu_results(ratio=1.1, rows=None):
+  long, short = bench.PrefillCase(1, 2048, 32, 8, 128), bench.PrefillCase(4, 512, 32, 8, 128)
+  decode = bench.DecodeCase(64, 4096, 32, 8, 128)
+  if rows is None:
+    rows = [_bench_row(bench.OURS_PREFILL, long, rate=300.0),
+            _bench_row(bench.CUDNN_PREFILL, long, rate=500.0),  # 0.6x < 0.8x
+            _bench_row(bench.OURS_PREFILL, short, rate=200.0),
+            _bench_row(bench.CUDNN_PREFILL, short, rate=300.0),  # 0.67x >= 0.5x
+            _bench_row(bench.OURS_DECODE, decode, rate=3500.0, fraction=0.75)]
+  data = {"backend": "gpu"}
+  return {
+      "throughput": selfcheck.PartResult("throughput", "PASS", 1.0, "", dict(
+          data, ratio_batch=ratio, full_shape=True, shape="SmolLM2-135M")),
+      "bench": selfcheck.PartResult("bench", "PASS", 1.0, "", dict(data, rows=rows)),
+  }
+
+
+def test_targets_are_judged_from_the_numbers_on_a_gpu():
+  targets = selfcheck.evaluate_targets(_gpu_results())
+  assert [(s, d) for s, _, d in targets] == [
+      ("PASS", "measured 1.10x"),
+      ("FAIL", "worst 0.60x of cuDNN (B=1 L=2048 H=32/8 D=128) over 1 case(s)"),
+      ("PASS", "worst 0.67x of cuDNN (B=4 L=512 H=32/8 D=128) over 1 case(s)"),
+      ("PASS", "measured 75%")]
+  assert selfcheck.evaluate_targets(_gpu_results(ratio=0.99))[0][0] == "FAIL"
+
+
+def test_targets_not_measured_on_a_gpu_fail_and_on_a_cpu_are_na():
+  long = bench.PrefillCase(1, 2048, 32, 8, 128)
+  rows = [_bench_row(bench.OURS_PREFILL, long, rate=300.0),
+          _bench_row(bench.CUDNN_PREFILL, long, note="RuntimeError: cuDNN is not detected.")]
+  results = _gpu_results(rows=rows)
+  del results["throughput"]
+  targets = selfcheck.evaluate_targets(results)
+  assert [s for s, _, _ in targets] == ["FAIL"] * 4
+  assert targets[0][2] == "not measured: the throughput part did not finish"
+  assert "cuDNN is not detected" in targets[1][2]
+  assert targets[2][2] == "not measured: no such case ran"
+  for part in results.values():
+    part.data["backend"] = "cpu"
+  assert {s for s, _, _ in selfcheck.evaluate_targets(results)} == {"n.a."}
