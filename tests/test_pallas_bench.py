@@ -80,3 +80,14 @@ def test_max_seconds_skips_the_rest():
   rows = _measure(state, case, {"ref": _sleeper(0.06), "ours": _sleeper(0.0)}, 1.0)
   assert rows[0].impl == "ref" and rows[0].first_s >= 0.06
   assert rows[1].note == "skip: --max-seconds reached"
+
+
+def test_ours_outside_tolerance_is_flagged():
+  state = bench._Run(repeats=1, case_timeout_s=5.0, max_seconds=None)
+  case = bench.DecodeCase(1, 16, 4, 2, 64)
+  ref = lambda: jnp.zeros((4,), jnp.bfloat16)  # noqa: E731
+  rows = _measure(state, case, {"ours": lambda: jnp.full((4,), 0.1, jnp.bfloat16), "ref": ref}, 1.0)
+  (ours,) = [r for r in rows if r.impl == "ours"]
+  assert ours.matches_reference is False and "(outside tolerance)" in ours.note
+  rows = _measure(state, case, {"ours": lambda: jnp.full((4,), 0.01, jnp.bfloat16), "ref": ref}, 1.0)
+  assert [r.matches_reference for r in rows if r.impl == "ours"] == [True]
