@@ -9,8 +9,9 @@
 The IR only needs the model config, so this works for every preset (and for an HF directory's
 config.json). The output is deterministic: the same arguments give the same bytes.
 
-This is the one module in `ir/` that imports `models` and `passes`: it is a command-line face
-of the compiler, not part of the IR core.
+This is the one module in `ir/` that imports `models`, `passes` and the command-line layer
+every CLI shares (`runtime.args`, `runtime.errors`: flag names, units, one-line errors): it is a
+command-line face of the compiler, not part of the IR core.
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ from pathlib import Path
 
 from ir.graph import Graph
 from ir.printer import print_graph
+from runtime.args import add_engine_args, check_max_model_len, parse_memory, resolve_model_config
+from runtime.config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
+from runtime.errors import run_main
 
-# With no --bucket, the memory plan covers the largest prefill bucket and the largest decode
-# bucket of the default engine (vLLM's max_num_batched_tokens / max_num_seqs defaults).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
-DEFAULT_MAX_NUM_SEQS = 64
-# A CPU has no device memory to measure; the engine assumes 4 GiB there (runtime.config).
-DEFAULT_DEVICE_MEMORY = 4 << 30
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "mb": 10**6, "kb": 10**3, "t": 1 << 40,
-          "tib": 1 << 40}
+# Engine flags shared with every other CLI (runtime.args: names, units, dtype aliases). A dump
+# plans for the CPU budget and float32 unless told otherwise, so its output doesn't depend on the
+# machine it runs on.
+DUMP_ENGINE_FIELDS = ("dtype", "tensor_parallel_size", "quantization", "block_size", "max_model_len",
+                      "max_num_batched_tokens", "max_num_seqs", "memory_utilization", "device_memory")
 
 
 def parse_bucket(text: str) -> tuple[int, int]:
@@ -56,37 +55,6 @@ def parse_bucket(text: str) -> tuple[int, int]:
     if t < 1 or s < 1 or s > t:
         raise argparse.ArgumentTypeError(f"bad bucket {text!r}: need 1 <= seqs <= tokens")
     return t, s
-
-
-def parse_bytes(text: str) -> int:
-    """`4GiB`, `80g`, `1073741824` -> bytes."""
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; expected e.g. 4GiB, 80g or a byte count")
-    return int(float(num) * _UNITS[unit])
-
-
-def resolve_config(model: str):
-    """A preset name, an HF directory / config.json, or a .gguf file (only the config is read)."""
-    from models.config import PRESETS, config_from_hf, get_preset
-
-    if model in PRESETS:
-        return get_preset(model)
-    path = Path(model)
-    if path.is_dir() or path.name == "config.json":
-        return config_from_hf(path)
-    if path.suffix == ".gguf" and path.is_file():
-        from models.config import config_from_gguf_fields
-        from models.weights import read_gguf_fields
-
-        reader, fields = read_gguf_fields(path)  # metadata only; tensors are not dequantized
-        tensors = {t.name for t in reader.tensors}
-        config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=path.stem)
-        return config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
-    raise SystemExit(f"error: unknown model {model!r}; presets: {', '.join(sorted(PRESETS))} "
-                     "(or an HF directory with config.json)")
 
 
 def op_count_table(stages: list[tuple[str, Graph]]) -> str:
@@ -119,18 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dump-dir", metavar="DIR", help="also write DIR/NN-<pass>.txt for every pass")
     ap.add_argument("--stats", action="store_true", help="op counts per pass and the memory plan")
     ap.add_argument("--no-ir", action="store_true", help="print no IR (with --stats: only the stats)")
-    ap.add_argument("--dtype", default="f32", choices=("f32", "bf16"))
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--quantization", choices=("int8",), default=None)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="default: min(2048, the model's max_position_embeddings)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    ap.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    ap.add_argument("--memory-utilization", type=float, default=0.9)
-    ap.add_argument("--device-memory", type=parse_bytes, default=DEFAULT_DEVICE_MEMORY,
-                    help="device memory for the plan, e.g. 80GiB (default 4GiB, the CPU budget)")
-    ap.add_argument("--reserve", type=parse_bytes, default=64 << 20, help="bytes kept free (default 64MiB)")
+    add_engine_args(ap, only=DUMP_ENGINE_FIELDS,
+                    defaults={"dtype": "float32", "max_model_len": None, "device_memory": CPU_DEVICE_MEMORY})
+    ap.add_argument("--reserve", type=parse_memory, default=64 << 20, metavar="SIZE",
+                    help="memory kept free, e.g. 64MiB (the default)")
     return ap
 
 
@@ -139,8 +99,9 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
     from models.llama import lower
     from passes.pipeline import PipelineOptions, memory_report, run_pipeline
 
-    config = resolve_config(args.model)
-    max_model_len = args.max_model_len or min(2048, config.max_position_embeddings)
+    config = resolve_model_config(args.model, need_weights=False)
+    max_model_len = args.max_model_len or min(EngineConfig().max_model_len, config.max_position_embeddings)
+    check_max_model_len(config, max_model_len)
     buckets = tuple(args.bucket) if args.bucket else tuple(sorted({
         (args.max_num_batched_tokens, min(args.max_num_seqs, args.max_num_batched_tokens)),
         (min(args.max_num_seqs, args.max_num_batched_tokens),) * 2}))
@@ -149,7 +110,7 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
                            memory_utilization=args.memory_utilization, reserve_bytes=args.reserve,
                            quantization=args.quantization,
                            tensor_parallel_size=args.tensor_parallel_size)
-    graph = lower(config, args.dtype)
+    graph = lower(config, resolve_dtype(args.dtype))
     stages = [("lower", graph)]
     final = run_pipeline(graph, opts, on_pass=lambda i, name, g: stages.append((name, g)))
     return stages, memory_report(final, opts) if args.stats else None
@@ -189,6 +150,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        sys.exit(run_main(main))
     except BrokenPipeError:  # `| head` closed the pipe
         sys.exit(0)

@@ -45,10 +45,20 @@ def kv_table(configs: Iterable[ModelConfig] | None = None, seq_lens: Sequence[in
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: Sequence[str] = ()) -> int:
+    """`argv` is the flags only (the module form passes sys.argv[1:])."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m models.kv_table", description=__doc__)
+    ap.add_argument("--model", action="append", choices=sorted(PRESETS), metavar="PRESET",
+                    help="only these presets (repeatable; default: every preset)")
+    args = ap.parse_args(argv)
     print("KV-cache size for one sequence (K and V, all layers; 2 x layers x kv_heads x head_dim x bytes)")
-    print(kv_table())
+    print(kv_table([PRESETS[m] for m in args.model] if args.model else None))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -204,7 +204,8 @@ def main(argv=None) -> int:
         from runtime.bench_serve import main as serve_main
 
         return serve_main(argv[1:])
-    from runtime.args import add_engine_args, engine_kwargs_from_args
+    from runtime.args import add_engine_args, engine_kwargs_from_args, preflight
+    from runtime.errors import UserError
 
     ap = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,14 +220,25 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # --scheduling takes a comma list here: every policy runs on the same workload and plan.
     policies = [p for p in args.scheduling.split(",") if p]
+    bad = [p for p in policies if p not in ("continuous", "dynamic", "static")]
+    if bad or not policies:
+        raise UserError(f"--scheduling {args.scheduling}: use a comma list of continuous, dynamic and static")
+    if args.baseline == "hf":  # found out now, not after the JAX runs
+        import importlib.util
+
+        missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise UserError(f"--baseline hf needs {' and '.join(missing)}: pip install -e '.[dev]' "
+                            f"(or bash scripts/bootstrap.sh dev), or drop --baseline")
+    kw = engine_kwargs_from_args(args)
+    kw["scheduling"] = "continuous"
+    preflight(args, engine_kwargs=kw)
 
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
     from models.weights import load_model
 
-    kw = engine_kwargs_from_args(args)
-    kw["scheduling"] = "continuous"
     config, weights, tok = load_model(args.model)
     plan = compile_plan(None, EngineConfig.from_kwargs(**kw), weights=weights, config=config, tokenizer=tok)
     runner = ModelRunner(plan)
@@ -258,4 +270,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runtime.errors import run_main
+
+    sys.exit(run_main(main))

@@ -215,7 +215,8 @@ def _progress(desc: str):
 
 
 def main(argv=None) -> int:
-    from runtime.args import add_engine_args, engine_config_from_args
+    from runtime.args import add_engine_args, engine_config_from_args, kv_fits, not_fit_error, preflight
+    from runtime.errors import UserError
 
     ap = argparse.ArgumentParser(prog="python -m runtime.compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,24 +224,27 @@ def main(argv=None) -> int:
                     help=f"preset ({', '.join(PRESETS)}), GGUF file or HF directory")
     ap.add_argument("--out", help="plan directory to write")
     ap.add_argument("--dry-run", action="store_true",
-                    help="print the memory plan and bucket table without loading weights or compiling")
+                    help="print the memory plan and bucket table without loading weights or compiling; "
+                         "exits 2 with the changes that would fit when the plan does not fit")
     add_engine_args(ap)
     args = ap.parse_args(argv)
+    if not args.dry_run and not args.out:
+        ap.error("--out is required unless --dry-run")
+    # Every user mistake (model, engine args, fit) surfaces here, before weights load or anything compiles.
+    config = preflight(args, need_weights=not args.dry_run, check_fit=not args.dry_run)
+    if config is None:
+        raise UserError(f"--model {args.model} is already a plan directory; serve it with "
+                        f"`jaxserve serve --plan {args.model}`")
     engine = engine_config_from_args(args)
     if args.dry_run:
-        from models.config import get_preset
-
-        if args.model in PRESETS:
-            config = get_preset(args.model)
-        else:
-            config, _, _ = resolve_model(args.model)
         buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
         graph, memory, _ = build_graph(config, engine, buckets, keep_pass_texts=False)
         plan = Plan(config, engine, graph, buckets, memory)
-        print(plan.describe())
+        # describe()'s generic "does not fit" advice is replaced by advice checked for this plan.
+        print("\n".join(l for l in plan.describe().splitlines() if not l.startswith("does not fit:")))
+        if not kv_fits(memory, engine):
+            raise not_fit_error(config, engine, memory)
         return 0
-    if not args.out:
-        ap.error("--out is required unless --dry-run")
     t0 = time.perf_counter()
     plan = compile_plan(args.model, engine, progress=True)
     out = plan.save(args.out)
@@ -257,4 +261,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runtime.errors import run_main
+
+    sys.exit(run_main(main))

