@@ -231,12 +231,17 @@ def check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror}; check --host and --port") from e
 
 
-def _plan_memory(config, engine: EngineConfig):
+def plan_without_weights(config, engine: EngineConfig):
+    """(final graph, memory plan, bucket table) from the config alone, as a dry run makes them."""
     from runtime.buckets import BucketTable
     from runtime.compile import build_graph
 
     buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
-    return build_graph(config, engine, buckets, keep_pass_texts=False)[1]
+    try:
+        graph, memory, _ = build_graph(config, engine, buckets, keep_pass_texts=False)
+    except ValueError as e:  # the passes refuse engine args that don't suit the model (e.g. its tp sizes)
+        raise UserError(f"{config.name}: {e}") from e
+    return graph, memory, buckets
 
 
 def kv_fits(memory, engine: EngineConfig) -> bool:
@@ -248,8 +253,8 @@ def _fits_with(config, engine: EngineConfig, **change):
     """The memory plan with `change` applied if it fits, else None (also when the change is invalid)."""
     try:
         e = dataclasses.replace(engine, **change)
-        memory = _plan_memory(config, e)
-    except ValueError:  # e.g. a tensor-parallel size the model's dims don't divide by
+        memory = plan_without_weights(config, e)[1]
+    except (ValueError, UserError):  # e.g. a tensor-parallel size the model's dims don't divide by
         return None
     return memory if kv_fits(memory, e) else None
 
@@ -257,6 +262,10 @@ def _fits_with(config, engine: EngineConfig, **change):
 def fit_advice(config, engine: EngineConfig, memory) -> list[str]:
     """Flag changes, each checked by re-planning, that would make the plan fit (smallest first)."""
     advice = []
+    if engine.num_kv_blocks is not None:  # the override is what is short
+        need = math.ceil(engine.max_model_len / engine.block_size)
+        if _fits_with(config, engine, num_kv_blocks=need):
+            advice.append(f"--num-kv-blocks {need} or more (or leave it to the memory plan)")
     tps = [tp for tp in (2, 4, 8, 16) if tp > engine.tensor_parallel_size]
     for tp in tps:
         m = _fits_with(config, engine, tensor_parallel_size=tp)
@@ -287,6 +296,20 @@ def fit_advice(config, engine: EngineConfig, memory) -> list[str]:
     return advice
 
 
+def fit_error(config, engine: EngineConfig, memory) -> UserError | None:
+    """Why the plan does not fit (None if it does): the KV cache is short of one max_model_len
+    sequence, or the parts (an explicit --num-kv-blocks) overrun the budget."""
+    from runtime.model_runner import check_fit
+
+    if not kv_fits(memory, engine):
+        return not_fit_error(config, engine, memory)
+    try:
+        check_fit(memory)
+    except MemoryError as e:
+        return UserError(str(e))
+    return None
+
+
 def not_fit_error(config, engine: EngineConfig, memory) -> UserError:
     tp = f" per device at --tensor-parallel-size {engine.tensor_parallel_size}" if engine.tensor_parallel_size > 1 else ""
     advice = fit_advice(config, engine, memory)
@@ -299,14 +322,27 @@ def not_fit_error(config, engine: EngineConfig, memory) -> UserError:
         f"{format_gib(memory.budget_bytes)} usable of {format_gib(memory.device_memory_bytes)}; {fix}")
 
 
-def preflight(args, *, engine_kwargs: dict | None = None, need_weights: bool = True,
-              check_fit: bool = True):
+def check_devices(tensor_parallel_size: int) -> None:
+    """UserError unless JAX sees enough devices for the tensor-parallel size."""
+    import jax
+
+    n, backend = jax.device_count(), jax.default_backend()
+    if tensor_parallel_size > n:
+        fix = (f"on a CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel_size}"
+               if backend == "cpu" else f"pass --tensor-parallel-size {n} or less")
+        raise UserError(f"--tensor-parallel-size {tensor_parallel_size} needs {tensor_parallel_size} devices, "
+                        f"JAX sees {n} ({backend}); {fix}")
+
+
+def preflight(args, *, engine_kwargs: dict | None = None, dry_run: bool = False):
     """Checks a parsed command line before anything loads or compiles; raises UserError.
 
-    Looks at what `args` has: `plan` (the directory and its plan.json), `model` (preset with
-    bundled weights, .gguf or HF directory; a plan directory is checked as a plan), the engine
-    args (valid values, max_model_len within the model's positions, and with `check_fit` that
-    the memory plan holds one max_model_len sequence) and `host`/`port` (free to listen on).
+    Looks at what `args` has: `plan` (the directory and its plan.json), `model` (a preset, .gguf
+    or HF directory; a plan directory is checked as a plan), the engine args (valid values,
+    max_model_len within the model's positions) and `host`/`port` (free to listen on). Unless
+    `dry_run`, also that the model's weights are there, that the memory plan holds one
+    max_model_len sequence (else the changes that would fit), and that JAX has enough devices for
+    the tensor-parallel size. `engine_kwargs` replaces the engine args read from `args`.
     Returns the model config (None for a plan).
     """
     from runtime.compile import is_plan_dir
@@ -319,16 +355,17 @@ def preflight(args, *, engine_kwargs: dict | None = None, need_weights: bool = T
     if plan:
         check_plan_dir(plan)
     elif model:
-        config = resolve_model_config(model, need_weights=need_weights)
+        config = resolve_model_config(model, need_weights=not dry_run)
         try:
             engine = EngineConfig.from_kwargs(**(engine_kwargs or engine_kwargs_from_args(args)))
         except (ValueError, TypeError) as e:
             raise UserError(f"bad engine argument: {e}") from e
         check_max_model_len(config, engine.max_model_len)
-        if check_fit:
-            memory = _plan_memory(config, engine)
-            if not kv_fits(memory, engine):
-                raise not_fit_error(config, engine, memory)
+        if not dry_run:
+            error = fit_error(config, engine, plan_without_weights(config, engine)[1])
+            if error:
+                raise error
+            check_devices(engine.tensor_parallel_size)
     if getattr(args, "port", None) is not None:
         check_port(getattr(args, "host", "127.0.0.1"), args.port)
     return config

@@ -215,7 +215,7 @@ def _progress(desc: str):
 
 
 def main(argv=None) -> int:
-    from runtime.args import add_engine_args, engine_config_from_args, kv_fits, not_fit_error, preflight
+    from runtime.args import add_engine_args, engine_config_from_args, fit_error, plan_without_weights, preflight
     from runtime.errors import UserError
 
     ap = argparse.ArgumentParser(prog="python -m runtime.compile", description=__doc__,
@@ -231,19 +231,19 @@ def main(argv=None) -> int:
     if not args.dry_run and not args.out:
         ap.error("--out is required unless --dry-run")
     # Every user mistake (model, engine args, fit) surfaces here, before weights load or anything compiles.
-    config = preflight(args, need_weights=not args.dry_run, check_fit=not args.dry_run)
+    config = preflight(args, dry_run=args.dry_run)
     if config is None:
         raise UserError(f"--model {args.model} is already a plan directory; serve it with "
                         f"`jaxserve serve --plan {args.model}`")
     engine = engine_config_from_args(args)
     if args.dry_run:
-        buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
-        graph, memory, _ = build_graph(config, engine, buckets, keep_pass_texts=False)
+        graph, memory, buckets = plan_without_weights(config, engine)
         plan = Plan(config, engine, graph, buckets, memory)
         # describe()'s generic "does not fit" advice is replaced by advice checked for this plan.
         print("\n".join(l for l in plan.describe().splitlines() if not l.startswith("does not fit:")))
-        if not kv_fits(memory, engine):
-            raise not_fit_error(config, engine, memory)
+        error = fit_error(config, engine, memory)
+        if error:
+            raise error
         return 0
     t0 = time.perf_counter()
     plan = compile_plan(args.model, engine, progress=True)

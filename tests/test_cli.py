@@ -252,6 +252,27 @@ def test_dry_run_that_does_not_fit_exits_2_with_advice_that_fits(capsys):
         assert rc == 0, (change, err)
 
 
+@pytest.mark.parametrize("flags, says", [
+    (("--dry-run", "-tp", "5"), "intermediate_size 1536 must divide by tp"),
+    (("--dry-run", "--num-kv-blocks", "2"), "--num-kv-blocks 128 or more"),
+    (("--dry-run", "--num-kv-blocks", "1000000"), "the plan does not fit"),
+    (("--dry-run", "--block-size", "12"), "block_size must be a power of two"),
+])
+def test_engine_args_that_cannot_work(capsys, flags, says):
+    line = _one_line_error(*_cli(capsys, "compile", "--model", "smollm2-135m", *flags)[::2])
+    assert says in line
+
+
+def test_more_tensor_parallel_devices_than_jax_sees(capsys):
+    import jax
+
+    tp = 2 * jax.device_count()  # SmolLM2 splits at 2, 4 and 8
+    line = _one_line_error(*_cli(capsys, "compile", "--model", "smollm2-135m", "--out", "/tmp/never",
+                                 "-tp", str(tp), "--max-model-len", "512")[::2])
+    assert f"needs {tp} devices, JAX sees {jax.device_count()} (cpu)" in line
+    assert f"XLA_FLAGS=--xla_force_host_platform_device_count={tp}" in line
+
+
 def test_dry_run_that_fits_exits_0(capsys):
     rc, out, _ = _cli(capsys, "compile", "--model", "llama-2-70b", "--dry-run", "--dtype", "bfloat16",
                       "--device-memory", "80GiB", "--tensor-parallel-size", "2", "--max-model-len", "4096")
