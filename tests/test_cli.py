@@ -100,6 +100,23 @@ def test_kv_table_subcommand(capsys):
     assert [r[1] for r in rows] == ["bf16", "fp32"]
 
 
+def test_tpu_probe_line_is_dropped_but_other_backend_messages_stay(caplog, monkeypatch):
+    import importlib.util
+    import logging
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    logger = logging.getLogger("jax._src.xla_bridge")
+    monkeypatch.setattr(logger, "filters", [])
+    cli.quiet_tpu_probe()
+    cli.quiet_tpu_probe()  # idempotent: serve may run twice in one process (tests)
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.INFO, logger="jax._src.xla_bridge"):
+        logger.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
+        logger.info("Unable to initialize backend 'cuda': the plugin failed to load")
+    assert [r.getMessage() for r in caplog.records] == ["Unable to initialize backend 'cuda': the plugin failed to load"]
+
+
 # ------------------------------------------------------------------------------ shared units
 
 @pytest.mark.parametrize("text, num_bytes", [("80", 80 * GiB), ("80G", 80 * GiB), ("80GiB", 80 * GiB),
