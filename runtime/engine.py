@@ -49,6 +49,7 @@ class RequestOutput:
     finished: bool
     metrics: object = None
     num_cached_tokens: int = 0
+    error: str | None = None  # set when a failed step ended this request
 
 
 @dataclass
@@ -131,6 +132,7 @@ class LLMEngine:
         self.trace: list[StepTrace] | None = None
         self.finished_callbacks = []  # fn(request) when a request finishes
         self.num_recompiles = 0
+        self._step_requests: dict[str, Request] | None = None  # what the running step touches
 
     # ------------------------------------------------------------------ requests
 
@@ -223,12 +225,40 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. If it raises, only the requests it touched fail (their outputs carry
+        `error`); their KV blocks are freed and the engine keeps serving the others."""
         compiles_before = num_backend_compiles()
+        self._step_requests = None
         try:
             return self._step()
+        except Exception as e:
+            log.exception("engine step failed; failing the requests it touched")
+            return self._fail(e)
         finally:
             # Any XLA compile inside a step is a shape the bucket table did not cover.
             self.num_recompiles += num_backend_compiles() - compiles_before
+
+    def _fail(self, error: Exception) -> list[RequestOutput]:
+        reqs = self._step_requests
+        if reqs is None:  # failed before a batch existed: every queued request is suspect
+            reqs = {s.request.request_id: s.request for s in [*self.scheduler.running, *self.scheduler.waiting]}
+        message = f"{type(error).__name__}: {error}"
+        outs = []
+        for req in reqs.values():
+            for s in req.seqs:
+                if not s.is_finished:
+                    self.scheduler.remove(s)  # frees its KV blocks
+                    s.status, s.finish_reason = SeqStatus.FINISHED, "error"
+            req.forked = True
+            req.metrics.finished_time = time.monotonic()
+            with self._lock:
+                self.requests.pop(req.request_id, None)
+            for cb in self.finished_callbacks:
+                cb(req)
+            out = self._output(req)
+            out.finished, out.error = True, message
+            outs.append(out)
+        return outs
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -236,6 +266,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self._step_requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}
         inputs, rows = self._prepare(sched)
         t1 = time.perf_counter()
         if sched.copies:
@@ -343,21 +374,14 @@ class LLMEngine:
     def _postprocess(self, rows, tokens, chosen_lp, top_ids, top_lp) -> dict[str, Request]:
         touched: dict[str, Request] = {}
         now = time.monotonic()
+        # n > 1: fork every child from the prompt before any row appends, so a parent that
+        # finishes on its first token (and frees its blocks) still has forks to share them.
+        targets = [self._fork(seq, f) if f else seq for seq, f in rows]
         for r, (seq, fork_index) in enumerate(rows):
             req = seq.request
-            if req.aborted or seq.is_finished:
+            target = targets[r]
+            if req.aborted or target.is_finished:
                 continue
-            if fork_index is not None and fork_index > 0:
-                child = Sequence(req, seq.token_ids[:seq.prompt_len], fork_index)
-                child.status = SeqStatus.RUNNING
-                self.block_manager.fork(seq, child)
-                req.seqs.append(child)
-                self.scheduler.running.append(child)
-                target = child
-            else:
-                target = seq
-            if fork_index is not None and fork_index == req.params.n - 1:
-                req.forked = True
             self._append(target, int(tokens[r]), float(chosen_lp[r]), top_ids[r], top_lp[r])
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
@@ -371,6 +395,19 @@ class LLMEngine:
                 for cb in self.finished_callbacks:
                     cb(req)
         return touched
+
+    def _fork(self, parent: Sequence, fork_index: int) -> Sequence:
+        req = parent.request
+        if req.aborted:
+            return parent
+        child = Sequence(req, parent.token_ids[:parent.prompt_len], fork_index)
+        child.status = SeqStatus.RUNNING
+        self.block_manager.fork(parent, child)
+        req.seqs.append(child)
+        self.scheduler.running.append(child)
+        if fork_index == req.params.n - 1:
+            req.forked = True
+        return child
 
     def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lp) -> None:
         p = seq.request.params

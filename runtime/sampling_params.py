@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
+
+# Bits of the signed integer each int field is stored in (the sampler packs some into int32
+# arrays; the rest stay Python ints but are bounded like vLLM's int64 fields).
+INT_FIELD_BITS = {"n": 32, "top_k": 32, "min_tokens": 32, "logprobs": 32, "prompt_logprobs": 32,
+                  "max_tokens": 64, "seed": 64, "priority": 64}
+TOKEN_ID_BITS = 32  # stop_token_ids and logit_bias keys: int32 in the sampler's arrays
+
+
+def int_in_width(value, bits: int) -> bool:
+    """True when `value` is an int (not a bool) that fits a signed `bits`-bit integer."""
+    if isinstance(value, bool):
+        return False
+    try:
+        v = operator.index(value)  # ints and numpy ints, not floats
+    except TypeError:
+        return False
+    return -(1 << (bits - 1)) <= v < (1 << (bits - 1))
 
 
 @dataclass
@@ -46,6 +64,16 @@ class SamplingParams:
     def _check(self) -> None:
         def bad(name, why):
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        for name, bits in INT_FIELD_BITS.items():
+            v = getattr(self, name)
+            if v is not None and not int_in_width(v, bits):
+                bad(name, f"must be an int that fits in {bits} bits")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
+            for t in ids:
+                if not int_in_width(t, TOKEN_ID_BITS) or t < 0:
+                    raise ValueError(f"{name} token ids must be non-negative ints that fit in "
+                                     f"{TOKEN_ID_BITS} bits, got {t!r}")
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an int >= 1")

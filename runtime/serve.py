@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -45,6 +46,14 @@ log = logging.getLogger("runtime.serve")
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # a connection must send a request's headers within this
+DEFAULT_BODY_TIMEOUT_S = 30.0  # and its body within this
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5  # idle keep-alive connections are closed after this
+DEFAULT_MAX_CONNECTIONS = 512  # open connections; more are closed at accept (each holds a file descriptor)
+MAX_HEADER_BYTES = 64 << 10  # h11's buffer for an incomplete request head
+PROMPT_CHARS_PER_TOKEN = 64  # default prompt cap: max_model_len x this many characters
+MAX_JSON_DEPTH = 64
+PREPARE_THREADS = 2  # JSON parsing, tokenizing and chat templating run here, off the event loop
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -56,8 +65,8 @@ class APIError(Exception):
     """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-             503: "service_unavailable"}
+             405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
@@ -78,7 +87,34 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 
 def _dumps(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate somewhere: \u-escape it rather than fail
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _check_json_text(obj, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Rejects a parsed JSON body nested deeper than `max_depth`, or holding a string that is not
+    valid Unicode (a lone surrogate from a \\ud800 escape), which the tokenizer cannot take."""
+    stack = [(obj, (), 1)]
+    while stack:
+        x, path, depth = stack.pop()
+        if depth > max_depth:
+            raise bad_request(f"the JSON body is nested more than {max_depth} levels deep", None, "invalid_json")
+        if isinstance(x, dict):
+            for k, v in x.items():
+                stack.append((k, path, depth + 1))
+                stack.append((v, path + (k,), depth + 1))
+        elif isinstance(x, list):
+            stack.extend((v, path + (i,), depth + 1) for i, v in enumerate(x))
+        elif isinstance(x, str) and not x.isascii():
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                param = ".".join(str(p) for p in path if isinstance(p, (str, int))).encode(
+                    "utf-8", "backslashreplace").decode() or None
+                raise bad_request(f"{param or 'the body'}: text must be valid Unicode (no lone surrogates)",
+                                  param, "invalid_text") from None
 
 
 def _json_response(obj, status: int = 200) -> Response:
@@ -301,10 +337,7 @@ class EngineLoop:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        with self._lock:
-            ids = list(self._subs)
-        for rid in ids:
-            self.abort(rid)
+        self.abort_all()
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -321,6 +354,14 @@ class EngineLoop:
     def num_queued(self) -> int:
         return len(self._queued)
 
+    @property
+    def capacity(self) -> int | None:
+        """Most requests that can be admitted at once: every batch slot plus the waiting queue."""
+        return None if self.max_queue is None else self.max_queue + self.engine.engine_config.max_num_seqs
+
+    def _free_slots(self) -> int:
+        return max(0, self.engine.engine_config.max_num_seqs - len(self.engine.scheduler.running))
+
     # ------------------------------------------------------------ HTTP side (event loop thread)
 
     def add(self, items: list[tuple[str, list[int], SamplingParams]], queue: asyncio.Queue,
@@ -332,9 +373,11 @@ class EngineLoop:
             self.engine.validate(ids, params)
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self.max_queue is not None and len(self._queued) + len(items) > self.max_queue:
-                raise QueueFull(f"the server's waiting queue is full ({len(self._queued)} requests waiting, "
-                                f"limit {self.max_queue}); retry later")
+            # Requests that will take a free batch slot at the next step do not count as waiting.
+            free = self._free_slots()
+            if self.max_queue is not None and len(self._queued) + len(items) > self.max_queue + free:
+                raise QueueFull(f"the server's waiting queue is full ({len(self._queued)} requests not yet "
+                                f"scheduled, {free} free batch slots, queue limit {self.max_queue}); retry later")
             for i, (rid, _, _) in enumerate(items):
                 self._subs[rid] = (loop, queue, i)
                 self._queued.add(rid)
@@ -353,10 +396,19 @@ class EngineLoop:
             self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        """Stops a request (client gone, or shutdown); its KV blocks are freed at the next step."""
-        self._unsubscribe(request_id)
+        """Stops a request (client gone, or shutdown); its KV blocks are freed at the next step.
+
+        The subscription stays until the engine confirms the abort (`_on_finished`), so whoever still
+        listens (a stream cut by shutdown) gets its final "abort" chunk."""
         self.engine.abort_request(request_id)
         self._wake.set()
+
+    def abort_all(self) -> int:
+        with self._lock:
+            ids = list(self._subs)
+        for rid in ids:
+            self.abort(rid)
+        return len(ids)
 
     def _unsubscribe(self, request_id: str) -> None:
         with self._lock:
@@ -589,6 +641,11 @@ class ServerConfig:
     log_stats_interval: float = 10.0
     retry_after_s: int = 1
     root: str | None = None  # what the model was loaded from, for /v1/models
+    max_prompt_chars: int | None = None  # None: max_model_len x PROMPT_CHARS_PER_TOKEN
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keep_alive_timeout_s: int = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass
@@ -625,38 +682,79 @@ class Server:
         self.draining = False
         self.num_inflight = 0
         self.created = int(time.time())
+        if config.max_prompt_chars is None:
+            config.max_prompt_chars = self.max_model_len * PROMPT_CHARS_PER_TOKEN
+        self.pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
 
     # ------------------------------------------------------------ plumbing
 
-    async def read_json(self, request: Request, model_cls):
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body of a JSON request: 415 unless it says application/json (so a web page cannot
+        post to a keyless local server without a CORS preflight), 413 if too large, 408 if too slow."""
+        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                           code="unsupported_media_type")
         length = request.headers.get("content-length")
         limit = self.cfg.max_body_bytes
         if length is not None and length.isdigit() and int(length) > limit:
             raise APIError(413, f"request body is {int(length)} bytes; the limit is {limit} bytes",
                            code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.cfg.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g}s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+
+    @staticmethod
+    def parse(raw: bytes, model_cls):
+        """JSON body -> request model (run off the event loop: parsing a big body takes a while)."""
         try:
             obj = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise bad_request(f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise bad_request(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", None,
+                              "invalid_json") from None
         if not isinstance(obj, dict):
             raise bad_request("the request body must be a JSON object", code="invalid_json")
+        _check_json_text(obj)
         try:
             return model_cls.model_validate(obj)
         except ValidationError as e:
             raise _validation_error(e) from None
 
+    async def off_loop(self, fn, *args):
+        """Runs CPU work (parsing, tokenizing, chat templates) in the prepare pool, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # The batch call releases the GIL while it runs (a single `encode` holds it: a 4 MB prompt
+        # would stall the event loop for seconds even from another thread).
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    def check_prompt_chars(self, n: int, param: str) -> None:
+        limit = self.cfg.max_prompt_chars
+        if n > limit:
+            raise APIError(413, f"the prompt has {n} characters; the limit is {limit} characters", param=param,
+                           code="prompt_too_long")
+
     def check_model(self, model: str | None) -> str:
         if model is None:
             return self.model_name
         if model not in self.cfg.served_model_names:
-            raise APIError(400, f"the model `{model}` does not exist; this server serves "
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
                            f"{self.cfg.served_model_names}", param="model", code="model_not_found")
         return model
 
@@ -761,13 +859,18 @@ class Server:
         if not isinstance(prompts, list) or not prompts:
             raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                               "token id lists, and not empty", "prompt", "invalid_type")
+        cap = self.loop.capacity
+        if cap is not None and len(prompts) > cap:
+            raise bad_request(f"the request has {len(prompts)} prompts; this server admits at most {cap} at once "
+                              f"(max_num_seqs + max_queue)", "prompt", "too_many_prompts")
+        self.check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         encoded: list[list[int]] = []
         texts: list[str | None] = []
         for p in prompts:
             if isinstance(p, str):
                 if not p:
                     raise bad_request("the prompt is empty", "prompt", "empty_prompt")
-                encoded.append(self.tokenizer.encode(p))
+                encoded.append(self.encode(p))
                 texts.append(p)
             elif isinstance(p, list) and all(_is_int(t) for t in p):
                 ids = [int(t) for t in p]
@@ -844,6 +947,7 @@ class Server:
                 raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
                                   f"messages.{i}.content", "invalid_type")
             out.append({"role": "system" if role == "developer" else role, "content": content})
+        self.check_prompt_chars(sum(len(m["content"]) for m in out), "messages")
         return out
 
     def _chat_ids(self, messages, add_generation_prompt=True, kwargs=None) -> list[int]:
@@ -852,7 +956,7 @@ class Server:
                                                       **(kwargs or {}))
         except Exception as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
-        return self.tokenizer.encode(text)
+        return self.encode(text)
 
     # ------------------------------------------------------------ running requests
 
@@ -898,8 +1002,8 @@ class Server:
 
     async def _generate(self, request: Request, model_cls, prepare, chat: bool) -> Response:
         arrival = time.monotonic()
-        body = await self.read_json(request, model_cls)
-        prep = prepare(body, arrival)
+        raw = await self.read_body(request)
+        body, prep = await self.off_loop(self._parse_and_prepare, raw, model_cls, prepare, arrival)
         if body.user:
             log.debug("request %s from user %r", prep.request_id, body.user)
         queue: asyncio.Queue = asyncio.Queue()
@@ -912,6 +1016,17 @@ class Server:
         finally:
             self._closed(prep)
 
+    def _parse_and_prepare(self, raw: bytes, model_cls, prepare, arrival: float):
+        body = self.parse(raw, model_cls)
+        prep = prepare(body, arrival)
+        # The engine's checks walk every prompt token: here, not on the event loop.
+        for _, ids, params in prep.items:
+            try:
+                self.engine.validate(ids, params)
+            except ValueError as e:
+                raise self._context_error(e, "messages" if prep.request_id.startswith("chat") else "prompt") from None
+        return body, prep
+
     def _closed(self, prep: _Prepared) -> None:
         self.abort_unfinished(prep)  # the client left early: free the KV blocks now
         self.num_inflight -= 1
@@ -921,8 +1036,9 @@ class Server:
         last: dict[int, Any] = {}
         want_ids = prep.extra.get("return_token_ids", False)
         async for idx, item in self.results(prep, queue):
-            if isinstance(item, BaseException):
-                raise APIError(500, f"the engine failed: {item!r}", code="engine_error")
+            failure = _failure(item)
+            if failure is not None:
+                raise failure
             if item is _ABORTED:
                 finals[idx] = last.get(idx)
             else:
@@ -1016,9 +1132,9 @@ class Server:
         last: dict[int, Any] = {}
         want_ids = prep.extra.get("return_token_ids", False)
         async for idx, item in self.results(prep, queue):
-            if isinstance(item, BaseException):
-                err = APIError(500, f"the engine failed: {item!r}", code="engine_error")
-                yield b"data: " + _dumps(err.body()) + b"\n\n"
+            failure = _failure(item)
+            if failure is not None:
+                yield b"data: " + _dumps(failure.body()) + b"\n\n"
                 break
             if item is _ABORTED:
                 comps = last[idx].outputs if idx in last else []
@@ -1105,24 +1221,40 @@ class Server:
         return Response(generate_latest(self.loop.metrics.registry), 200, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
-        r = await self.read_json(request, TokenizeRequest)
+        return await self.off_loop(self._tokenize, await self.read_body(request))
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self.off_loop(self._detokenize, await self.read_body(request))
+
+    def _tokenize(self, raw: bytes) -> Response:
+        r = self.parse(raw, TokenizeRequest)
         self.check_model(r.model)
         if (r.prompt is None) == (r.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if r.prompt is not None:
-            ids = self.tokenizer.encode(r.prompt, add_special_tokens=r.add_special_tokens)
+            self.check_prompt_chars(len(r.prompt), "prompt")
+            ids = self.encode(r.prompt, add_special_tokens=r.add_special_tokens)
         else:
             ids = self._chat_ids(self._messages(r.messages), r.add_generation_prompt)
         return _json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
 
-    async def detokenize(self, request: Request) -> Response:
-        r = await self.read_json(request, DetokenizeRequest)
+    def _detokenize(self, raw: bytes) -> Response:
+        r = self.parse(raw, DetokenizeRequest)
         self.check_model(r.model)
         bad = [t for t in r.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "tokens",
                               "invalid_token_id")
         return _json_response({"prompt": self.tokenizer.decode(r.tokens)})
+
+
+def _failure(item) -> APIError | None:
+    """The 500 for a result that is an engine failure (the whole loop, or the step that ran this request)."""
+    if isinstance(item, BaseException):
+        return APIError(500, f"the engine failed: {item!r}", code="engine_error")
+    if item is not _ABORTED and item.error is not None:
+        return APIError(500, f"the engine step running this request failed: {item.error}", code="engine_error")
+    return None
 
 
 def _is_int(x) -> bool:
@@ -1211,17 +1343,19 @@ class _Gate:
 
 def build_app(engine, *, served_model_names: list[str] | str | None = None, api_key: str | None = None,
               max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              log_stats_interval: float = 10.0, root: str | None = None, start_engine: bool = True) -> Starlette:
+              log_stats_interval: float = 10.0, root: str | None = None, start_engine: bool = True,
+              **limits) -> Starlette:
     """The ASGI app around an `LLMEngine`. `app.state.server` is the Server (engine loop, metrics, state).
 
     The engine loop thread starts with the app (lifespan) unless `start_engine=False`; then call
-    `app.state.server.loop.start()` yourself.
+    `app.state.server.loop.start()` yourself. `limits`: the other `ServerConfig` fields (timeouts,
+    max_connections, max_prompt_chars); the connection ones apply when run by `serve` or `ServerThread`.
     """
     if isinstance(served_model_names, str):
         served_model_names = [served_model_names]
     names = list(served_model_names or [engine.config.name])
     server = Server(engine, ServerConfig(names, api_key, max_queue, max_body_bytes, log_stats_interval,
-                                         root=root))
+                                         root=root, **limits))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -1231,6 +1365,7 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
             yield
         finally:
             server.loop.stop()
+            server.pool.shutdown(wait=False, cancel_futures=True)
 
     async def api_error(request, exc: APIError):
         return exc.response()
@@ -1276,17 +1411,63 @@ class _UvicornServer:
         return S(config)
 
 
+def _guarded_protocol(header_timeout_s: float, max_connections: int):
+    """uvicorn's HTTP protocol, plus what it lacks against slow or numerous clients: connections past
+    `max_connections` are closed at accept, and one that has not sent a full request head within
+    `header_timeout_s` (of connecting, or of its previous response) is closed."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class GuardedHTTPProtocol(AutoHTTPProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                log.warning("%d connections open (limit %d): closing a new one", len(self.connections) - 1,
+                            max_connections)
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            # A request whose head arrived has a live cycle; its body has the body timeout.
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedHTTPProtocol
+
+
+def _uvicorn_config(app, host: str, port: int, **kwargs):
+    import uvicorn
+
+    cfg: ServerConfig = app.state.server.cfg
+    return uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
+                          http=_guarded_protocol(cfg.header_timeout_s, cfg.max_connections),
+                          limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=cfg.keep_alive_timeout_s,
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **kwargs)
+
+
 class ServerThread:
     """Runs an app on uvicorn in a background thread (tests, benchmarks). `url` once `start()` returns."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
         self.app = app
         self.host = host
-        self.server = _UvicornServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    access_log=False, lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        self.server = _UvicornServer(_uvicorn_config(app, host, port, log_level=log_level, access_log=False))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.port: int | None = None
 
@@ -1319,11 +1500,9 @@ async def serve(app, host: str, port: int, *, shutdown_grace_s: float = DEFAULT_
                 log_level: str = "info", access_log: bool = False) -> None:
     """Serves until SIGTERM/SIGINT; then refuses new requests (503), drains in-flight ones for up to
     `shutdown_grace_s`, aborts whatever is left, and returns. A second signal exits at once."""
-    import uvicorn
-
     server: Server = app.state.server
-    uv = _UvicornServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                                       lifespan="on", timeout_graceful_shutdown=5, log_config=None))
+    uv = _UvicornServer(_uvicorn_config(app, host, port, log_level=log_level, access_log=access_log,
+                                        log_config=None))
     loop = asyncio.get_running_loop()
     state = {"signals": 0}
 
@@ -1335,14 +1514,12 @@ async def serve(app, host: str, port: int, *, shutdown_grace_s: float = DEFAULT_
         while server.num_inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if server.num_inflight > 0:
+            # Each aborted stream gets a final chunk with finish_reason "abort", then [DONE].
             log.warning("grace period over: aborting %d in-flight requests", server.num_inflight)
-            with server.loop._lock:
-                ids = list(server.loop._subs)
-            for rid in ids:
-                server.loop.abort(rid)
-            t_end = time.monotonic() + 5
+            server.loop.abort_all()
+            t_end = time.monotonic() + 1.0
             while server.num_inflight > 0 and time.monotonic() < t_end:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
         log.info("drained; shutting down")
         uv.should_exit = True
 
@@ -1389,6 +1566,17 @@ def parse_args(argv=None):
                     help="larger request bodies get 413")
     ap.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
                     help="on SIGTERM, how long in-flight requests may run before they are aborted")
+    ap.add_argument("--max-prompt-chars", type=int, default=None,
+                    help="longer prompts get 413 before tokenizing (default: max_model_len x "
+                         f"{PROMPT_CHARS_PER_TOKEN})")
+    ap.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                    help="close a connection that has not sent a request head within this")
+    ap.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                    help="answer 408 when a request body takes longer than this to arrive")
+    ap.add_argument("--keep-alive-timeout-s", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                    help="close an idle keep-alive connection after this")
+    ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                    help="open connections allowed; more are closed at accept")
     ap.add_argument("--log-stats-interval", type=float, default=10.0,
                     help="seconds between stats log lines (0: off)")
     ap.add_argument("--compilation-cache-dir", default=None,
@@ -1429,13 +1617,21 @@ def main(argv=None) -> int:
     names = args.served_model_name or [args.model if not args.plan else plan.config.name]
     app = build_app(engine, served_model_names=names, api_key=args.api_key,
                     max_queue=None if args.max_queue < 0 else args.max_queue, max_body_bytes=args.max_body_bytes,
-                    log_stats_interval=args.log_stats_interval, root=str(source))
+                    log_stats_interval=args.log_stats_interval, root=str(source),
+                    max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout_s,
+                    body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
+                    max_connections=args.max_connections)
     log.info("serving %s on http://%s:%d (model name%s %s)", source, args.host, args.port,
              "s" if len(names) > 1 else "", ", ".join(names))
     asyncio.run(serve(app, args.host, args.port, shutdown_grace_s=args.shutdown_grace_s,
                       log_level=args.log_level, access_log=args.access_log))
     log.info("server stopped")
-    return 0
+    # Interpreter teardown (the XLA client, device buffers, module globals) takes seconds and would
+    # push the exit past the grace period; the server is drained and has nothing left to write.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

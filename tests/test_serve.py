@@ -259,7 +259,7 @@ class TestServer:
         ("temperature > 2", "/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
         ("top_p 0", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ("top_p > 1", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-        ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 400, "model"),
+        ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
         ("stream not bool", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
         ("logprobs too many", "/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
         ("logit_bias bad key", "/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
@@ -450,8 +450,8 @@ def test_auth(smol_llm):
 
 
 def test_queue_overflow(smol_llm):
-    """With the engine loop held, the waiting queue fills; the next request gets 503 + Retry-After.
-    Once the loop runs, the queued requests complete."""
+    """With the engine loop held, the free batch slots (16) and then the waiting queue (3) fill; the
+    next request gets 503 + Retry-After. Once the loop runs, the queued requests complete."""
     app = build_app(smol_llm.engine, served_model_names=MODEL, max_queue=3, log_stats_interval=0,
                     start_engine=False)
     server = app.state.server
@@ -461,8 +461,10 @@ def test_queue_overflow(smol_llm):
                 # one request with two prompts + one single: 3 queued
                 first = [asyncio.create_task(c.post("/v1/completions", json={"prompt": ["a b", "c d"],
                                                                               "max_tokens": 3})),
-                         asyncio.create_task(c.post("/v1/completions", json={"prompt": "e f", "max_tokens": 3}))]
-                while server.loop.num_queued < 3:
+                         asyncio.create_task(c.post("/v1/completions", json={"prompt": "e f", "max_tokens": 3})),
+                         asyncio.create_task(c.post("/v1/completions", json={"prompt": ["h i"] * 16,
+                                                                              "max_tokens": 3}))]
+                while server.loop.num_queued < 19:
                     await asyncio.sleep(0.01)
                 over = await c.post("/v1/completions", json={"prompt": "g", "max_tokens": 3})
                 over_stream = await c.post("/v1/completions", json={"prompt": "g", "max_tokens": 3, "stream": True})
@@ -475,7 +477,7 @@ def test_queue_overflow(smol_llm):
             assert r.status_code == 503
             assert r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full"
-        assert [r.status_code for r in first] == [200, 200]
+        assert [r.status_code for r in first] == [200, 200, 200]
         assert len(first[0].json()["choices"]) == 2
         with httpx.Client(base_url=st.url) as c:
             text = wait_idle(c, smol_llm.engine)
@@ -491,11 +493,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_sigterm_drains(tmp_path):
-    """`python -m runtime.serve`: a long stream survives SIGTERM, new requests are refused, exit 0."""
+def start_cli_server(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, "os.PathLike"]:
+    """`python -m runtime.serve` on SMOL_ARGS and the session's compile cache; returns once /health is 200."""
     port = _free_port()
     args = [sys.executable, "-m", "runtime.serve", "--model", MODEL, "--port", str(port),
-            "--compilation-cache-dir", str(CACHE_DIR), "--shutdown-grace-s", "60", "--log-stats-interval", "1"]
+            "--compilation-cache-dir", str(CACHE_DIR), *extra]
     for k, v in SMOL_ARGS.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -503,8 +505,8 @@ def test_cli_sigterm_drains(tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
     try:
-        t0 = time.monotonic()
         while True:
             assert proc.poll() is None, log_path.read_text()[-3000:]
             try:
@@ -514,7 +516,18 @@ def test_cli_sigterm_drains(tmp_path):
                 pass
             assert time.monotonic() - t0 < 240, "server did not start"
             time.sleep(0.25)
-        print(f"CLI server up in {time.monotonic() - t0:.1f}s")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    print(f"CLI server up in {time.monotonic() - t0:.1f}s")
+    return proc, url, log_path
+
+
+def test_cli_sigterm_drains(tmp_path):
+    """`python -m runtime.serve`: a long stream survives SIGTERM, new requests are refused, exit 0."""
+    proc, url, log_path = start_cli_server(tmp_path, "--shutdown-grace-s", "60", "--log-stats-interval", "1")
+    try:
         n_tokens = 24
         with httpx.Client(base_url=url, timeout=120) as c, c.stream(
                 "POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": n_tokens,

@@ -1,0 +1,493 @@
+"""Hostile clients (issue 11): no request can kill or hang the engine, streams end cleanly on
+SIGTERM, and slow or huge clients cannot starve the server.
+
+Engine-level cases run on the tiny random model. HTTP cases run a real uvicorn server on loopback
+over the session's SmolLM2 engine (one in-process server at a time, as in test_serve.py), with
+httpx or raw sockets as the client. SIGTERM runs on one `python -m runtime.serve` subprocess that
+shares the session's compile cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from test_engine import tiny_llm
+from test_serve import MODEL, assert_kv_idle, start_cli_server, wait_idle
+
+from runtime.sampling_params import SamplingParams
+from runtime.serve import ServerThread, build_app
+
+CHAT = [{"role": "user", "content": "Say hi."}]
+EOS = 2  # SmolLM2's <|im_end|>, and the tiny model's eos
+
+
+def run_bounded(llm, prompts, params, max_steps: int = 200):
+    """Steps the engine until every request finished; fails (rather than hangs) past `max_steps`."""
+    engine = llm.engine
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    done = {}
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if len(done) == len(ids):
+            return [done[i] for i in ids]
+    pytest.fail(f"{len(ids) - len(done)} of {len(ids)} requests never finished (still running: "
+                f"{len(engine.scheduler.running)}, waiting: {len(engine.scheduler.waiting)})")
+
+
+def assert_engine_idle(engine):
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests()
+    assert bm.num_used == 0, f"{bm.num_used} KV blocks still in use"
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    bm.check_invariants([])
+
+
+# ====================================================================== engine level (tiny model)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llm()
+
+
+WIDE = [("top_k", dict(top_k=2 ** 31)), ("n", dict(n=2 ** 31)), ("logprobs", dict(logprobs=2 ** 40)),
+        ("min_tokens", dict(min_tokens=2 ** 31, max_tokens=None)), ("max_tokens", dict(max_tokens=2 ** 63)),
+        ("seed", dict(seed=2 ** 63)), ("seed", dict(seed=-2 ** 63 - 1)), ("priority", dict(priority=2 ** 63)),
+        ("stop_token_ids", dict(stop_token_ids=[2 ** 31])), ("logit_bias", dict(logit_bias={2 ** 32: 1.0})),
+        ("logit_bias", dict(logit_bias={-1: 1.0}))]
+
+
+@pytest.mark.parametrize("field,kw", WIDE, ids=[f"{f}-{i}" for i, (f, _) in enumerate(WIDE)])
+def test_params_reject_ints_wider_than_their_storage(field, kw):
+    with pytest.raises(ValueError, match=rf"^{field}"):
+        SamplingParams(**kw)
+
+
+def test_params_accept_the_edges_of_their_widths():
+    SamplingParams(top_k=2 ** 31 - 1, seed=2 ** 63 - 1, priority=-2 ** 63, max_tokens=2 ** 63 - 1,
+                   stop_token_ids=[2 ** 31 - 1], logit_bias={0: 1.0})
+
+
+def test_top_k_int32_max_samples(tiny):
+    """The largest top_k that fits its int32 slot runs through the sampler (top-k is then off)."""
+    out = run_bounded(tiny, [[5, 6, 7]], SamplingParams(max_tokens=3, top_k=2 ** 31 - 1, seed=1, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert_engine_idle(tiny.engine)
+
+
+@pytest.mark.parametrize("what,params", [
+    ("max_tokens=1", SamplingParams(n=2, max_tokens=1, seed=3)),
+    ("eos first", SamplingParams(n=3, max_tokens=5, seed=3, logit_bias={EOS: 100.0})),
+    ("greedy max_tokens=1", SamplingParams(n=2, max_tokens=1, temperature=0)),
+])
+def test_n_forks_when_the_parent_finishes_on_its_first_token(tiny, what, params):
+    outs = run_bounded(tiny, [[5, 6, 7], [9, 10]], params)
+    for out in outs:
+        assert [c.index for c in out.outputs] == list(range(params.n))
+        for c in out.outputs:
+            assert len(c.token_ids) == 1
+            assert c.finish_reason == ("stop" if params.logit_bias else "length")
+    assert_engine_idle(tiny.engine)
+    # And through LLM.generate (which would hang if a fork were lost).
+    again = tiny.generate([[5, 6, 7]], params)
+    assert len(again[0].outputs) == params.n
+    assert_engine_idle(tiny.engine)
+
+
+def test_step_error_fails_only_the_requests_it_touched(tiny):
+    engine = tiny.engine
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    # A fills the step's token budget (max_num_batched_tokens=64), so B waits and is not touched.
+    a = engine.add_request(None, list(range(3, 67)), greedy)
+    b = engine.add_request(None, [7, 8, 9], greedy)
+    real = engine.runner.execute
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected device failure")
+
+    engine.runner.execute = boom
+    try:
+        outs = engine.step()
+    finally:
+        engine.runner.execute = real
+    assert [o.request_id for o in outs] == [a]
+    assert outs[0].finished and "injected device failure" in outs[0].error
+    assert outs[0].outputs[0].finish_reason == "error"
+    engine.block_manager.check_invariants([s for r in engine.requests.values() for s in r.seqs])
+    assert list(engine.requests) == [b]  # B survived, and finishes normally
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[b].error is None and len(done[b].outputs[0].token_ids) == 4
+    assert_engine_idle(engine)
+    # The engine goes on serving.
+    again = tiny.generate([list(range(3, 67))], greedy)
+    assert len(again[0].outputs[0].token_ids) == 4
+    assert_engine_idle(engine)
+
+
+# ====================================================================== HTTP: the table of bad inputs
+
+
+def _raw(obj) -> bytes:
+    """JSON with \\u escapes kept as written (a lone surrogate cannot be encoded any other way)."""
+    return json.dumps(obj).encode()
+
+
+def _deep(depth: int) -> bytes:
+    return b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+SURROGATE = "a\ud800b"
+J = {"Content-Type": "application/json"}
+
+# (what, path, body (dict: JSON, bytes: raw), headers, status, param, code)
+HOSTILE = [
+    ("top_k int32+1", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_k": 2 ** 31}, J, 400, "top_k", None),
+    ("top_k 2^70", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_k": 2 ** 70}, J, 400, "top_k", None),
+    ("chat top_k int32+1", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "top_k": 2 ** 31}, J, 400,
+     "top_k", None),
+    ("n 2^31", "/v1/completions", {"prompt": "hi", "n": 2 ** 31}, J, 400, "n", None),
+    ("logprobs 2^40", "/v1/completions", {"prompt": "hi", "logprobs": 2 ** 40}, J, 400, "logprobs", None),
+    ("min_tokens 2^40", "/v1/completions", {"prompt": "hi", "min_tokens": 2 ** 40}, J, 400, "min_tokens", None),
+    ("max_tokens 2^63", "/v1/completions", {"prompt": "hi", "max_tokens": 2 ** 63}, J, 400, "max_tokens", None),
+    ("seed 2^64", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2 ** 64}, J, 400, "seed", None),
+    ("seed -2^63-1", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": -2 ** 63 - 1}, J, 400, "seed",
+     None),
+    ("priority 2^63", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "priority": 2 ** 63}, J, 400,
+     "priority", None),
+    ("stop_token_ids 2^31", "/v1/completions", {"prompt": "hi", "stop_token_ids": [2 ** 31]}, J, 400,
+     "stop_token_ids", None),
+    ("logit_bias key 2^32", "/v1/completions", {"prompt": "hi", "logit_bias": {str(2 ** 32): 1}}, J, 400,
+     "logit_bias", None),
+    ("surrogate prompt", "/v1/completions", _raw({"prompt": SURROGATE, "max_tokens": 2}), J, 400, "prompt",
+     "invalid_text"),
+    ("surrogate in prompt list", "/v1/completions", _raw({"prompt": ["ok", SURROGATE]}), J, 400, "prompt.1",
+     "invalid_text"),
+    ("surrogate chat content", "/v1/chat/completions", _raw({"messages": [{"role": "user", "content": SURROGATE}]}),
+     J, 400, "messages.0.content", "invalid_text"),
+    ("surrogate /tokenize", "/tokenize", _raw({"prompt": SURROGATE}), J, 400, "prompt", "invalid_text"),
+    ("surrogate model", "/v1/completions", _raw({"prompt": "hi", "model": "m\udfffx"}), J, 400, "model",
+     "invalid_text"),
+    ("surrogate key", "/v1/completions", _raw({"prompt": "hi", "logit_bias": {"\ud800": 1}}), J, 400, "logit_bias",
+     "invalid_text"),
+    ("nested 100,000 deep", "/v1/completions", _deep(100_000), J, 400, None, "invalid_json"),
+    ("nested 80 deep", "/v1/completions", _deep(80), J, 400, None, "invalid_json"),
+    ("prompt over the char cap", "/v1/completions", {"prompt": "x" * 40_000, "max_tokens": 2}, J, 413, "prompt",
+     "prompt_too_long"),
+    ("chat over the char cap", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 40_000}]}, J,
+     413, "messages", "prompt_too_long"),
+    ("/tokenize over the char cap", "/tokenize", {"prompt": "x" * 40_000}, J, 413, "prompt", "prompt_too_long"),
+    ("300 prompts", "/v1/completions", {"prompt": ["hi"] * 300, "max_tokens": 2}, J, 400, "prompt",
+     "too_many_prompts"),
+    ("text/plain", "/v1/completions", {"prompt": "hi", "max_tokens": 2}, {"Content-Type": "text/plain"}, 415, None,
+     "unsupported_media_type"),
+    ("form content type", "/v1/chat/completions", {"messages": CHAT},
+     {"Content-Type": "application/x-www-form-urlencoded"}, 415, None, "unsupported_media_type"),
+    ("no content type", "/tokenize", {"prompt": "hi"}, {}, 415, None, "unsupported_media_type"),
+    ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-4"}, J, 404, "model", "model_not_found"),
+]
+
+
+@pytest.fixture(scope="class")
+def hsrv(smol_llm):
+    # max_queue 4 + 16 batch slots: 20 prompts at most per request. Default prompt cap: 512 x 64 chars.
+    app = build_app(smol_llm.engine, served_model_names=MODEL, max_queue=4, log_stats_interval=0)
+    with ServerThread(app) as st:
+        yield st
+    assert not smol_llm.engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="class")
+def http(hsrv):
+    with httpx.Client(base_url=hsrv.url, timeout=60) as c:
+        yield c
+
+
+class TestHostileRequests:
+    @pytest.mark.parametrize("what,path,body,headers,status,param,code", HOSTILE, ids=[h[0] for h in HOSTILE])
+    def test_rejected_and_server_lives(self, http, what, path, body, headers, status, param, code):
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = http.post(path, content=content, headers=headers)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert err["param"] == param, err
+        if code is not None:
+            assert err["code"] == code, err
+        assert http.get("/health").status_code == 200
+        ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+    def test_limits_are_in_the_messages(self, http):
+        r = http.post("/v1/completions", json={"prompt": "x" * 40_000})
+        assert "32768" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": ["hi"] * 300})
+        assert "20" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": "hi", "top_k": 2 ** 31})
+        assert "top_k" in r.json()["error"]["message"] and "32 bits" in r.json()["error"]["message"]
+
+    @pytest.mark.parametrize("path,body", [
+        ("/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 5, "logit_bias": {str(EOS): 100}}),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 2, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 3, "max_tokens": 5, "logit_bias": {str(EOS): 100}}),
+    ], ids=["cmpl-max_tokens=1", "cmpl-eos-first", "chat-max_tokens=1", "chat-eos-first"])
+    @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+    def test_n_with_first_token_finish(self, hsrv, smol_llm, path, body, stream):
+        want = "stop" if "logit_bias" in body else "length"
+        with httpx.Client(base_url=hsrv.url, timeout=20) as c:
+            if not stream:
+                r = c.post(path, json=body)
+                assert r.status_code == 200, r.text
+                choices = r.json()["choices"]
+                assert sorted(ch["index"] for ch in choices) == list(range(body["n"]))
+                assert all(ch["finish_reason"] == want for ch in choices)
+            else:
+                with c.stream("POST", path, json={**body, "stream": True}) as r:
+                    lines = [x for x in r.iter_lines() if x]
+                assert lines[-1] == "data: [DONE]"
+                finals = {ch["index"]: ch["finish_reason"] for x in lines[:-1]
+                          for ch in json.loads(x[6:])["choices"] if ch["finish_reason"]}
+                assert finals == {i: want for i in range(body["n"])}
+            assert_kv_idle(smol_llm.engine, wait_idle(c, smol_llm.engine))
+
+
+# ====================================================================== HTTP: engine failures
+
+
+def test_step_error_fails_its_request_and_the_server_goes_on(smol_llm, monkeypatch):
+    engine = smol_llm.engine
+    real = engine.runner.execute
+    failures = {"left": 0}
+
+    def flaky(*args, **kwargs):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("injected step failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    app = build_app(engine, served_model_names=MODEL, log_stats_interval=0)
+    with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=60) as c:
+        failures["left"] = 1
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        assert "injected step failure" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 200
+        failures["left"] = 1
+        with c.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True}) as s:
+            lines = [x for x in s.iter_lines() if x]
+        assert json.loads(lines[0][6:])["error"]["code"] == "engine_error" and lines[-1] == "data: [DONE]"
+        ok = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4})
+        assert ok.status_code == 200, ok.text
+        text = wait_idle(c, engine)
+        assert_kv_idle(engine, text)
+        errors = [line for line in text.splitlines()
+                  if line.startswith("vllm:request_success_total") and 'finished_reason="error"' in line]
+        assert len(errors) == 1 and float(errors[0].split()[-1]) >= 2, errors
+    engine.block_manager.check_invariants([])
+
+
+# ====================================================================== HTTP: admission
+
+
+def test_admission_counts_free_batch_slots(smol_llm):
+    """8 simultaneous requests against 16 free slots and max_queue 4 are all admitted; past
+    slots + queue (20) the server answers 503 queue_full."""
+    app = build_app(smol_llm.engine, served_model_names=MODEL, max_queue=4, log_stats_interval=0,
+                    start_engine=False)
+    server = app.state.server
+    with ServerThread(app) as st:
+        async def main():
+            async with httpx.AsyncClient(base_url=st.url, timeout=120) as c:
+                eight = [asyncio.create_task(c.post("/v1/completions", json={"prompt": f"{i} a", "max_tokens": 2}))
+                         for i in range(8)]
+                t0 = time.monotonic()
+                while server.loop.num_queued < 8 and not any(t.done() for t in eight):
+                    await asyncio.sleep(0.01)
+                    assert time.monotonic() - t0 < 30
+                over = await c.post("/v1/completions", json={"prompt": ["b"] * 13, "max_tokens": 2})
+                server.loop.start()
+                return over, await asyncio.gather(*eight)
+
+        over, eight = asyncio.run(main())
+        assert [r.status_code for r in eight] == [200] * 8, [r.text for r in eight if r.status_code != 200]
+        assert over.status_code == 503 and over.json()["error"]["code"] == "queue_full"
+        with httpx.Client(base_url=st.url) as c:
+            wait_idle(c, smol_llm.engine)
+
+
+# ====================================================================== HTTP: huge prompts, slow clients
+
+
+# A client process of its own, as real clients are (in-process, its sends would share our GIL).
+FLOOD = """
+import asyncio, json, sys, httpx
+url, n, chars, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+text = "x" * chars if cap == "capped" else ("hello world, this is a test. " * (chars // 29))
+body = json.dumps({"prompt": text, "max_tokens": 2}).encode()
+async def main():
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        rs = await asyncio.gather(*[c.post("/v1/completions", content=body,
+                                           headers={"Content-Type": "application/json"}) for _ in range(n)])
+    print(json.dumps([[r.status_code, r.json()["error"]["code"]] for r in rs]))
+asyncio.run(main())
+"""
+
+
+def _health_during_flood(url: str, n: int, chars: int, mode: str):
+    proc = subprocess.Popen([sys.executable, "-c", FLOOD, url, str(n), str(chars), mode], stdout=subprocess.PIPE,
+                            text=True)
+    lat = []
+    with httpx.Client(base_url=url, timeout=30) as c:
+        while proc.poll() is None:
+            t0 = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            lat.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+    out, _ = proc.communicate(timeout=300)
+    return sorted(lat), json.loads(out)
+
+
+def test_health_answers_while_huge_prompts_arrive(smol_llm):
+    """Huge prompts never stall the event loop. With the default cap (512 x 64 characters), eight
+    4 MB prompts get 413 before any tokenizing, and /health answers within 100 ms throughout. With
+    the cap lifted, four 3.5 MB prompts are tokenized (off the loop) and rejected for their length
+    while /health keeps answering (on the loop, each would stall it for seconds)."""
+    app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
+    with ServerThread(app) as st:
+        lat, codes = _health_during_flood(st.url, 8, (4 << 20) - 100, "capped")
+        print(f"/health during 8 x 4 MB prompts (capped): n={len(lat)} max={lat[-1] * 1e3:.1f}ms")
+        assert codes == [[413, "prompt_too_long"]] * 8
+        assert len(lat) >= 3 and lat[-1] < 0.1
+
+        app.state.server.cfg.max_prompt_chars = 10 ** 8
+        lat, codes = _health_during_flood(st.url, 4, 3_500_000, "lifted")
+        print(f"/health during 4 x 3.5 MB prompts (tokenized): n={len(lat)} p50={lat[len(lat) // 2] * 1e3:.1f}ms "
+              f"max={lat[-1] * 1e3:.1f}ms")
+        assert codes == [[400, "context_length_exceeded"]] * 4
+        # Each encode takes seconds of CPU; /health waits at most for a thread to hand back the GIL.
+        assert len(lat) >= 20 and lat[len(lat) // 2] < 0.05 and lat[-1] < 1.0
+
+
+def _num_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _closed_within(sock: socket.socket, timeout: float) -> bool:
+    """True when the server closes the connection within `timeout` (reads until EOF)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_slow_clients_are_timed_out_and_connections_capped(smol_llm):
+    app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0, header_timeout_s=1.0,
+                    body_timeout_s=1.0, max_connections=12)
+    fds_before = _num_fds()
+    with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=10) as c:
+        addr = ("127.0.0.1", st.port)
+        # Slow headers: half a request head, then a trickle.
+        slow = [socket.create_connection(addr) for _ in range(8)]
+        for s in slow:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        # More connections than the cap: the excess is closed at once.
+        flood = [socket.create_connection(addr) for _ in range(20)]
+        t0 = time.monotonic()
+        closed_now = sum(_closed_within(s, 0.3) for s in flood)
+        assert closed_now >= 15, closed_now
+        t0 = time.monotonic()
+        for s in slow:
+            s.sendall(b"X")
+        assert all(_closed_within(s, 4.0) for s in slow)
+        assert time.monotonic() - t0 < 4.0
+        assert all(_closed_within(s, 4.0) for s in flood)  # the survivors sent nothing: header timeout
+        # Slow body: a full head, then one byte of a 100-byte body.
+        body = socket.create_connection(addr)
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        body.settimeout(5)
+        t0 = time.monotonic()
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += body.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert time.monotonic() - t0 < 4.0
+        assert _closed_within(body, 4.0)
+        for s in [*slow, *flood, body]:
+            s.close()
+        assert c.get("/health").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+    assert _num_fds() <= fds_before + 2  # nothing leaked
+
+
+# ====================================================================== SIGTERM (one subprocess)
+
+
+def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
+    """8 long streams and a short grace: each stream gets finish_reason "abort" and [DONE], and the
+    process exits within grace + 2 s."""
+    grace = 3.0
+    proc, url, log_path = start_cli_server(tmp_path, "--shutdown-grace-s", str(grace), "--log-stats-interval", "0")
+    try:
+        started = threading.Barrier(9)
+        results: list[list[str] | BaseException] = [None] * 8
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 400, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+            try:
+                with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+                    lines = []
+                    for line in r.iter_lines():
+                        if line:
+                            lines.append(line)
+                            if len(lines) == 1:
+                                started.wait(60)
+                    results[i] = lines
+            except BaseException as e:  # noqa: BLE001 - reported below
+                results[i] = e
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        started.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        t_sig = time.monotonic()
+        code = proc.wait(timeout=grace + 30)
+        exit_s = time.monotonic() - t_sig
+        for t in threads:
+            t.join(30)
+        print(f"exit {code} {exit_s:.2f}s after SIGTERM (grace {grace}s)")
+        for i, lines in enumerate(results):
+            assert isinstance(lines, list), f"stream {i}: {lines!r}"
+            assert lines[-1] == "data: [DONE]", f"stream {i}: {lines[-3:]}"
+            last = json.loads(lines[-2][6:])
+            assert last["choices"][0]["finish_reason"] == "abort", f"stream {i}: {lines[-2]}"
+        assert code == 0, log_path.read_text()[-3000:]
+        assert exit_s <= grace + 2, f"exited {exit_s:.2f}s after SIGTERM"
+        assert "aborting 8 in-flight requests" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
