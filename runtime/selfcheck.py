@@ -34,7 +34,7 @@ from pathlib import Path
 
 PARTS = ("devices", "kernels", "tiny", "throughput", "bench")
 # Seconds each part may take: (full run on a GPU, --quick). The full column sums to 8 minutes.
-TIMEOUTS = {"devices": (45, 45), "kernels": (75, 75), "tiny": (75, 75), "throughput": (165, 120),
+TIMEOUTS = {"devices": (30, 45), "kernels": (75, 75), "tiny": (75, 75), "throughput": (180, 120),
             "bench": (120, 60)}
 BENCH_MAX_SECONDS = {False: 95.0, True: 40.0}  # inside the bench part's timeout
 TAIL_LINES = 25
@@ -192,7 +192,8 @@ def kernel_cases(large: bool):
             _flash_case([3, 700, 2048], 5, 32, 8, 128),
             _paged_case(ctx, None, 0, 9, 3, 64),
             _paged_case(ctx, None, 0, 32, 8, 128),
-            _paged_case([21, 40, 1000, 3000], [1, 7, 300, 1000], 11, 32, 8, 128)]
+            # The reference gathers [tokens, context, heads, dim] in f32: keep tokens x context small.
+            _paged_case([21, 40, 600, 1000], [1, 7, 100, 300], 11, 32, 8, 128)]
 
 
 def part_kernels(args) -> tuple[bool, str, dict]:
@@ -274,9 +275,33 @@ def _random_prompts(num: int, lengths, vocab: int, seed: int) -> list[list[int]]
     return [rng.integers(3, vocab, int(lengths[i % len(lengths)])).tolist() for i in range(num)]
 
 
+# Greedy runs of two correct backends may split where two tokens tie to within rounding; a split
+# counts as a near tie only if each run's token is in the other's top logprobs and the two differ
+# by at most this much in both runs. TF32 (GPU f32 matmuls) keeps 10 mantissa bits, bf16 8.
+NEAR_TIE_LOGPROB = {"f32": 1e-2, "bf16": 1e-1}
+TINY_LOGPROBS = 5
+
+
+def compare_greedy(a, b, tol: float) -> tuple[str, str]:
+    """('equal' | 'near tie' | 'differ', where) for two greedy outputs with top logprobs."""
+    if a.token_ids == b.token_ids:
+        return "equal", "-"
+    j = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+             min(len(a.token_ids), len(b.token_ids)))
+    where = f"token {j}"
+    if j >= min(len(a.token_ids), len(b.token_ids)):
+        return "differ", where + " (lengths differ)"
+    ta, tb, la, lb = a.token_ids[j], b.token_ids[j], a.logprobs[j], b.logprobs[j]
+    if tb not in la or ta not in lb:
+        return "differ", f"{where}: {ta} vs {tb}, not in each other's top {TINY_LOGPROBS}"
+    gap = max(la[ta] - la[tb], lb[tb] - lb[ta])
+    return ("near tie" if gap <= tol else "differ"), f"{where}: {ta} vs {tb}, logprob gap {gap:.1e}"
+
+
 def part_tiny(args) -> tuple[bool, str, dict]:
     from models.config import get_preset
     from models.weights import random_weights
+    from runtime.sampling_params import SamplingParams
 
     pallas = "pallas" if _on_gpu() else "interpret"
     cfg = get_preset("tiny")
@@ -284,34 +309,44 @@ def part_tiny(args) -> tuple[bool, str, dict]:
     # Lengths cover a fresh prefill (FlashAttention), chunked prefill over cached blocks (the
     # ragged paged kernel, 32-token steps) and decode (the decode kernel); 5 prompts > 4 seqs.
     prompts = _random_prompts(5, [1, 5, 17, 40, 90], cfg.vocab_size, seed=0)
-    params = _greedy(12)
-    rows = [("dtype", "status", "sequences equal", "first difference")]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False,
+                            logprobs=TINY_LOGPROBS)
+    rows = [("dtype", "status", "sequences equal", "near ties", "first split")]
     results = {}
     for dtype in ("f32", "bf16"):
         try:
-            tokens = {}
+            outs = {}
             for backend in ("xla", pallas):
                 llm = build_llm(cfg, weights, backend=backend, dtype=dtype, max_model_len=128,
                                 max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
-                tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+                outs[backend] = [o.outputs[0] for o in llm.generate(prompts, params)]
                 del llm
-            a, b = tokens["xla"], tokens[pallas]
-            same = sum(x == y for x, y in zip(a, b))
-            first = next((f"prompt {i} token {next(j for j in range(len(x)) if x[j] != y[j])}"
-                          for i, (x, y) in enumerate(zip(a, b)) if x != y), "-")
-            ok = same == len(prompts) and all(len(x) == params.max_tokens for x in a)
-            results[dtype] = {"ok": ok, "equal": same, "num_prompts": len(prompts)}
-            rows.append((dtype, "PASS" if ok else "FAIL", f"{same}/{len(prompts)}", first))
+            verdicts = [compare_greedy(x, y, NEAR_TIE_LOGPROB[dtype])
+                        for x, y in zip(outs["xla"], outs[pallas])]
+            counts = collections.Counter(v for v, _ in verdicts)
+            split = next((f"prompt {i} {w}" for i, (v, w) in enumerate(verdicts) if v != "equal"), "-")
+            full = all(len(o.token_ids) == params.max_tokens for o in outs["xla"] + outs[pallas])
+            ok = counts["differ"] == 0 and full
+            results[dtype] = {"ok": ok, "equal": counts["equal"], "near_ties": counts["near tie"],
+                              "num_prompts": len(prompts), "first_split": split}
+            rows.append((dtype, "PASS" if ok else "FAIL", f"{counts['equal']}/{len(prompts)}",
+                         counts["near tie"], split if full else "a run stopped early"))
         except Exception as err:  # noqa: BLE001 (report this dtype, try the next)
             results[dtype] = {"ok": False, "error": _short(err)}
-            rows.append((dtype, "FAIL", "-", _short(err)))
+            rows.append((dtype, "FAIL", "-", "-", _short(err)))
         print(f"  {dtype}: {rows[-1][1]}", flush=True)
     print(f"tiny model ({cfg.num_layers} layers, H={cfg.num_q_heads}/{cfg.num_kv_heads} "
-          f"D={cfg.head_dim}), greedy, 12 tokens each: xla vs {pallas}")
+          f"D={cfg.head_dim}), greedy, {params.max_tokens} tokens each: xla vs {pallas}")
     _print_rows(rows)
     ok = all(r["ok"] for r in results.values())
-    summary = "; ".join(f"{d} " + (f"{r['equal']}/{r['num_prompts']} equal" if "equal" in r
-                                   else r["error"]) for d, r in results.items())
+
+    def brief(r):
+        if "error" in r:
+            return r["error"]
+        ties = f", {r['near_ties']} split at a near tie" if r["near_ties"] else ""
+        return f"{r['equal']}/{r['num_prompts']} equal{ties}"
+
+    summary = "; ".join(f"{d} {brief(r)}" for d, r in results.items())
     return ok, f"xla vs {pallas}: {summary}", {"pallas_backend": pallas, "dtypes": results}
 
 
@@ -409,11 +444,10 @@ def bench_cases(large: bool):
     if not large:
         return bench.prefill_cases(True), bench.decode_cases(True)
     # The cases the targets name: L = 512 and L >= 2048, and 64 sequences x 4k context.
+    # Few enough that every row fits BENCH_MAX_SECONDS even if each one compiles for seconds.
     prefill = [bench.PrefillCase(4, 512, 32, 8, 128), bench.PrefillCase(1, 2048, 32, 8, 128),
-               bench.PrefillCase(1, 8192, 32, 8, 128), bench.PrefillCase(4, 512, 16, 4, 64),
-               bench.PrefillCase(1, 2048, 16, 4, 64)]
-    decode = [bench.DecodeCase(64, 4096, 32, 8, 128), bench.DecodeCase(1, 4096, 32, 8, 128),
-              bench.DecodeCase(64, 1024, 32, 8, 128)]
+               bench.PrefillCase(1, 8192, 32, 8, 128)]
+    decode = [bench.DecodeCase(64, 4096, 32, 8, 128), bench.DecodeCase(1, 4096, 32, 8, 128)]
     return prefill, decode
 
 
