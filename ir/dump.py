@@ -24,7 +24,7 @@ from ir.graph import Graph
 from ir.printer import print_graph
 from runtime.args import add_engine_args, check_max_model_len, parse_memory, resolve_model_config
 from runtime.config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
-from runtime.errors import run_main
+from runtime.errors import UserError, run_main
 
 # Engine flags shared with every other CLI (runtime.args: names, units, dtype aliases). A dump
 # plans for the CPU budget and float32 unless told otherwise, so its output doesn't depend on the
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(ap, only=DUMP_ENGINE_FIELDS,
                     defaults={"dtype": "float32", "max_model_len": None, "device_memory": CPU_DEVICE_MEMORY})
     ap.add_argument("--reserve", type=parse_memory, default=64 << 20, metavar="SIZE",
-                    help="memory kept free, e.g. 64MiB (the default)")
+                    help="memory kept free: 64MiB (the default); a bare number is GiB")
     return ap
 
 
@@ -112,7 +112,10 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
                            tensor_parallel_size=args.tensor_parallel_size)
     graph = lower(config, resolve_dtype(args.dtype))
     stages = [("lower", graph)]
-    final = run_pipeline(graph, opts, on_pass=lambda i, name, g: stages.append((name, g)))
+    try:
+        final = run_pipeline(graph, opts, on_pass=lambda i, name, g: stages.append((name, g)))
+    except ValueError as e:  # a pass refuses options that don't suit the model (e.g. its tp sizes)
+        raise UserError(f"{config.name}: {e}") from e
     return stages, memory_report(final, opts) if args.stats else None
 
 

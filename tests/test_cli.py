@@ -280,6 +280,11 @@ def test_engine_args_that_cannot_work(capsys, flags, says):
     assert says in line
 
 
+def test_dump_refuses_a_tp_size_the_model_does_not_divide_by(capsys):
+    line = _one_line_error(*_cli(capsys, "dump", "--model", "smollm2-135m", "--no-ir", "-tp", "5")[::2])
+    assert "must divide by tp" in line and "choose tp among" in line
+
+
 def test_more_tensor_parallel_devices_than_jax_sees(capsys):
     import jax
 
