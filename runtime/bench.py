@@ -200,12 +200,19 @@ def plot(results: list[RunResult], path: str) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from runtime.errors import UserError
+
     if argv and argv[0] == "serve":
+        import httpx
+
         from runtime.bench_serve import main as serve_main
 
-        return serve_main(argv[1:])
+        try:
+            return serve_main(argv[1:])
+        except httpx.ConnectError as e:
+            raise UserError(f"cannot reach the server ({e}): start one with `jaxserve serve`, or point "
+                            f"--url at it") from e
     from runtime.args import add_engine_args, engine_kwargs_from_args, preflight
-    from runtime.errors import UserError
 
     ap = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -230,6 +230,12 @@ def test_bench_baseline_hf_without_torch_fails_before_any_jax_run(capsys, monkey
     assert "--baseline hf needs torch" in line and ".[dev]" in line
 
 
+def test_bench_serve_without_a_server(capsys, free_port):
+    line = _one_line_error(*_cli(capsys, "bench", "serve", "--url", f"http://127.0.0.1:{free_port}",
+                                 "--num-prompts", "2")[::2])
+    assert "cannot reach the server" in line and "jaxserve serve" in line
+
+
 def test_bench_bad_scheduling_list(capsys):
     line = _one_line_error(*_cli(capsys, "bench", "--model", "tiny", "--scheduling", "static,fifo")[::2])
     assert "--scheduling static,fifo" in line
