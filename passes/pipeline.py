@@ -22,6 +22,7 @@ class PipelineOptions:
     memory_utilization: float = 0.9
     reserve_bytes: int = 0
     memory_limit_bytes: int | None = None
+    scan_layers: bool = False  # the executor scans the repeated layers (see runtime.executor)
     num_kv_blocks: int | None = None
     quantization: str | None = None
     tensor_parallel_size: int = 1
@@ -55,7 +56,7 @@ def _memory_options(opts: PipelineOptions) -> dict:
                 max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
                 tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks,
                 paged_attention_lowering=opts.paged_attention_lowering,
-                memory_limit_bytes=opts.memory_limit_bytes)
+                memory_limit_bytes=opts.memory_limit_bytes, scan_layers=opts.scan_layers)
 
 
 def memory_report(graph: Graph, opts: PipelineOptions):

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ir import DTYPE_BYTES, Graph, Node, bind_shape
 from ir.graph import freeze_attrs
+from ir.layers import find_layers
 
 # Elementwise ops XLA fuses into their consumer: a result with exactly one user that is itself
 # fusible never gets a buffer of its own. A result with several users is materialized once
@@ -84,7 +85,7 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
 
 
 def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "chunked",
-                          chunk_blocks: int = XLA_CHUNK_BLOCKS) -> int:
+                          chunk_blocks: int = XLA_CHUNK_BLOCKS, scan_layers: bool = False) -> int:
     """Peak bytes of a step's temporaries (what XLA reports as temp_size), for one bucket.
 
     Walks the nodes in the executor's order with a liveness analysis: a value is allocated when
@@ -95,6 +96,11 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "ch
     initial carry is a copy of a constant with no inputs, and XLA's scheduler places those
     copies at the top of the program, so every layer's carry is live from the start of the
     step until its loop runs.
+
+    With `scan_layers` (the executor runs the repeated layers as one lax.scan, see ir.layers),
+    XLA holds one layer at a time: each layer's loop carry is live from the top of its layer
+    body, and the layer's weights are sliced out of their stacks into temporaries for the
+    duration of the body.
     """
     if lowering not in PAGED_ATTENTION_LOWERINGS:
         raise ValueError(f"paged attention lowering must be one of {PAGED_ATTENTION_LOWERINGS}, "
@@ -126,10 +132,21 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "ch
     hoisted = {}
     if lowering == "chunked":
         hoisted = {id(n): _loop_state_bytes(n, env) for n in nodes if n.op == "paged_attention"}
-    live = sum(hoisted.values())
-    peak = live
+    layers = find_layers(graph) if scan_layers else None
+    allocs: dict[int, int] = {}  # node index -> bytes that become live when it runs
     frees: dict[int, int] = {}
+    if layers is None:
+        live = sum(hoisted.values())
+    else:
+        live = 0
+        for layer, leaves in zip(layers.layer_nodes, layers.leaves):
+            first, last = index[id(layer[0])], index[id(layer[-1])]
+            weights = sum(_nbytes(x, env) for x in leaves.values() if x.op == "param")
+            allocs[first] = weights + sum(hoisted.get(id(n), 0) for n in layer)
+            frees[last] = frees.get(last, 0) + weights
+    peak = live
     for i, n in enumerate(nodes):
+        live += allocs.pop(i, 0)
         # Outputs get their own buffers and in-place results alias donated ones: not temporaries.
         owns = not (through[id(n)] or n.op in _IN_PLACE or id(n) in outputs)
         size = _nbytes(n, env) if owns else 0
@@ -253,7 +270,7 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
                        reserve_bytes: int = 0, tensor_parallel_size: int = 1,
                        num_kv_blocks: int | None = None,
                        paged_attention_lowering: str = "chunked",
-                       memory_limit_bytes: int | None = None) -> MemoryPlan:
+                       memory_limit_bytes: int | None = None, scan_layers: bool = False) -> MemoryPlan:
     """Sizes the KV pool from what is left after weights and the worst bucket's activations.
 
     num_kv_blocks = floor((min(memory_utilization x device memory, allocator limit) - weights
@@ -268,7 +285,7 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
     per_bucket = []
     for t, s in buckets:
         env = {"T": t, "S": s, "R": s, "M": max_blocks, "B": 1, "tp": graph.meta_value("tp", 1)}
-        act = activation_bytes(graph, env, tensor_parallel_size, paged_attention_lowering)
+        act = activation_peak_bytes(graph, env, paged_attention_lowering, scan_layers=scan_layers)
         io = step_io_bytes(graph, env)
         per_bucket.append(BucketMemory(t, s, act, None, io))
     peak = max((b.total_bytes for b in per_bucket), default=0)
@@ -282,10 +299,6 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
     if num_kv_blocks is not None:
         blocks = num_kv_blocks
     return replace(plan, num_kv_blocks=blocks, max_concurrent_seqs=blocks // max_blocks)
-
-
-def activation_bytes(graph: Graph, env: dict[str, int], tp: int = 1, lowering: str = "chunked") -> int:
-    return activation_peak_bytes(graph, env, lowering)  # per device: see _ways
 
 
 def plan_memory(graph: Graph, **options) -> Graph:

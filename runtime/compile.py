@@ -66,7 +66,8 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         block_size=engine.block_size, max_model_len=engine.max_model_len, buckets=tuple(buckets.pairs()),
         device_memory_bytes=total, memory_limit_bytes=limit, memory_utilization=engine.memory_utilization,
         reserve_bytes=engine.reserve_bytes, num_kv_blocks=engine.num_kv_blocks,
-        quantization=engine.quantization, tensor_parallel_size=engine.tensor_parallel_size)
+        quantization=engine.quantization, tensor_parallel_size=engine.tensor_parallel_size,
+        scan_layers=engine.scans_layers())
 
 
 @dataclass
@@ -215,10 +216,11 @@ def _progress(desc: str):
 
 
 def main(argv=None) -> int:
-    from runtime.args import add_engine_args, engine_config_from_args, fit_error, plan_without_weights, preflight
+    from runtime.args import (ArgumentParser, add_engine_args, engine_config_from_args, fit_error,
+                              plan_without_weights, preflight)
     from runtime.errors import UserError
 
-    ap = argparse.ArgumentParser(prog="python -m runtime.compile", description=__doc__,
+    ap = ArgumentParser(prog="python -m runtime.compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m",
                     help=f"preset ({', '.join(PRESETS)}), GGUF file or HF directory")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ir import OPS, Graph
+from ir.layers import Layers, find_layers
 from passes.shard import SHARDING_ATTRS
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
@@ -39,43 +41,164 @@ def state_names(graph: Graph) -> tuple[str, ...]:
     return tuple(n.name for n in graph.runtime_inputs if n.name in outs)
 
 
-def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | None = None):
+@dataclass(frozen=True)
+class StepLayout:
+    """How a step's weights and KV state are laid out on the device.
+
+    Unrolled (`layers` None): one array per param and per state input, by IR name.
+    Scanned: the graph's repeated layers (ir.layers) run as one `lax.scan` over the layer axis,
+    so XLA compiles one layer instead of num_layers. Each per-layer weight role is stacked
+    [L, ...] under its role name (`layers.*.wqkv`); each per-layer KV pool role is one flat
+    array [L * B, block_size, kv_heads, head_dim] (`k_pool.*`): layer i owns blocks
+    [i*B, (i+1)*B), and the layer's kv_write / paged_attention see the same pool with their
+    block indices offset by i*B, so every write lands in place in the one donated buffer.
+    """
+
+    param_groups: dict[str, tuple[str, ...]]  # device key -> IR param names (stacked if several)
+    state_groups: dict[str, tuple[str, ...]]  # device key -> IR state input names (flattened)
+    layers: Layers | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers.num_layers if self.layers is not None else 1
+
+
+def step_layout(graph: Graph, scan_layers: bool = True) -> StepLayout:
+    """The device layout of `graph`'s step: scanned over layers when the graph allows it."""
+    state = set(state_names(graph))
+    layers = find_layers(graph) if scan_layers else None
+    if layers is not None and not _scannable(graph, layers, state):
+        layers = None
+    if layers is None:
+        return StepLayout({p.name: (p.name,) for p in graph.params},
+                          {n: (n,) for n in state_names(graph)})
+    per_layer = {id(x) for d in layers.leaves for x in d.values()}
+    params = {p.name: (p.name,) for p in graph.params if id(p) not in per_layer}
+    states = {}
+    for role in layers.roles:
+        names = tuple(d[role].name for d in layers.leaves)
+        (states if layers.leaves[0][role].op == "input" else params)[role] = names
+    return StepLayout(params, states, layers)
+
+
+def _scannable(graph: Graph, layers: Layers, state: set[str]) -> bool:
+    """Per-layer inputs must be KV pools written only by kv_write and read only by
+    paged_attention (their indices are what the scan offsets), and updated in place."""
+    users = graph.users()
+    outputs = {name: node for name, node in graph.outputs}
+    for i, leaves in enumerate(layers.leaves):
+        for role, leaf in leaves.items():
+            if leaf.op != "input":
+                continue
+            if leaf.name not in state or [u.op for u in users.get(id(leaf), [])] != ["kv_write"]:
+                return False
+            out = outputs[leaf.name]
+            if any(u.op not in ("paged_attention",) for u in users.get(id(out), [])):
+                return False
+            if out not in layers.layer_nodes[i]:
+                return False
+    layer_ids = {id(n) for g in layers.layer_nodes for n in g}
+    last = id(layers.last_output())
+    for name, node in graph.outputs:
+        if id(node) in layer_ids and name not in state and id(node) != last:
+            return False
+    return True
+
+
+def _index_offset_impls(fns: dict[str, Callable], offset) -> dict[str, Callable]:
+    """kv_write / paged_attention over a flat multi-layer pool: this layer's blocks start at `offset`."""
+    kv_write, paged = fns["kv_write"], fns["paged_attention"]
+
+    def kv_write_at(pool, new, slots):
+        return kv_write(pool, new, jnp.where(slots >= 0, slots + offset * pool.shape[1], slots))
+
+    def paged_at(q, k_pool, v_pool, block_tables, *rest, **attrs):
+        return paged(q, k_pool, v_pool, block_tables + offset, *rest, **attrs)
+
+    return {"kv_write": kv_write_at, "paged_attention": paged_at}
+
+
+def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | None = None,
+               layout: StepLayout | None = None):
     """Returns `step(params, state, inputs) -> (outputs, new_state)`, not yet jitted.
 
-    params: weights by param name; state: the donated KV buffers; inputs: the other runtime
-    inputs (tokens, positions, block tables...). `mesh_constraints(node, value)` may attach
-    sharding constraints (tensor parallelism).
+    params: weights by `layout` key; state: the donated KV buffers by layout key; inputs: the
+    other runtime inputs (tokens, positions, block tables...). `mesh_constraints(node, value)`
+    may attach sharding constraints (tensor parallelism). Default layout: unrolled.
     """
     backend = resolve_backend(backend)
     overrides = _kernel_impls(backend)
-    nodes = graph.nodes()
-    leaves = graph.inputs
+    layout = layout or step_layout(graph, scan_layers=False)
+    layers = layout.layers
     state = set(state_names(graph))
-    out_names = [(name, id(node)) for name, node in graph.outputs]
-    plan = []
-    for node in nodes:
+    impls = {}
+    for node in graph.nodes():
         fn = overrides.get(node.op) or OPS[node.op].impl
         if fn is None:
             raise ValueError(f"op {node.op!r} has no implementation")
-        # Sharding annotations steer mesh_constraints; the op's implementation never sees them.
-        attrs = {k: v for k, v in node.attrs if k not in SHARDING_ATTRS}
-        plan.append((id(node), fn, tuple(id(i) for i in node.inputs), attrs, node))
+        impls[node.op] = fn
+
+    def run(nodes, env, fns):
+        for node in nodes:
+            # Sharding annotations steer mesh_constraints; the op's implementation never sees them.
+            attrs = {k: v for k, v in node.attrs if k not in SHARDING_ATTRS}
+            val = fns[node.op](*(env[id(i)] for i in node.inputs), **attrs)
+            if mesh_constraints is not None:
+                val = mesh_constraints(node, val)
+            env[id(node)] = val
+
+    def outputs(env):
+        # Logits and hidden states leave the step in f32 whatever the model's dtype: the sampler,
+        # logprobs and prompt logprobs work in f32 (a bf16 softmax over 49k entries loses digits).
+        return {name: _f32(env[id(node)]) for name, node in graph.outputs if name not in state}
+
+    if layers is None:
+        def step(params: dict[str, Any], kv_state: dict[str, Any], inputs: dict[str, Any]):
+            env: dict[int, Any] = {}
+            for leaf in graph.inputs:
+                src = params if leaf.op == "param" else (kv_state if leaf.name in state else inputs)
+                env[id(leaf)] = src[leaf.name]
+            run(graph.nodes(), env, impls)
+            new_state = {name: env[id(node)] for name, node in graph.outputs if name in state}
+            return outputs(env), new_state
+
+        return step
+
+    template_leaves = layers.leaves[0]
+    state_out = {}  # state role -> position in the template of its updated value
+    out_by_name = dict(graph.outputs)
+    template_pos = {id(n): j for j, n in enumerate(layers.template)}
+    for role in layout.state_groups:
+        state_out[role] = template_pos[id(out_by_name[template_leaves[role].name])]
+    param_roles = [r for r in layout.param_groups if r in template_leaves]
 
     def step(params: dict[str, Any], kv_state: dict[str, Any], inputs: dict[str, Any]):
         env: dict[int, Any] = {}
-        for leaf in leaves:
-            src = params if leaf.op == "param" else (kv_state if leaf.name in state else inputs)
-            env[id(leaf)] = src[leaf.name]
-        for nid, fn, ins, attrs, node in plan:
-            val = fn(*(env[i] for i in ins), **attrs)
-            if mesh_constraints is not None:
-                val = mesh_constraints(node, val)
-            env[nid] = val
-        # Logits and hidden states leave the step in f32 whatever the model's dtype: the sampler,
-        # logprobs and prompt logprobs work in f32 (a bf16 softmax over 49k entries loses digits).
-        outs = {name: _f32(env[i]) for name, i in out_names if name not in state}
-        new_state = {name: env[i] for name, i in out_names if name in state}
-        return outs, new_state
+        for leaf in graph.inputs:
+            if leaf.op == "param" and leaf.name in params:
+                env[id(leaf)] = params[leaf.name]
+            elif leaf.op == "input" and leaf.name in inputs:
+                env[id(leaf)] = inputs[leaf.name]
+        run(layers.pre, env, impls)
+        blocks_per_layer = next(iter(kv_state.values())).shape[0] // layers.num_layers
+
+        def body(carry, weights):
+            h, i, pools = carry
+            local = dict(env)
+            local[id(layers.carry_in)] = h
+            for role in param_roles:
+                local[id(template_leaves[role])] = weights[role]
+            for role, pool in pools.items():
+                local[id(template_leaves[role])] = pool
+            run(layers.template, local, impls | _index_offset_impls(impls, i * blocks_per_layer))
+            new_pools = {role: local[id(layers.template[j])] for role, j in state_out.items()}
+            return (local[id(layers.template[layers.carry_out])], i + 1, new_pools), None
+
+        init = (env[id(layers.carry_in)], jnp.int32(0), dict(kv_state))
+        (h, _, new_state), _ = jax.lax.scan(body, init, {r: params[r] for r in param_roles})
+        env[id(layers.last_output())] = h
+        run(layers.post, env, impls)
+        return outputs(env), new_state
 
     return step
 

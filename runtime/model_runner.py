@@ -7,6 +7,7 @@ import math
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 
 from ir import bind_shape
 from passes.plan_memory import MemoryPlan
-from runtime.executor import JNP_DTYPES, build_step, state_names
+from runtime.executor import JNP_DTYPES, build_step, state_names, step_layout
 from runtime.sampler import Sampler
 
 log = logging.getLogger("runtime.model_runner")
@@ -69,6 +70,16 @@ def _prompt_logprobs(hidden, norm_w, lm_head, targets, eps):
     return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0], top_ids, top_lp
 
 
+def _copy_blocks(pools, src, dst, *, num_layers: int):
+    """Copy-on-write of KV blocks: dst[i] <- src[i] in every pool (every layer of a flat
+    multi-layer pool, whose layer l owns blocks [l*B, (l+1)*B)); dst -1 pairs are padding."""
+    total = next(iter(pools.values())).shape[0]
+    offsets = (jnp.arange(num_layers, dtype=jnp.int32) * (total // num_layers))[:, None]
+    src = (offsets + src[None, :]).reshape(-1)
+    dst = jnp.where(dst[None, :] < 0, total, offsets + dst[None, :]).reshape(-1)
+    return {k: v.at[dst].set(jnp.take(v, src, axis=0, mode="clip"), mode="drop") for k, v in pools.items()}
+
+
 def check_fit(memory: MemoryPlan, measured_peak: int | None = None) -> None:
     """Raises MemoryError, with the numbers, when weights + KV pools + the activation peak exceed
     what the device (and its allocator) can give: better to stop at start than to sit in
@@ -113,51 +124,52 @@ class ModelRunner:
             mesh = TensorParallelMesh.for_graph(self.graph, engine.tensor_parallel_size)
         self.mesh = mesh
         self.state_names = state_names(self.graph)
+        self.layout = step_layout(self.graph, scan_layers=engine.scans_layers())
         check_fit(plan.memory)  # before any weight or pool reaches the device
         self.params = self._put_params(plan.weights)
         self.state = self._alloc_state()
         self.compiled: dict[tuple[int, int], object] = {}
         self.xla_memory: dict[tuple[int, int], int] = {}
-        step = build_step(self.graph, self.backend, mesh_constraints=getattr(mesh, "constrain", None))
+        step = build_step(self.graph, self.backend, mesh_constraints=getattr(mesh, "constrain", None),
+                          layout=self.layout)
         self._step = jax.jit(step, donate_argnums=(1,))
-        self._copy = jax.jit(self._copy_blocks, donate_argnums=(0,))
+        self._copy = jax.jit(partial(_copy_blocks, num_layers=self.layout.num_layers), donate_argnums=(0,))
         self._copy_compiled = None
         self.sampler = Sampler(plan.config.vocab_size, engine.max_model_len)
 
     # ------------------------------------------------------------ device state
 
     def _put_params(self, weights):
+        """Weights on the device by layout key: one array per param, or a layer stack [L, ...]."""
         if weights is None:
             raise ValueError("the plan has no weights loaded")
+        by_name = {p.name: p for p in self.graph.params}
         out = {}
-        for p in self.graph.params:
-            w = weights[p.name]
-            arr = np.asarray(w, dtype=w.dtype if p.dtype == "i8" else np.float32)
+        for key, names in self.layout.param_groups.items():
+            p = by_name[names[0]]
+            host = np.dtype(weights[names[0]].dtype) if p.dtype == "i8" else np.float32
+            parts = [np.asarray(weights[n], dtype=host) for n in names]
+            arr = parts[0] if len(names) == 1 and key == names[0] else np.stack(parts)
             if self.mesh is not None:
                 # Straight from host to each device's shard: no device ever holds a whole weight.
-                out[p.name] = self.mesh.put_param(p, arr, JNP_DTYPES[p.dtype])
+                out[key] = self.mesh.put_param(p, arr, JNP_DTYPES[p.dtype], stacked=arr.ndim > len(p.shape))
             else:
-                out[p.name] = jnp.asarray(arr, dtype=JNP_DTYPES[p.dtype])
+                out[key] = jnp.asarray(arr, dtype=JNP_DTYPES[p.dtype])
         return out
 
     def _alloc_state(self):
-        env = {"B": self.num_blocks}
+        """KV pools by layout key; a scanned layout keeps one flat [L * B, ...] pool per role."""
+        by_name = {leaf.name: leaf for leaf in self.graph.runtime_inputs}
         state = {}
-        for leaf in self.graph.runtime_inputs:
-            if leaf.name in self.state_names:
-                shape = bind_shape(leaf.shape, env)
-                device = self.mesh.node_sharding(leaf) if self.mesh is not None else None
-                state[leaf.name] = jnp.zeros(shape, JNP_DTYPES[leaf.dtype], device=device)
+        for key, names in self.layout.state_groups.items():
+            leaf = by_name[names[0]]
+            shape = bind_shape(leaf.shape, {"B": self.num_blocks * len(names)})
+            device = self.mesh.node_sharding(leaf) if self.mesh is not None else None
+            state[key] = jnp.zeros(shape, JNP_DTYPES[leaf.dtype], device=device)
         return state
 
     def kv_cache_bytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in self.state.values())
-
-    @staticmethod
-    def _copy_blocks(pools, src, dst):
-        dst = jnp.where(dst < 0, next(iter(pools.values())).shape[0], dst)
-        return {k: v.at[dst].set(jnp.take(v, src, axis=0, mode="clip"), mode="drop")
-                for k, v in pools.items()}
 
     # ------------------------------------------------------------ shapes
 

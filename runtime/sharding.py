@@ -82,7 +82,12 @@ class TensorParallelMesh:
         # Each device (on every host) copies in only the slice it owns: no full weight on any device.
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-    def put_param(self, node: Node, x, dtype=None):
+    def put_param(self, node: Node, x, dtype=None, stacked: bool = False):
+        """A weight; `stacked`: a [num_layers, ...] stack of this node's per-layer weights."""
+        if stacked:
+            sharding = self.sharding((None,) + tuple(node.attr("sharding") or (None,) * len(node.shape)))
+            host = np.asarray(x).astype(dtype, copy=False) if dtype is not None else np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
         return self._put(node, x, dtype)
 
     def put_state(self, node: Node, x, dtype=None):

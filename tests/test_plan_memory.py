@@ -232,10 +232,10 @@ def smol_plan(smollm2):
     return compile_plan(None, EngineConfig(**SMOL_ARGS), weights=weights, config=config, tokenizer=tok)
 
 
-@pytest.mark.parametrize("lowering", ["chunked", "gather"])
-def test_predicted_activation_peak_matches_xla(smol_plan, lowering, monkeypatch, capsys):
+@pytest.mark.parametrize("lowering,scan", [("chunked", False), ("gather", False), ("chunked", True)])
+def test_predicted_activation_peak_matches_xla(smol_plan, lowering, scan, monkeypatch, capsys):
     """Our liveness prediction vs XLA's temp_size_in_bytes, on three real SmolLM2 buckets, for
-    each way the executor can lower paged_attention on the XLA backend."""
+    each way the executor can lower paged_attention on the XLA backend, unrolled and scanned."""
     from dataclasses import replace
 
     from runtime import executor, kernels
@@ -243,9 +243,10 @@ def test_predicted_activation_peak_matches_xla(smol_plan, lowering, monkeypatch,
 
     forced = {"chunked": {"paged_attention": kernels.paged_attention_xla}, "gather": {}}[lowering]
     monkeypatch.setattr(executor, "_kernel_impls", lambda backend: forced)
-    plan = smol_plan
+    plan = replace(smol_plan, engine=replace(smol_plan.engine, scan_layers=scan))
     assert set(XLA_BUCKETS) <= set(plan.buckets.pairs())
     runner = ModelRunner(plan, backend="xla")
+    assert (runner.layout.layers is not None) == scan
     xla = {}
     for bucket in XLA_BUCKETS:
         xla[bucket] = int(runner.compile_bucket(bucket).memory_analysis().temp_size_in_bytes)
@@ -253,17 +254,17 @@ def test_predicted_activation_peak_matches_xla(smol_plan, lowering, monkeypatch,
         plan.graph, buckets=XLA_BUCKETS, device_memory_bytes=plan.memory.device_memory_bytes,
         memory_utilization=plan.memory.memory_utilization, block_size=plan.engine.block_size,
         max_model_len=SMOL_ARGS["max_model_len"], reserve_bytes=plan.memory.reserve_bytes,
-        paged_attention_lowering=lowering)
+        paged_attention_lowering=lowering, scan_layers=scan)
     memory = replace(memory, buckets=tuple(replace(b, xla_temp_bytes=xla[(b.num_tokens, b.num_seqs)])
                                            for b in memory.buckets))
     with capsys.disabled():
-        print(f"\npaged_attention lowered as {lowering!r}:\n{memory.table()}")
+        print(f"\npaged_attention lowered as {lowering!r}, scan_layers={scan}:\n{memory.table()}")
     for b in memory.buckets:
         assert b.xla_temp_bytes > 0
         assert abs(b.activation_bytes - b.xla_temp_bytes) <= 0.25 * b.xla_temp_bytes, (
             f"bucket {b.num_tokens}x{b.num_seqs}: predicted {b.activation_bytes / MiB:.2f} MiB "
             f"vs XLA {b.xla_temp_bytes / MiB:.2f} MiB")
-    if lowering == PipelineOptions().paged_attention_lowering:
+    if lowering == PipelineOptions().paged_attention_lowering and not scan:
         # The plan compile_plan made (which sized the KV pool) carries these predictions.
         planned = {(b.num_tokens, b.num_seqs): b.activation_bytes for b in plan.memory.buckets}
         assert all(planned[(b.num_tokens, b.num_seqs)] == b.activation_bytes for b in memory.buckets)

@@ -208,7 +208,7 @@ def run_child(case: str, timeout: int = 1500) -> dict:
     return result
 
 
-def check_collectives(res: dict, num_layers: int, attention_split: bool) -> None:
+def check_collectives(res: dict, attention_split: bool, layers_in_hlo: int) -> None:
     """All-reduces after o_proj (if attention is split), after down, and for the embedding
     lookup; one all-gather, of the logits; nothing else moves, and no weight is gathered."""
     coll = res["collectives"]
@@ -216,7 +216,9 @@ def check_collectives(res: dict, num_layers: int, attention_split: bool) -> None
     gathers = [s for s, kind in coll if kind == "all-gather"]
     others = [c for c in coll if c[1] not in ("all-reduce", "all-gather")]
     t, s = HLO_BUCKET
-    assert len(reduces) == 1 + num_layers * (2 if attention_split else 1), coll
+    # Unrolled, each layer's collectives appear in the HLO; scanned (StepLayout), the layer body's
+    # appear once.
+    assert len(reduces) == 1 + layers_in_hlo * (2 if attention_split else 1), coll
     assert all(r.startswith(f"f32[{t},") for r in reduces), reduces  # [T, hidden] partial sums
     assert gathers == [f"f32[{s},{res['vocab']}]"], gathers  # the logits rows only
     assert not others, others
@@ -235,14 +237,15 @@ def test_tiny_tp_engines_match_tp1():
             np.testing.assert_allclose(out["prompt_lp"], ref["prompt_lp"], atol=1e-4)
             assert out["recompiles"] == 0
             if tp != "1":
-                check_collectives(out, num_layers=2, attention_split=True)
+                check_collectives(out, attention_split=True, layers_in_hlo=1)  # scanned
                 # Each device holds only its shard of a split weight.
                 sfx = ".int8" if name.endswith("int8") else ""
-                assert out["local_shapes"]["layers.0.w_down" + sfx] == [128 // int(tp), 64]
+                # Per-layer weights are stacked [num_layers, ...] for the scan over layers.
+                assert out["local_shapes"]["layers.*.w_down" + sfx] == [2, 128 // int(tp), 64]
                 assert out["local_shapes"]["lm_head" + sfx] == [64, 256 // int(tp)]
                 if sfx:
                     assert out["local_shapes"]["lm_head.scale"] == [256 // int(tp)]
-                    assert out["local_shapes"]["layers.0.w_down.scale"] == [64]
+                    assert out["local_shapes"]["layers.*.w_down.scale"] == [2, 64]
 
 
 def test_smollm2_tp_engines_match_tp1(smollm2):
@@ -256,7 +259,7 @@ def test_smollm2_tp_engines_match_tp1(smollm2):
         for name, (toks,) in zip(names, out["tokens"]):
             assert toks == golden_arrays(name)["gen_ids"][:len(toks)].tolist(), (tp, name)
         assert out["recompiles"] == 0
-        check_collectives(out, num_layers=30, attention_split=tp == "3")
+        check_collectives(out, attention_split=tp == "3", layers_in_hlo=30)  # unrolled (CPU default)
 
 
 # ----------------------------------------------------------------------------- child side
@@ -265,12 +268,14 @@ def _collectives(hlo: str) -> list[tuple[str, str]]:
     return [(m.group(1).split("{")[0], m.group(2)) for m in COLLECTIVE.finditer(hlo)]
 
 
-def _engine_case(cfg, weights, tp: int, prompts, params, tokenizer=None, quantization=None) -> dict:
+def _engine_case(cfg, weights, tp: int, prompts, params, tokenizer=None, quantization=None,
+                 scan_layers=None) -> dict:
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
     from runtime.llm import LLM
 
-    engine = EngineConfig(**SMALL_ENGINE, tensor_parallel_size=tp, quantization=quantization)
+    engine = EngineConfig(**SMALL_ENGINE, tensor_parallel_size=tp, quantization=quantization,
+                          scan_layers=scan_layers)
     plan = compile_plan(None, engine, weights=weights, config=cfg, tokenizer=tokenizer)
     llm = LLM.from_plan(plan, check_invariants=True)
     outs = llm.generate(prompts, params)
@@ -301,7 +306,9 @@ def child_tiny() -> dict:
         w = random_weights(cfg, seed=0)
         cases = {}
         for tp in tps:
-            out, outs = _engine_case(cfg, w, tp, prompts, params, quantization=quant)
+            # The tiny models run scanned over layers (the accelerator default) to cover the
+            # stacked weights and the flat multi-layer pools on the mesh, n=2 copies included.
+            out, outs = _engine_case(cfg, w, tp, prompts, params, quantization=quant, scan_layers=True)
             out["prompt_lp"] = [lp[t] for o in outs for lp, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
             cases[str(tp)] = out
         models[name] = cases
