@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ir.graph import Graph
 from ir.printer import print_graph
-from runtime.args import add_engine_args, check_max_model_len, parse_memory, resolve_model_config
+from runtime.args import ArgumentParser, add_engine_args, check_max_model_len, parse_memory, resolve_model_config
 from runtime.config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
 from runtime.errors import UserError, run_main
 
@@ -75,8 +75,8 @@ def op_count_table(stages: list[tuple[str, Graph]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ir.dump", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m ir.dump", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="preset name, or an HF directory (config only)")
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--after", metavar="PASS", help="print the IR after this pass ('lower' = before any)")

@@ -26,6 +26,13 @@ _MEMORY_UNITS = {"": GiB, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m"
 DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `error: ... (see PROG --help)`, exit 2, with no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _bool(v: str) -> bool:
     if v.lower() in ("1", "true", "yes", "on"):
         return True

@@ -212,10 +212,10 @@ def main(argv=None) -> int:
         except httpx.ConnectError as e:
             raise UserError(f"cannot reach the server ({e}): start one with `jaxserve serve`, or point "
                             f"--url at it") from e
-    from runtime.args import add_engine_args, engine_kwargs_from_args, preflight
+    from runtime.args import ArgumentParser, add_engine_args, engine_kwargs_from_args, preflight
 
-    ap = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m runtime.bench", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS))
     ap.add_argument("--num-prompts", type=int, default=64)

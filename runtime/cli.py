@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import sys
 
+from runtime.args import ArgumentParser
 from runtime.errors import run_main
 
 # name -> (module whose main(argv) runs it, one-line help)
@@ -36,8 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="jaxserve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="jaxserve", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands")

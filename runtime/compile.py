@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     from runtime.errors import UserError
 
     ap = ArgumentParser(prog="python -m runtime.compile", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m",
                     help=f"preset ({', '.join(PRESETS)}), GGUF file or HF directory")
     ap.add_argument("--out", help="plan directory to write")
