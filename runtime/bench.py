@@ -239,7 +239,9 @@ def main(argv=None) -> int:
                             f"(or bash scripts/bootstrap.sh dev), or drop --baseline")
     kw = engine_kwargs_from_args(args)
     kw["scheduling"] = "continuous"
-    preflight(args, engine_kwargs=kw)
+    if preflight(args, engine_kwargs=kw) is None:
+        raise UserError(f"--model {args.model} is a plan directory; the offline benchmark compiles from a "
+                        f"model (a preset, .gguf file or HF directory): pass that instead")
 
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig

@@ -232,6 +232,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.dry_run and not args.out:
         ap.error("--out is required unless --dry-run")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out} is a file; the plan is a directory")
     # Every user mistake (model, engine args, fit) surfaces here, before weights load or anything compiles.
     config = preflight(args, dry_run=args.dry_run)
     if config is None:

@@ -158,6 +158,7 @@ def test_dump_and_compile_take_the_same_dtype_names(capsys):
     (("dump", "--model", "tiny", "--device-memory", "4GB0"), "bad memory size '4GB0'"),
     (("bench", "--workload", "nope"), "invalid choice: 'nope'"),
     (("compile", "--model", "tiny"), "--out is required unless --dry-run"),
+    (("compile", "--model", "tiny", "--out", str(ROOT / "README.md")), f"--out {ROOT / 'README.md'} is a file"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
 ])
 def test_bad_flags_are_one_line_too(capsys, argv, says):
@@ -234,6 +235,12 @@ def test_bench_serve_without_a_server(capsys, free_port):
     line = _one_line_error(*_cli(capsys, "bench", "serve", "--url", f"http://127.0.0.1:{free_port}",
                                  "--num-prompts", "2")[::2])
     assert "cannot reach the server" in line and "jaxserve serve" in line
+
+
+def test_bench_wants_a_model_not_a_plan(capsys, tmp_path):
+    (tmp_path / "plan.json").write_text('{"version": 1}')
+    line = _one_line_error(*_cli(capsys, "bench", "--model", str(tmp_path))[::2])
+    assert "is a plan directory" in line
 
 
 def test_bench_bad_scheduling_list(capsys):
