@@ -123,9 +123,6 @@ class Report:
   ceilings: dict[str, float]
   rows: list[Row]
 
-  def find(self, impl: str, spec) -> Row | None:
-    return next((r for r in self.rows if r.impl == impl and r.spec == spec), None)
-
 
 @dataclasses.dataclass
 class Timing:

@@ -45,7 +45,7 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
   for r in tiny["dtypes"].values():
     assert r["ok"] and r["equal"] + r["near_ties"] == 5
   thr = parts["throughput"]["data"]
-  assert not thr["full_shape"] and "--quick on CPU" in thr["shape"]
+  assert not thr["full_shape"] and "(--quick)" in thr["shape"]
   for r in thr["results"].values():
     assert r["batch1"] > 0 and r["batch64"] > 0 and r["recompiles"] == 0
   rows = parts["bench"]["data"]["rows"]
@@ -181,6 +181,8 @@ def test_targets_are_judged_from_the_numbers_on_a_gpu():
       ("PASS", "worst 0.67x of cuDNN (B=4 L=512 H=32/8 D=128) over 1 case(s)"),
       ("PASS", "measured 75%")]
   assert selfcheck.evaluate_targets(_gpu_results(ratio=0.99))[0][0] == "FAIL"
+  # --quick measures smaller shapes, so it judges nothing.
+  assert {s for s, _, _ in selfcheck.evaluate_targets(_gpu_results(), quick=True)} == {"n.a."}
 
 
 def test_targets_not_measured_on_a_gpu_fail_and_on_a_cpu_are_na():
