@@ -1,8 +1,9 @@
-"""Offline throughput benchmark (and `serve` for the HTTP benchmark).
+"""Offline throughput benchmark (and, against a running server, `serve` and `soak`).
 
     python -m runtime.bench --model smollm2-135m --workload mixed --num-prompts 64
     python -m runtime.bench --scheduling static,dynamic,continuous --baseline hf --plot bench.png
     python -m runtime.bench serve --url http://127.0.0.1:8000 --request-rate 4 --num-prompts 64
+    python -m runtime.bench soak --url http://127.0.0.1:8000 --duration-s 600 --request-rate 4
 
 All policies run on the same seeded workload in one process, over one compiled plan.
 """
@@ -202,13 +203,14 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from runtime.errors import UserError
 
-    if argv and argv[0] == "serve":
+    if argv and argv[0] in ("serve", "soak"):  # against a running server
+        import importlib
+
         import httpx
 
-        from runtime.bench_serve import main as serve_main
-
+        online = importlib.import_module(f"runtime.bench_{argv[0]}")
         try:
-            return serve_main(argv[1:])
+            return online.main(argv[1:])
         except httpx.ConnectError as e:
             raise UserError(f"cannot reach the server ({e}): start one with `jaxserve serve`, or point "
                             f"--url at it") from e

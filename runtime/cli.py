@@ -2,7 +2,7 @@
 
     jaxserve serve --model smollm2-135m            # OpenAI-compatible server
     jaxserve compile --model smollm2-135m --out plans/smollm2
-    jaxserve bench --model smollm2-135m            # offline; `jaxserve bench serve --url ...` online
+    jaxserve bench --model smollm2-135m            # offline; `bench serve` / `bench soak --url ...` online
     jaxserve dump --model llama-2-70b --stats      # the IR after the passes, and the memory plan
     jaxserve selfcheck --quick
     jaxserve kv-table
@@ -28,7 +28,8 @@ from runtime.errors import run_main
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("runtime.serve", "start the OpenAI-compatible HTTP server (python -m runtime.serve)"),
     "compile": ("runtime.compile", "compile a model into a plan directory, or --dry-run its memory plan"),
-    "bench": ("runtime.bench", "offline throughput by scheduling policy; `bench serve` against a server"),
+    "bench": ("runtime.bench", "offline throughput by scheduling policy; `bench serve` and `bench soak` "
+                               "against a server"),
     "dump": ("ir.dump", "print the IR after each compiler pass and the memory plan (no weights)"),
     "selfcheck": ("runtime.selfcheck", "devices, kernels vs references, a tiny model, a throughput probe"),
     "kv-table": ("models.kv_table", "KV-cache bytes per preset and sequence length"),
