@@ -308,6 +308,12 @@ class _Run:
       return self.case_timeout_s
     return min(self.case_timeout_s, self.deadline - time.perf_counter())
 
+  def past_deadline(self, impl_names) -> dict[str, str] | None:
+    """Skip notes for every implementation once --max-seconds is spent (no inputs are made)."""
+    if self.budget() > 0:
+      return None
+    return {name: "skip: --max-seconds reached" for name in impl_names}
+
   def predicted_skip(self, impl: str, work: float, budget: float) -> str | None:
     if impl not in self.last:
       return None
@@ -420,8 +426,8 @@ def run(*, parts=("ceilings", "prefill", "decode"), prefill: list[PrefillCase] |
     printer = RowPrinter("prefill (causal, GQA, bf16)", [c.name for c in prefill], names,
                          "TFLOP/s", "matmul", emit)
     for case in prefill:
-      impls = _prefill_impls(case, interpret=interpret, flash_blocks=flash_blocks,
-                             device_bytes=device_bytes)
+      impls = state.past_deadline(names) or _prefill_impls(
+          case, interpret=interpret, flash_blocks=flash_blocks, device_bytes=device_bytes)
       report.rows += state.measure(
           "prefill", case, impls, case.flops, lambda s, case=case: case.flops / s / 1e12,
           ceilings["matmul_tflops"], ours=OURS_PREFILL, reference=XLA_PREFILL,
@@ -433,8 +439,8 @@ def run(*, parts=("ceilings", "prefill", "decode"), prefill: list[PrefillCase] |
     printer = RowPrinter("decode (one query per sequence, bf16, block_size 16)",
                          [c.name for c in decode], names, "GB/s", "copy", emit)
     for case in decode:
-      impls = _decode_impls(case, interpret=interpret, paged_blocks=paged_blocks,
-                            device_bytes=device_bytes)
+      impls = state.past_deadline(names) or _decode_impls(
+          case, interpret=interpret, paged_blocks=paged_blocks, device_bytes=device_bytes)
       nbytes = case.bytes_moved(jnp.dtype(jnp.bfloat16).itemsize)
       report.rows += state.measure(
           "decode", case, impls, nbytes, lambda s, nbytes=nbytes: nbytes / s / 1e9,

@@ -91,3 +91,10 @@ def test_ours_outside_tolerance_is_flagged():
   assert ours.matches_reference is False and "(outside tolerance)" in ours.note
   rows = _measure(state, case, {"ours": lambda: jnp.full((4,), 0.01, jnp.bfloat16), "ref": ref}, 1.0)
   assert [r.matches_reference for r in rows if r.impl == "ours"] == [True]
+
+
+def test_run_past_max_seconds_lists_every_row_as_skipped(capsys):
+  report = bench.run(parts=("prefill", "decode"), interpret=True, repeats=1, max_seconds=0.0)
+  assert len(report.rows) == 4 * len(bench.prefill_cases(True)) + 3 * len(bench.decode_cases(True))
+  assert {r.note for r in report.rows} == {"skip: --max-seconds reached"}
+  assert capsys.readouterr().out.count("skip: --max-seconds reached") == len(report.rows)
