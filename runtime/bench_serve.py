@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -319,5 +320,189 @@ def main(argv=None) -> int:
     return 0 if all(r.failed == 0 for r in results) else 1
 
 
+# ====================================================================== soak: steady load, per-minute health
+
+
+SOAK_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there", "Water boils at"]
+
+
+def proc_stats(pid: int) -> tuple[float, int]:
+    """(resident set size in MiB, open file descriptors) of a local process, from /proc."""
+    rss_kib = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss_kib = int(line.split()[1])
+    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@dataclass
+class SoakMinute:
+    minute: int
+    sent: int
+    ok: int
+    failed: int
+    p50_ms: float
+    p99_ms: float
+    rss_mib: float | None  # of the server process, at the end of the minute
+    num_fds: int | None
+
+
+def _soak_payload(i: int, model: str, max_tokens: int) -> tuple[str, dict]:
+    """Request i of the soak: completions and chat in turn, streamed (`_one` times the SSE through [DONE])."""
+    text = SOAK_PROMPTS[i % len(SOAK_PROMPTS)]
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if i % 2:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+    return "/v1/completions", {**body, "prompt": text}
+
+
+async def soak_async(url: str, *, model: str, rate: float, duration_s: float, pid: int | None = None,
+                     api_key: str | None = None, max_tokens: int = 16, log=print) -> list[SoakMinute]:
+    """Starts one request every 1/rate seconds for `duration_s`; per minute (by start time): how many,
+    failures, end-to-end p50/p99, and the server's RSS and open fds at the minute's end."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    num_minutes = max(1, math.ceil(duration_s / 60))
+    started: list[list[asyncio.Task]] = [[] for _ in range(num_minutes)]
+    samples: dict[int, tuple[float, int]] = {}
+    rows: list[SoakMinute] = []
+
+    def row(m: int) -> SoakMinute:
+        res = [t.result() for t in started[m] if t.done()]
+        lat = [r.latency for r in res if r.ok]
+        st = _stats_ms(lat)
+        rss, fds = samples.get(m, (None, None))
+        return SoakMinute(m + 1, len(started[m]), len(lat), sum(not r.ok for r in res), st["median"], st["p99"],
+                          rss, fds)
+
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        t0 = time.monotonic()
+        i = 0
+        minute = 0
+        while True:
+            t_next = t0 + i / rate
+            if t_next - t0 >= duration_s:
+                break
+            m = int((t_next - t0) // 60)
+            if m > minute:  # a minute ended: sample the server, report what has finished
+                for done_minute in range(minute, m):
+                    if pid is not None:
+                        samples[done_minute] = proc_stats(pid)
+                    log(_soak_line(row(done_minute), partial=True))
+                minute = m
+            await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+            path, body = _soak_payload(i, model, max_tokens)
+            started[m].append(asyncio.create_task(_one(client, url.rstrip("/") + path, body, headers, 0)))
+            i += 1
+        await asyncio.gather(*[t for ts in started for t in ts])
+        if pid is not None:
+            samples[minute] = proc_stats(pid)
+    rows = [row(m) for m in range(num_minutes)]
+    return rows
+
+
+def _soak_line(r: SoakMinute, partial: bool = False) -> str:
+    res = f"{r.rss_mib:.1f}" if r.rss_mib is not None else "-"
+    fds = str(r.num_fds) if r.num_fds is not None else "-"
+    return (f"| {r.minute} | {r.sent} | {r.ok} | {r.failed} | {r.p50_ms:.0f} | {r.p99_ms:.0f} | {res} | {fds} |"
+            + ("  (so far)" if partial else ""))
+
+
+def soak_flags(rows: list[SoakMinute], *, max_rss_growth_mib: float = 32.0, max_fd_growth: int = 8,
+               max_p99_growth: float = 2.0) -> list[str]:
+    """Growth worth a look, measured from the end of the first minute (warm-up) to the last."""
+    flags = []
+    first, last = rows[0], rows[-1]
+    if sum(r.failed for r in rows):
+        flags.append(f"{sum(r.failed for r in rows)} requests failed")
+    if first.rss_mib is not None and last.rss_mib - first.rss_mib > max_rss_growth_mib:
+        flags.append(f"RSS grew {last.rss_mib - first.rss_mib:.1f} MiB (limit {max_rss_growth_mib:g})")
+    if first.num_fds is not None and last.num_fds - first.num_fds > max_fd_growth:
+        flags.append(f"open fds grew {first.num_fds} -> {last.num_fds} (limit +{max_fd_growth})")
+    base = min(r.p99_ms for r in rows[:2])
+    if len(rows) > 1 and last.p99_ms > max_p99_growth * base:
+        flags.append(f"p99 grew {base:.0f} -> {last.p99_ms:.0f} ms (limit {max_p99_growth:g}x)")
+    return flags
+
+
+def _start_server(serve_args: list[str], log_path: str, timeout_s: float = 600.0):
+    """`python -m runtime.serve SERVE_ARGS --port <free>`; returns (process, url) once /health is 200."""
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", *serve_args, "--port", str(port)],
+                                stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the server did not start within {timeout_s:.0f}s; see {log_path}")
+        time.sleep(0.5)
+
+
+def soak_main(argv=None) -> int:
+    """`python -m runtime.bench_serve soak`: steady load for N minutes, per-minute RSS, fds, p50/p99."""
+    import shlex
+    import signal
+
+    ap = argparse.ArgumentParser(prog="python -m runtime.bench_serve soak", description=soak_main.__doc__)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--url", default=None, help="a running server (give --pid for its RSS and fds)")
+    src.add_argument("--serve-args", default="", help="start `python -m runtime.serve` with these args "
+                     "(quoted, e.g. \"--max-model-len 512 --max-num-seqs 16\"); the default when --url is absent")
+    ap.add_argument("--pid", type=int, default=None, help="with --url: the server's process id")
+    ap.add_argument("--rate", type=float, default=1.0, help="requests per second, evenly spaced")
+    ap.add_argument("--duration-min", type=float, default=10.0)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--server-log", default="soak-server.log")
+    ap.add_argument("--json", default=None, help="write the per-minute rows here")
+    args = ap.parse_args(argv)
+    proc = None
+    if args.url is None:
+        proc, url = _start_server(shlex.split(args.serve_args), args.server_log)
+        pid = proc.pid
+    else:
+        url, pid = args.url, args.pid
+    try:
+        model = args.model or server_info(url, args.api_key)["id"]
+        print(f"soak: {args.rate:g} req/s for {args.duration_min:g} min against {url} (server pid {pid})")
+        print("| minute | sent | ok | failed | p50 ms | p99 ms | RSS MiB | open fds |\n|---|---|---|---|---|---|---|---|")
+        rows = asyncio.run(soak_async(url, model=model, rate=args.rate, duration_s=args.duration_min * 60, pid=pid,
+                                      api_key=args.api_key, max_tokens=args.max_tokens,
+                                      log=lambda line: print(line, file=sys.stderr, flush=True)))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    for r in rows:
+        print(_soak_line(r))
+    flags = soak_flags(rows)
+    print("growth: " + ("; ".join(flags) if flags else "none flagged"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [asdict(r) for r in rows], "flags": flags}, f, indent=1)
+    return 1 if flags else 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(soak_main(sys.argv[2:]) if sys.argv[1:2] == ["soak"] else main())

@@ -491,3 +491,26 @@ def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ====================================================================== the soak's instruments
+
+
+def test_soak_measures_the_server_process(smol_llm):
+    from runtime.bench_serve import SoakMinute, proc_stats, soak_async, soak_flags
+
+    app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
+    with ServerThread(app) as st:
+        rows = asyncio.run(soak_async(st.url, model=MODEL, rate=2.0, duration_s=3.0, pid=os.getpid(), max_tokens=4,
+                                      log=lambda line: None))
+    assert len(rows) == 1
+    r = rows[0]
+    assert r.sent == r.ok == 6 and r.failed == 0
+    assert 0 < r.p50_ms <= r.p99_ms
+    rss, fds = proc_stats(os.getpid())
+    assert r.rss_mib > 50 and abs(r.rss_mib - rss) < 500 and 3 <= r.num_fds and fds >= 3
+    assert soak_flags(rows) == []
+    grown = [SoakMinute(1, 60, 60, 0, 100, 200, 500.0, 20), SoakMinute(2, 60, 60, 0, 100, 210, 510.0, 21),
+             SoakMinute(3, 60, 59, 1, 100, 900, 700.0, 60)]
+    flags = soak_flags(grown)
+    assert len(flags) == 4 and "RSS grew 200.0 MiB" in flags[1] and "fds grew 20 -> 60" in flags[2]
