@@ -58,7 +58,7 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
 
 def test_a_hang_is_a_timeout_and_the_exit_status_is_1(tmp_path, capsys):
   out = tmp_path / "r.json"
-  # 30 s x 0.001: the child cannot even import jax in time.
+  # 20 s x 0.001: the child cannot even import jax in time.
   assert selfcheck.main(["--only", "devices", "--timeout-scale", "0.001", "--json", str(out)]) == 1
   (part,) = json.loads(out.read_text())["parts"]
   assert part["status"] == "TIMEOUT" and part["seconds"] < 10
