@@ -16,7 +16,7 @@ import numpy as np
 from runtime import detokenizer
 from runtime.block_manager import BlockManager
 from runtime.compile import Plan
-from runtime.model_runner import ModelRunner, num_backend_compiles
+from runtime.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
 from runtime.sampler import build_inputs
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
@@ -271,11 +271,11 @@ class LLMEngine:
         t1 = time.perf_counter()
         if sched.copies:
             self.runner.copy_blocks(sched.copies)
-        outs = self.runner.execute(sched.bucket, inputs)
         row_params = [(s.request.params, _seq_seed(s, fork_index), s.num_output_tokens if fork_index is None else 0,
                        s.token_ids, s.prompt_len) for s, fork_index in rows]
         si = build_inputs(row_params, sched.bucket[1], self.engine_config.max_model_len, self._stop_ids)
-        tokens, chosen_lp, top_ids, top_lp = jax.device_get(self.runner.sampler(outs["logits"], si))
+        outs = self.runner.execute(sched.bucket, inputs, si.arrays())
+        tokens, chosen_lp, top_ids, top_lp = jax.device_get([outs[k] for k in SAMPLED_OUTPUTS])
         t2 = time.perf_counter()
         plp_seqs = [s for s in sched.scheduled if s.seq.request.params.prompt_logprobs is not None
                     and s.seq.num_computed_tokens < s.seq.prompt_len]

@@ -17,9 +17,12 @@ import numpy as np
 from ir import bind_shape
 from passes.plan_memory import MemoryPlan
 from runtime.executor import JNP_DTYPES, build_step, state_names, step_layout
-from runtime.sampler import Sampler
+from runtime import sampler
 
 log = logging.getLogger("runtime.model_runner")
+
+# What the step returns beyond the graph's outputs: the sampler's results, one row per sequence.
+SAMPLED_OUTPUTS = ("tokens", "chosen_logprobs", "top_ids", "top_logprobs")
 
 # ---------------------------------------------------------------- compile counting
 
@@ -130,12 +133,20 @@ class ModelRunner:
         self.state = self._alloc_state()
         self.compiled: dict[tuple[int, int], object] = {}
         self.xla_memory: dict[tuple[int, int], int] = {}
-        step = build_step(self.graph, self.backend, mesh_constraints=getattr(mesh, "constrain", None),
-                          layout=self.layout)
+        model_step = build_step(self.graph, self.backend, mesh_constraints=getattr(mesh, "constrain", None),
+                                layout=self.layout)
+
+        def step(params, state, inputs, sampling):
+            # The model and the sampler in one executable: one dispatch per step, and the logits
+            # never leave the device.
+            outs, new_state = model_step(params, state, inputs)
+            sampled = sampler.sample_rows(outs["logits"], sampling)
+            return dict(outs, **dict(zip(SAMPLED_OUTPUTS, sampled))), new_state
+
         self._step = jax.jit(step, donate_argnums=(1,))
+        self._idle_sampling: dict[int, dict] = {}
         self._copy = jax.jit(partial(_copy_blocks, num_layers=self.layout.num_layers), donate_argnums=(0,))
         self._copy_compiled = None
-        self.sampler = Sampler(plan.config.vocab_size, engine.max_model_len)
 
     # ------------------------------------------------------------ device state
 
@@ -185,12 +196,13 @@ class ModelRunner:
     def compile_bucket(self, bucket: tuple[int, int]):
         if bucket not in self.compiled:
             specs = self.input_specs(*bucket)
-            lowered = self._step.lower(self._abstract(self.params), self._abstract(self.state), specs)
+            lowered = self._step.lower(self._abstract(self.params), self._abstract(self.state), specs,
+                                       sampler.input_specs(bucket[1], self.max_model_len))
             self.compiled[bucket] = lowered.compile()
         return self.compiled[bucket]
 
     def warmup(self, progress: bool = False, execute: bool = False) -> float:
-        """AOT-compiles every bucket and sampler variant (from the persistent cache when warm).
+        """AOT-compiles every bucket's step (model + sampler; from the persistent cache when warm).
 
         With `execute`, also runs each bucket once on all-padding inputs (nothing is written to
         the KV pools): an executable's first runs on CPU are 2-3x slower than later ones, and a
@@ -215,8 +227,6 @@ class ModelRunner:
                     args["slot_mapping"][:] = -1  # padding tokens write nothing
                 for _ in range(2):
                     jax.block_until_ready(self.execute(b, args))
-        for s in self.plan.buckets.seq_sizes:
-            self.sampler.warmup(s)
         n = self.max_num_copy_pairs
         self._copy_compiled = self._copy.lower(
             self._abstract(self.state), jax.ShapeDtypeStruct((n,), jnp.int32),
@@ -263,13 +273,20 @@ class ModelRunner:
             fn = self._copy_compiled or self._copy
             self.state = fn(self.state, src, dst)
 
-    def execute(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray]):
-        """Runs one step; returns the graph's outputs (device arrays). KV pools update in place."""
+    def execute(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray], sampling: dict | None = None):
+        """Runs one step; returns the graph's outputs and the sampled rows (SAMPLED_OUTPUTS), as
+        device arrays, without waiting for them. KV pools update in place. `sampling`:
+        SamplerInputs.arrays() for the bucket's rows (None: greedy rows)."""
         fn = self.compiled.get(bucket)
         if fn is None:
             raise KeyError(f"bucket {bucket} is not in the plan's bucket table "
                            f"{self.plan.buckets.pairs()}")
-        outs, self.state = fn(self.params, self.state, inputs)
+        if sampling is None:
+            if bucket[1] not in self._idle_sampling:
+                self._idle_sampling[bucket[1]] = sampler.build_inputs(
+                    [], bucket[1], self.max_model_len, lambda p: []).arrays()
+            sampling = self._idle_sampling[bucket[1]]
+        outs, self.state = fn(self.params, self.state, inputs, sampling)
         if self.mesh is not None:
             outs = {k: self.mesh.local_copy(v) for k, v in outs.items()}
         return outs

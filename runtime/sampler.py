@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +28,25 @@ class SamplerInputs:
     rep_penalty: np.ndarray  # f32 [S]
     pres_penalty: np.ndarray  # f32 [S]
     freq_penalty: np.ndarray  # f32 [S]
-    history: np.ndarray | None  # i32 [S, max_model_len]: prompt then output ids, -1 pad
+    history: np.ndarray  # i32 [S, max_model_len]: prompt then output ids, -1 pad (filled if penalties)
     prompt_lens: np.ndarray  # i32 [S]
     greedy: bool
     penalties: bool
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The step executable's sampling inputs."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "min_p": self.min_p, "seeds": self.seeds, "counters": self.counters,
+                "bias_ids": self.bias_ids, "bias_vals": self.bias_vals, "rep_penalty": self.rep_penalty,
+                "pres_penalty": self.pres_penalty, "freq_penalty": self.freq_penalty,
+                "history": self.history, "prompt_lens": self.prompt_lens,
+                "penalize": np.asarray(self.penalties)}
+
+
+def input_specs(num_rows: int, max_model_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes of `SamplerInputs.arrays()` for a bucket of `num_rows` rows."""
+    dummy = build_inputs([], num_rows, max_model_len, lambda p: [])
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dummy.arrays().items()}
 
 
 def _apply_penalties(logits, history, prompt_lens, rep, pres, freq):
@@ -68,10 +82,13 @@ def _filter(logits, top_k, top_p, min_p):
     return jnp.where(p < min_p[:, None] * pmax, -jnp.inf, logits)
 
 
-@partial(jax.jit, static_argnames=("greedy", "penalties"))
-def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, bias_ids, bias_vals,
-           rep, pres, freq, history, prompt_lens, *, greedy: bool, penalties: bool):
-    """Returns (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]).
+def sample_rows(logits, s: dict):
+    """The sampler, traced into the step executable (one dispatch per step).
+
+    logits [S, V]; `s` holds SamplerInputs' arrays (see `SamplerInputs.arrays`). Returns
+    (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]). The penalty
+    scatter and the top-k/top-p/min-p sort run under `lax.cond`, so a greedy batch without
+    penalties pays for neither, and one executable serves every mix of requests.
 
     Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
     reports them by default.
@@ -79,20 +96,22 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, counters, bias_ids, 
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(raw_logprobs, NUM_TOP_LOGPROBS)
-    s = logits.shape[0]
-    rows = jnp.arange(s)[:, None]
-    l = logits.at[rows, jnp.where(bias_ids >= 0, bias_ids, 0)].add(jnp.where(bias_ids >= 0, bias_vals, 0.0))
-    if penalties:
-        l = _apply_penalties(l, history, prompt_lens, rep, pres, freq)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    bias_ids, temperature = s["bias_ids"], s["temperature"]
+    l = logits.at[rows, jnp.where(bias_ids >= 0, bias_ids, 0)].add(jnp.where(bias_ids >= 0, s["bias_vals"], 0.0))
+    l = jax.lax.cond(s["penalize"], lambda l: _apply_penalties(l, s["history"], s["prompt_lens"], s["rep_penalty"],
+                                                               s["pres_penalty"], s["freq_penalty"]),
+                     lambda l: l, l)
     argmax = jnp.argmax(l, axis=-1).astype(jnp.int32)
-    if greedy:
-        tokens = argmax
-    else:
+
+    def draw(l):
         t = jnp.where(temperature > 0, temperature, 1.0)
-        l = _filter(l / t[:, None], top_k, top_p, min_p)
-        keys = jax.vmap(lambda sd, c: jax.random.fold_in(jax.random.PRNGKey(sd), c))(seeds, counters)
+        l = _filter(l / t[:, None], s["top_k"], s["top_p"], s["min_p"])
+        keys = jax.vmap(lambda sd, c: jax.random.fold_in(jax.random.PRNGKey(sd), c))(s["seeds"], s["counters"])
         drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, l).astype(jnp.int32)
-        tokens = jnp.where(temperature > 0, drawn, argmax)
+        return jnp.where(temperature > 0, drawn, argmax)
+
+    tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda l: argmax, l)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp
 
@@ -114,7 +133,7 @@ def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], nu
     freq = np.zeros(S, np.float32)
     prompt_lens = np.zeros(S, np.int32)
     penalties = any(p.needs_penalties for p, *_ in rows)
-    history = np.full((S, max_model_len), -1, np.int32) if penalties else None
+    history = np.full((S, max_model_len), -1, np.int32)
     for i, (p, seed, counter, hist, plen) in enumerate(rows):
         temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         seeds[i], counters[i] = seed & 0xFFFFFFFF, counter
@@ -135,39 +154,14 @@ def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], nu
                          pres, freq, history, prompt_lens, greedy, penalties)
 
 
-def _args(logits, si: SamplerInputs):
-    history = si.history if si.history is not None else np.full((len(si.temperature), 1), -1, np.int32)
-    return (logits, si.temperature, si.top_k, si.top_p, si.min_p, si.seeds, si.counters,
-            si.bias_ids, si.bias_vals, si.rep_penalty, si.pres_penalty, si.freq_penalty, history,
-            si.prompt_lens)
-
-
 class Sampler:
-    """Holds one AOT-compiled sampler per (rows, greedy, penalties); compiled at warm-up."""
+    """The sampler on its own (one executable per row count), for tests and tools; the engine runs
+    `sample_rows` inside its step executable."""
 
     def __init__(self, vocab_size: int, max_model_len: int):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.compiled: dict[tuple[int, bool, bool], object] = {}
-
-    def _compile(self, num_rows: int, greedy: bool, penalties: bool):
-        key = (num_rows, greedy, penalties)
-        if key not in self.compiled:
-            hist = self.max_model_len if penalties else 1
-            f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-            args = (f32(num_rows, self.vocab_size), f32(num_rows), i32(num_rows), f32(num_rows),
-                    f32(num_rows), jax.ShapeDtypeStruct((num_rows,), jnp.uint32), i32(num_rows),
-                    i32(num_rows, MAX_LOGIT_BIAS), f32(num_rows, MAX_LOGIT_BIAS), f32(num_rows),
-                    f32(num_rows), f32(num_rows), i32(num_rows, hist), i32(num_rows))
-            self.compiled[key] = sample.lower(*args, greedy=greedy, penalties=penalties).compile()
-        return self.compiled[key]
-
-    def warmup(self, num_rows: int) -> None:
-        for greedy in (True, False):
-            for penalties in (False, True):
-                self._compile(num_rows, greedy, penalties)
+        self._fn = jax.jit(sample_rows)
 
     def __call__(self, logits, si: SamplerInputs):
-        fn = self._compile(logits.shape[0], si.greedy, si.penalties)
-        return fn(*_args(logits, si))
+        return self._fn(logits, si.arrays())
