@@ -41,9 +41,8 @@ class RunResult:
     recompiles: int = 0
     num_steps: int = 0
     padding: dict = field(default_factory=dict)  # bucket -> (steps, real tokens, padded tokens)
-    sched_ms: float = 0.0
-    device_ms: float = 0.0
-    post_ms: float = 0.0
+    # Medians per step, ms (engine.StepTrace): schedule, prepare inputs, dispatch, device wait, post.
+    breakdown_ms: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # (t, output tok/s, kv pool occupancy)
 
     @property
@@ -105,9 +104,22 @@ def run_engine(plan, runner, policy: str, work, tokenizer) -> RunResult:
                      float(np.mean(fill)) if fill else 0.0, max(fill, default=0.0),
                      float(np.mean(occ)) if occ else 0.0, max(occ, default=0.0),
                      engine.num_recompiles, len(tr), dict(padding),
-                     float(np.median([t.schedule_s for t in tr])) * 1e3,
-                     float(np.median([t.device_s for t in tr])) * 1e3,
-                     float(np.median([t.postprocess_s for t in tr])) * 1e3, timeline)
+                     step_breakdown(tr), timeline)
+
+
+STEP_PARTS = ("schedule", "prepare", "dispatch", "device", "postprocess")
+
+
+def step_breakdown(trace) -> dict:
+    """Median ms per step of each part of the engine step, the host total, and its share."""
+    if not trace:
+        return {}
+    out = {p: float(np.median([getattr(t, f"{p}_s") for t in trace])) * 1e3 for p in STEP_PARTS}
+    host = np.array([t.host_s for t in trace])
+    total = host + np.array([t.device_s for t in trace])
+    out["host"] = float(np.median(host)) * 1e3
+    out["host_share"] = float(np.median(host / total))
+    return out
 
 
 def run_hf(config, weights, work, batch_size: int) -> RunResult:
@@ -154,13 +166,18 @@ def run_hf(config, weights, work, batch_size: int) -> RunResult:
 
 def report(results: list[RunResult], out=sys.stdout) -> None:
     print(f"{'run':<16}{'time s':>8}{'out tok/s':>11}{'total tok/s':>13}{'KV fill mean/peak':>20}"
-          f"{'KV pool peak':>14}{'steps':>7}{'recomp':>8}{'sched/dev ms':>15}", file=out)
+          f"{'KV pool peak':>14}{'steps':>7}{'recomp':>8}{'host/dev ms':>15}", file=out)
     for r in results:
         fill = f"{r.kv_fill_mean:.0%}/{r.kv_fill_peak:.0%}" if r.num_steps else "-"
         pool = f"{r.kv_pool_peak:.0%}" if r.num_steps else "-"
-        prof = f"{r.sched_ms:.1f}/{r.device_ms:.0f}" if r.num_steps else "-"
+        prof = f"{r.breakdown_ms['host']:.1f}/{r.breakdown_ms['device']:.0f}" if r.num_steps else "-"
         print(f"{r.name:<16}{r.elapsed_s:>8.1f}{r.output_tps:>11.1f}{r.total_tps:>13.1f}{fill:>20}"
               f"{pool:>14}{r.num_steps:>7}{r.recompiles:>8}{prof:>15}", file=out)
+    for r in results:
+        if r.breakdown_ms:
+            b = r.breakdown_ms
+            print(f"step breakdown ({r.name}, median ms): " + ", ".join(f"{p} {b[p]:.2f}" for p in STEP_PARTS)
+                  + f"; host {b['host']:.2f} = {b['host_share']:.0%} of the step", file=out)
     for r in results:
         if not r.padding:
             continue
@@ -225,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", choices=("hf",), default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", default=None, help="write the results as JSON")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="write a jax.profiler trace of the timed runs to DIR (TensorBoard / Perfetto)")
     add_engine_args(ap)
     args = ap.parse_args(argv)
     # --scheduling takes a comma list here: every policy runs on the same workload and plan.
@@ -263,10 +282,17 @@ def main(argv=None) -> int:
     # A short untimed run so first-touch effects don't land on whichever policy runs first.
     run_engine(plan, runner, "continuous", work[:4], tok)
     results = []
-    for p in policies:
-        r = run_engine(plan, runner, p, work, tok)
-        print(f"  {p}: {r.elapsed_s:.1f}s, {r.output_tps:.1f} out tok/s", file=sys.stderr)
-        results.append(r)
+    import contextlib
+
+    import jax
+
+    with jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext():
+        for p in policies:
+            r = run_engine(plan, runner, p, work, tok)
+            print(f"  {p}: {r.elapsed_s:.1f}s, {r.output_tps:.1f} out tok/s", file=sys.stderr)
+            results.append(r)
+    if args.profile:
+        print(f"profiler trace written under {args.profile}", file=sys.stderr)
     if args.baseline == "hf":
         results.append(run_hf(config, weights, work, batch_size=plan.engine.max_num_seqs))
     report(results)

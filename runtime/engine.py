@@ -91,9 +91,16 @@ class StepTrace:
     num_sampled: int  # tokens sampled (one per sequence that reached its end this step)
     kv_used_slots: int  # slots that hold real tokens
     kv_allocated_slots: int  # slots of allocated blocks
-    schedule_s: float
-    device_s: float
-    postprocess_s: float
+    # Where the step's wall time went, in order:
+    schedule_s: float  # drain adds/aborts, schedule (host)
+    prepare_s: float  # build the step's and the sampler's input arrays (host)
+    dispatch_s: float  # copy-on-write and the step call, until it returns (async: host side of the launch)
+    device_s: float  # waiting for the sampled tokens: the device's share not hidden by the host work
+    postprocess_s: float  # prompt logprobs, append tokens, stops, detokenize, outputs (host)
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.dispatch_s + self.postprocess_s
 
 
 class LLMEngine:
@@ -267,14 +274,16 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self._step_requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}
+        t_sched = time.perf_counter()
         inputs, rows = self._prepare(sched)
-        t1 = time.perf_counter()
-        if sched.copies:
-            self.runner.copy_blocks(sched.copies)
         row_params = [(s.request.params, _seq_seed(s, fork_index), s.num_output_tokens if fork_index is None else 0,
                        s.token_ids, s.prompt_len) for s, fork_index in rows]
         si = build_inputs(row_params, sched.bucket[1], self.engine_config.max_model_len, self._stop_ids)
+        t_prep = time.perf_counter()
+        if sched.copies:
+            self.runner.copy_blocks(sched.copies)
         outs = self.runner.execute(sched.bucket, inputs, si.arrays())
+        t_dispatch = time.perf_counter()
         tokens, chosen_lp, top_ids, top_lp = jax.device_get([outs[k] for k in SAMPLED_OUTPUTS])
         t2 = time.perf_counter()
         plp_seqs = [s for s in sched.scheduled if s.seq.request.params.prompt_logprobs is not None
@@ -292,8 +301,8 @@ class LLMEngine:
             used = sum(s.num_computed_tokens for s in self.scheduler.running)
             alloc = sum(len(s.block_table) for s in self.scheduler.running) * self.engine_config.block_size
             self.trace.append(StepTrace(time.monotonic(), sched.bucket, sched.num_tokens,
-                                        len(sched.scheduled), len(rows), used, alloc, t1 - t0, t2 - t1,
-                                        t3 - t2))
+                                        len(sched.scheduled), len(rows), used, alloc, t_sched - t0,
+                                        t_prep - t_sched, t_dispatch - t_prep, t2 - t_dispatch, t3 - t2))
         if self.check_invariants:
             self.block_manager.check_invariants(
                 [s for r in self.requests.values() for s in r.seqs if not s.is_finished])
