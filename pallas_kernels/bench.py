@@ -135,17 +135,18 @@ class Timing:
 def time_calls(fn: Callable[[], jax.Array], repeats: int, budget_s: float) -> Timing:
   """Times the first call (compile + run), then up to `repeats` calls while `budget_s` lasts.
 
-  A further call is made only if the one before it, added to the time already
-  spent, still fits the budget; the first timed call is predicted by the first
-  call, which includes the compile, so a slow compile can leave no timed call.
+  One timed call follows whenever the first call ended within the budget (it is
+  no slower than the first, which also compiled, so a row overruns its budget
+  by at most that one call); each further call only if the one before it,
+  added to the time already spent, still fits.
   """
   start = time.perf_counter()
   output = jax.block_until_ready(fn())
   first = time.perf_counter() - start
   times: list[float] = []
   while len(times) < repeats:
-    predicted = times[-1] if times else first
-    if time.perf_counter() - start + predicted > budget_s:
+    elapsed = time.perf_counter() - start
+    if elapsed > budget_s or (times and elapsed + times[-1] > budget_s):
       break
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
