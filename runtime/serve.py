@@ -1454,7 +1454,8 @@ def _guarded_protocol(header_timeout_s: float, max_connections: int):
 def _uvicorn_config(app, host: str, port: int, **kwargs):
     import uvicorn
 
-    cfg: ServerConfig = app.state.server.cfg
+    server = getattr(getattr(app, "state", None), "server", None)
+    cfg = server.cfg if server is not None else ServerConfig([])  # another ASGI app: the defaults
     return uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
                           http=_guarded_protocol(cfg.header_timeout_s, cfg.max_connections),
                           limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=cfg.keep_alive_timeout_s,
