@@ -265,6 +265,15 @@ class TestHostileRequests:
             assert_kv_idle(smol_llm.engine, wait_idle(c, smol_llm.engine))
 
 
+def test_error_bodies_are_always_encodable():
+    """An error that echoes a lone surrogate is written with \\u escapes, not a UnicodeEncodeError."""
+    from runtime.serve import APIError
+
+    r = APIError(404, "the model `m\udfffx` does not exist", param="model").response()
+    assert json.loads(r.body)["error"]["message"] == "the model `m\udfffx` does not exist"
+    assert json.loads(APIError(400, "caf\u00e9").response().body)["error"]["message"] == "caf\u00e9"
+
+
 # ====================================================================== HTTP: engine failures
 
 
