@@ -55,3 +55,15 @@ def smol_llm(smollm2):
     config, weights, tok = smollm2
     plan = compile_plan(None, EngineConfig(**SMOL_ARGS), weights=weights, config=config, tokenizer=tok)
     return LLM.from_plan(plan, check_invariants=True)
+
+
+# Tests that touch the real SmolLM2 (its GGUF weights or tokenizer) are `slow`: the fast loop is
+# `bash scripts/test.sh -m "not slow"`. Anything using the shared fixtures is marked here, in
+# one place; tests that load the model another way carry the mark themselves.
+REAL_MODEL_FIXTURES = {"smollm2", "smol_llm", "smol_plan"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

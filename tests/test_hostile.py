@@ -453,6 +453,7 @@ def test_slow_clients_are_timed_out_and_connections_capped(smol_llm):
 # ====================================================================== SIGTERM (one subprocess)
 
 
+@pytest.mark.slow  # a `python -m runtime.serve` subprocess on the real SmolLM2
 def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
     """8 long streams and a short grace: each stream gets finish_reason "abort" and [DONE], and the
     process exits within grace + 2 s."""

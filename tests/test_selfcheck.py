@@ -17,6 +17,7 @@ from pallas_kernels import bench
 from runtime import selfcheck
 
 
+@pytest.mark.slow  # five subprocesses, about a minute; CI runs it
 def test_quick_run_passes_with_a_table_and_json(tmp_path):
   out = tmp_path / "selfcheck.json"
   t0 = time.monotonic()

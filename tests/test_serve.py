@@ -524,6 +524,7 @@ def start_cli_server(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, "os.
     return proc, url, log_path
 
 
+@pytest.mark.slow  # a `python -m runtime.serve` subprocess on the real SmolLM2
 def test_cli_sigterm_drains(tmp_path):
     """`python -m runtime.serve`: a long stream survives SIGTERM, new requests are refused, exit 0."""
     proc, url, log_path = start_cli_server(tmp_path, "--shutdown-grace-s", "60", "--log-stats-interval", "1")
