@@ -20,12 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-WORKLOADS = {
-    # name: (prompt median, output median, lognormal sigma)
-    "mixed": (96, 64, 0.9),
-    "short": (32, 32, 0.5),
-    "long-prompt": (384, 32, 0.6),
-}
+from runtime.workload import WORKLOADS
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 try:  # the offline benchmark owns the workload table; the two must agree
-    from runtime.bench import WORKLOADS
+    from runtime.workload import WORKLOADS
 except Exception:  # pragma: no cover - bench.py absent or broken
     WORKLOADS = {"mixed": (96, 64, 0.9), "short": (32, 32, 0.5), "long-prompt": (384, 32, 0.6)}
 

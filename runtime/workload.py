@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+WORKLOADS = {
+    # name: (prompt median, output median, lognormal sigma)
+    "mixed": (96, 64, 0.9),
+    "short": (32, 32, 0.5),
+    "long-prompt": (384, 32, 0.6),
+}
+
 
 def synthetic_workload(num_prompts: int, seed: int = 0, max_model_len: int = 2048,
                        vocab_size: int = 49152, *, prompt_median: int = 96, output_median: int = 64,
