@@ -1,10 +1,9 @@
 """The graph IR: immutable nodes, an op table, a printer/parser pair, and a verifier."""
 
-from ir.graph import (DTYPE_BYTES, Graph, Node, input_node, make_node, param_node, rewrite,
-                      same_structure)
-from ir.ops import OPS, IRError, bind_shape, eval_dim
+from ir.graph import DTYPE_BYTES, Graph, Node, input_node, param_node, rewrite
+from ir.ops import OPS, IRError, bind_shape, eval_dim, make_node
 from ir.parser import ParseError, parse_graph
-from ir.printer import print_graph
+from ir.printer import print_graph, same_structure
 from ir.verify import VerifyError, verify
 
 __all__ = [

@@ -58,20 +58,6 @@ class Node:
         return f"Node({ident} : {self.dtype}{list(self.shape)})"
 
 
-def make_node(op: str, inputs: Iterable[Node] = (), attrs: Mapping[str, Any] | None = None,
-              shape: Iterable[Dim] | None = None, dtype: str | None = None) -> Node:
-    """Builds a node; shape and dtype come from the op table's shape rule unless given."""
-    inputs = tuple(inputs)
-    frozen = freeze_attrs(attrs)
-    if shape is None or dtype is None:
-        from ir.ops import infer  # local: ops imports graph
-
-        s, d = infer(op, inputs, dict(frozen))
-        shape = s if shape is None else shape
-        dtype = d if dtype is None else dtype
-    return Node(op, inputs, frozen, tuple(shape), dtype)
-
-
 def input_node(name: str, shape: Iterable[Dim], dtype: str) -> Node:
     return Node("input", (), (("name", name),), tuple(shape), dtype)
 
@@ -184,10 +170,3 @@ def rewrite(graph: Graph, fn: Callable[[Node, tuple[Node, ...]], Node | None],
         _post_order(out, reachable, _order)
     inputs = tuple(n for n in inputs if id(n) in reachable)
     return Graph(inputs, outputs, graph.meta)
-
-
-def same_structure(a: Graph, b: Graph) -> bool:
-    """Structural equality: same leaves, outputs, ops, attrs, shapes and dtypes."""
-    from ir.printer import print_graph
-
-    return print_graph(a) == print_graph(b)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from ir.graph import DTYPES, Dim, Node, Shape
+from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
 
 
 class IRError(ValueError):
@@ -56,6 +56,18 @@ def infer(op_name: str, inputs: Sequence[Node], attrs: dict) -> tuple[Shape, str
         if a not in attrs:
             raise IRError(f"{op_name} requires attribute {a!r}")
     return d.shape_rule(inputs, attrs)
+
+
+def make_node(op: str, inputs: Iterable[Node] = (), attrs: Mapping[str, Any] | None = None,
+              shape: Iterable[Dim] | None = None, dtype: str | None = None) -> Node:
+    """Builds a node; shape and dtype come from the op table's shape rule unless given."""
+    inputs = tuple(inputs)
+    frozen = freeze_attrs(attrs)
+    if shape is None or dtype is None:
+        s, d = infer(op, inputs, dict(frozen))
+        shape = s if shape is None else shape
+        dtype = d if dtype is None else dtype
+    return Node(op, inputs, frozen, tuple(shape), dtype)
 
 
 # ---------------------------------------------------------------------------- dim helpers

@@ -63,3 +63,8 @@ def print_graph(graph: Graph, annotate: dict[int, str] | None = None) -> str:
     for name, node in graph.outputs:
         lines.append(f"output {name} = {names.get(id(node), '%<undeclared>')}")
     return "\n".join(lines) + "\n"
+
+
+def same_structure(a: Graph, b: Graph) -> bool:
+    """Structural equality: same leaves, outputs, ops, attrs, shapes and dtypes."""
+    return print_graph(a) == print_graph(b)
