@@ -682,6 +682,7 @@ class Server:
         self.draining = False
         self.num_inflight = 0
         self.created = int(time.time())
+        self._openapi: dict | None = None
         if config.max_prompt_chars is None:
             config.max_prompt_chars = self.max_model_len * PROMPT_CHARS_PER_TOKEN
         self.pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
@@ -1223,6 +1224,27 @@ class Server:
     async def tokenize(self, request: Request) -> Response:
         return await self.off_loop(self._tokenize, await self.read_body(request))
 
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            from importlib.metadata import PackageNotFoundError, version
+
+            from runtime.openapi import openapi_schema
+
+            try:
+                v = version("jaxserve")
+            except PackageNotFoundError:
+                v = "dev"
+            self._openapi = openapi_schema(
+                {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, v)
+        return _json_response(self._openapi)
+
+    async def docs(self, request: Request) -> Response:
+        from runtime.openapi import DOCS_HTML
+
+        return Response(DOCS_HTML.format(title="jaxserve", schema_url="/openapi.json"), 200,
+                        media_type="text/html")
+
     async def detokenize(self, request: Request) -> Response:
         return await self.off_loop(self._detokenize, await self.read_body(request))
 
@@ -1386,6 +1408,8 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
         Route("/metrics", server.metrics, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/openapi.json", server.openapi, methods=["GET"]),
+        Route("/docs", server.docs, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
