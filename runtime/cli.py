@@ -75,12 +75,8 @@ def quiet_tpu_probe() -> None:
 def serve(argv: list[str]) -> int:
     """Checks the model or plan, the engine args and the port, then runs the server."""
     from runtime import serve as server
-    from runtime.args import preflight
 
-    _, args = server.parse_args(argv)
-    quiet_tpu_probe()
-    preflight(args)
-    return server.main(argv)
+    return server.main(argv)  # it runs the pre-flight checks itself
 
 
 def dispatch(argv: list[str]) -> int:

@@ -1615,10 +1615,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    """The server's entry point (`python -m runtime.serve`, `jaxserve serve`). The model or plan,
+    the engine args and the port are checked first, so a mistake is one line before any compile."""
     ap, args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    from runtime.args import engine_kwargs_from_args
+    from runtime.args import engine_kwargs_from_args, preflight
+    from runtime.cli import quiet_tpu_probe
+
+    quiet_tpu_probe()
+    preflight(args)
     from runtime.engine import LLMEngine
     from runtime.llm import load_plan
     from runtime.model_runner import DEFAULT_COMPILATION_CACHE, ModelRunner
@@ -1660,4 +1666,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runtime.errors import run_main
+
+    sys.exit(run_main(main))
