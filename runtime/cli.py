@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
-import logging
 import sys
 
-from runtime.args import ArgumentParser
+from runtime.args import ArgumentParser, quiet_tpu_probe  # noqa: F401 (runtime.serve imports it from here)
 from runtime.errors import run_main
 
 # name -> (module whose main(argv) runs it, one-line help)
@@ -55,21 +53,6 @@ def _version() -> str:
         return metadata.version("jaxserve")
     except metadata.PackageNotFoundError:
         return "(not installed)"
-
-
-class _NoTpuProbe(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to initialize backend 'tpu'" not in record.getMessage()
-
-
-def quiet_tpu_probe() -> None:
-    """Drops JAX's "Unable to initialize backend 'tpu': ... libtpu.so" line (logged on every start
-    at the server's INFO level) where libtpu is not installed, so no TPU was meant. Other backend
-    messages, such as a CUDA plugin that fails to load, still show."""
-    if importlib.util.find_spec("libtpu") is None:
-        logger = logging.getLogger("jax._src.xla_bridge")
-        if not any(isinstance(f, _NoTpuProbe) for f in logger.filters):
-            logger.addFilter(_NoTpuProbe())
 
 
 def serve(argv: list[str]) -> int:

@@ -1,0 +1,237 @@
+"""The command-line basics every CLI shares: one-line user errors, engine flags and their units,
+and `--model` resolution. `runtime.args` and `runtime.errors` re-export them; `ir.dump` imports
+them from here, since DESIGN lets it import models and passes but not runtime.
+
+A `UserError` is a mistake the person at the keyboard can fix (a model that does not exist, a
+busy port, a plan that does not fit). `run_main` prints it as `error: ...` with no traceback;
+`--debug` (anywhere on the command line) or JAXSERVE_DEBUG=1 re-raises it with the traceback.
+Anything else is a bug and keeps its traceback.
+
+Memory sizes take `80`, `80G`, `80GiB` or `512MiB`; a bare number is GiB. Dtypes take `auto` and
+the aliases of models.engine_config (float32/fp32/f32, bfloat16/bf16, float16/half/f16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from models.engine_config import CPU_DEVICE_MEMORY, DTYPE_ALIASES, EngineConfig
+
+USER_ERROR_EXIT = 2  # argparse's exit code for a bad command line
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for; the message names it and the fix."""
+
+
+def split_debug(argv: Sequence[str]) -> tuple[bool, list[str]]:
+    """(debug?, argv without `--debug`); JAXSERVE_DEBUG=1 also turns debugging on."""
+    argv = list(argv)
+    debug = os.environ.get("JAXSERVE_DEBUG", "").lower() in ("1", "true", "yes", "on")
+    if "--" in argv:  # everything after `--` belongs to the command
+        head, tail = argv[:argv.index("--")], argv[argv.index("--"):]
+    else:
+        head, tail = argv, []
+    if "--debug" in head:
+        debug = True
+        head = [a for a in head if a != "--debug"]
+    return debug, head + tail
+
+
+def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
+    """Runs `main(argv)`; a UserError becomes one `error:` line on stderr and exit code 2."""
+    debug, argv = split_debug(sys.argv[1:] if argv is None else argv)
+    try:
+        return int(main(argv) or 0)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# ------------------------------------------------------------------------------ flags
+
+GiB = 1 << 30
+_MEMORY_UNITS = {"": GiB, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20,
+                 "mib": 1 << 20, "mb": 10**6, "g": GiB, "gib": GiB, "gb": 10**9, "t": 1 << 40,
+                 "tib": 1 << 40, "tb": 10**12}
+DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `error: ... (see PROG --help)`, exit 2, with no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {v!r}")
+
+
+def parse_memory(text: str) -> int:
+    """`80` (GiB), `80G`, `80GiB`, `512MiB`, `1.5T`, `1073741824B` -> bytes (> 0)."""
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = None
+    if value is None or unit not in _MEMORY_UNITS or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"bad memory size {text!r}: use e.g. 80 (GiB), 80GiB, 80G or 512MiB")
+    return int(value * _MEMORY_UNITS[unit])
+
+
+def parse_dtype(text: str) -> str:
+    name = str(text).lower()
+    if name not in DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: use auto, float32, bfloat16 or float16 "
+                                         f"(aliases: {', '.join(sorted(DTYPE_ALIASES))})")
+    return name
+
+
+def format_gib(num_bytes: int) -> str:
+    return f"{num_bytes / GiB:.1f} GiB"
+
+
+# (field, flags, argparse kwargs); defaults come from EngineConfig unless a command overrides them.
+_ENGINE_FLAGS = (
+    ("max_model_len", ("--max-model-len",), dict(type=int, help="longest prompt + output")),
+    ("max_num_seqs", ("--max-num-seqs",), dict(type=int, help="sequences in one step")),
+    ("max_num_batched_tokens", ("--max-num-batched-tokens",),
+     dict(type=int, help="tokens in one step (the largest token bucket)")),
+    ("block_size", ("--block-size",), dict(type=int, help="tokens per KV block")),
+    ("memory_utilization", ("--memory-utilization", "--gpu-memory-utilization"),
+     dict(type=float, help="share of device memory the plan may use")),
+    ("device_memory", ("--device-memory",),
+     dict(type=parse_memory, metavar="SIZE",
+          help="device memory to plan for: 80 (GiB), 80GiB or 512MiB (default: measured on GPU, "
+               f"{CPU_DEVICE_MEMORY // GiB} GiB on CPU)")),
+    ("num_kv_blocks", ("--num-kv-blocks",), dict(type=int, help="override the planned KV block count")),
+    ("dtype", ("--dtype",),
+     dict(type=parse_dtype, metavar="DTYPE",
+          help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16")),
+    ("enable_prefix_caching", ("--enable-prefix-caching",), dict(type=_bool, metavar="BOOL")),
+    ("enable_chunked_prefill", ("--enable-chunked-prefill",), dict(type=_bool, metavar="BOOL")),
+    ("scheduling", ("--scheduling",), dict(help="continuous (default), dynamic or static")),
+    ("max_waiting_ms", ("--max-waiting-ms",), dict(type=float)),
+    ("tensor_parallel_size", ("--tensor-parallel-size", "-tp"), dict(type=int)),
+    ("quantization", ("--quantization",), dict(default=None, choices=(None, "int8"))),
+    ("seed", ("--seed",), dict(type=int)),
+    ("kernel_backend", ("--kernel-backend",), dict(choices=("auto", "xla", "pallas", "interpret"))),
+)
+
+ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "memory_utilization", "dtype", "enable_prefix_caching", "enable_chunked_prefill",
+                 "scheduling", "max_waiting_ms", "tensor_parallel_size", "quantization", "seed",
+                 "num_kv_blocks", "kernel_backend")
+
+
+def add_engine_args(ap: argparse.ArgumentParser, only=None, defaults=None) -> None:
+    """Adds the engine flags (all, or the fields in `only`), with EngineConfig's defaults."""
+    d = EngineConfig.__dataclass_fields__
+    defaults = defaults or {}
+    g = ap.add_argument_group("engine")
+    for name, flags, kw in _ENGINE_FLAGS:
+        if only is not None and name not in only:
+            continue
+        kw = dict(kw, dest=name)
+        kw["default"] = defaults.get(name, kw.get("default", d[name].default))
+        g.add_argument(*flags, **kw)
+
+
+def engine_kwargs_from_args(args) -> dict:
+    kw = {f: getattr(args, f) for f in ENGINE_FIELDS}
+    if args.device_memory:
+        kw["device_memory"] = int(args.device_memory)  # bytes, from parse_memory
+    return kw
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig.from_kwargs(**engine_kwargs_from_args(args))
+
+
+# ------------------------------------------------------------------------------ pre-flight
+
+def _preset_weights_problem(name: str) -> str | None:
+    """Why a preset's weights can't be loaded (None: they can). Mirrors models.weights.load_model."""
+    if name == "tiny":
+        return None
+    if name == "smollm2-135m":
+        from models.weights import find_smollm2_gguf
+
+        try:
+            find_smollm2_gguf()
+        except FileNotFoundError as e:
+            return str(e)
+        return None
+    return (f"preset {name!r} has no bundled weights: pass --model path/to/model.gguf or an HF "
+            f"directory (config.json + safetensors); `jaxserve compile --model {name} --dry-run` "
+            f"plans it without weights")
+
+
+def resolve_model_config(spec: str, *, need_weights: bool = True):
+    """The ModelConfig of a preset, .gguf file, HF directory or config.json, reading only metadata.
+
+    Raises UserError naming the problem: an unknown name (with the closest presets), a missing
+    file, a preset without bundled weights (when `need_weights`), a directory that is no model.
+    """
+    from models.config import PRESETS, config_from_gguf_fields, config_from_hf
+
+    spec = str(spec)
+    if spec in PRESETS:
+        problem = _preset_weights_problem(spec) if need_weights else None
+        if problem:
+            raise UserError(problem)
+        return PRESETS[spec]
+    path = Path(spec)
+    try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise UserError(f"--model {spec}: a directory with no config.json (an HF model) and no "
+                                f"plan.json (a plan from `jaxserve compile`)")
+            if need_weights and not any(path.glob("*.safetensors*")):
+                raise UserError(f"--model {spec}: no *.safetensors weights next to config.json")
+            return config_from_hf(path)
+        if path.name == "config.json" and path.is_file() and not need_weights:
+            return config_from_hf(path)
+        if path.is_file() and path.suffix == ".gguf":
+            from models.weights import read_gguf_fields
+
+            reader, fields = read_gguf_fields(path)  # metadata only; tensors are not dequantized
+            tensors = {t.name for t in reader.tensors}
+            config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=path.stem)
+            return config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(f"--model {spec}: {e}") from e
+    if path.exists():
+        raise UserError(f"--model {spec}: cannot tell how to load this; expected a preset, a .gguf "
+                        f"file, an HF directory or a plan directory")
+    close = difflib.get_close_matches(spec, PRESETS, n=1, cutoff=0.5)
+    hint = f"did you mean --model {close[0]}? " if close else ""
+    raise UserError(f"unknown model {spec!r}: no such preset, file or directory; {hint}"
+                    f"presets: {', '.join(sorted(PRESETS))}")
+
+
+def check_max_model_len(config, max_model_len: int) -> None:
+    if max_model_len > config.max_position_embeddings:
+        raise UserError(f"--max-model-len {max_model_len} is longer than {config.name} supports "
+                        f"(max_position_embeddings {config.max_position_embeddings}); pass "
+                        f"--max-model-len {config.max_position_embeddings} or less")

@@ -1,0 +1,109 @@
+"""Engine arguments, with vLLM's names (`runtime.config` re-exports them).
+
+They live in models, below runtime, because the command-line layer (models.cli) builds its engine
+flags from them, and `ir.dump` uses that layer while DESIGN lets it import only models and passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPE_ALIASES = {"float32": "f32", "fp32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
+                 "float16": "f16", "half": "f16", "f16": "f16"}
+# `auto` (vLLM's default) takes the model's dtype where the hardware runs it well: bf16 on
+# accelerators; f32 on CPU, where XLA's bf16 matmuls are emulated and slower than f32.
+AUTO_DTYPE = {"gpu": "bf16", "cuda": "bf16", "rocm": "bf16", "tpu": "bf16"}
+
+
+def resolve_dtype(dtype: str, platform: str | None = None) -> str:
+    """An IR dtype name (f32/bf16/f16) for a user's dtype; `auto` depends on the platform."""
+    name = str(dtype).lower()
+    if name == "auto":
+        if platform is None:
+            import jax
+
+            platform = jax.default_backend()
+        return AUTO_DTYPE.get(platform, "f32")
+    if name not in DTYPE_ALIASES:
+        raise ValueError(f"dtype must be one of {['auto'] + sorted(DTYPE_ALIASES)}, got {dtype!r}")
+    return DTYPE_ALIASES[name]
+
+# On a CPU there is no device memory to measure; like vLLM's CPU backend (4 GiB KV space by
+# default) we assume a fixed budget, which `device_memory` overrides.
+CPU_DEVICE_MEMORY = 4 << 30
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    memory_utilization: float = 0.9
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling: str = "continuous"
+    max_waiting_ms: float = 50.0
+    static_batch_size: int | None = None
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    seed: int = 0
+    num_kv_blocks: int | None = None
+    device_memory: int | None = None  # bytes of one device; measured on GPU, CPU_DEVICE_MEMORY on CPU
+    memory_limit: int | None = None  # bytes the allocator can still give; measured on GPU
+    kernel_backend: str = "auto"
+    # Run the repeated decoder layers as one lax.scan, so XLA compiles one layer, not all of them
+    # (3x faster cold compiles). None: on accelerators only. On CPU, XLA copies each layer's
+    # weight slice out of the stack before its matmuls, which costs more per step than the
+    # compile saves (see BENCHMARKS.md).
+    scan_layers: bool | None = None
+    # vLLM's multi-step decode: an all-decode batch runs this many steps in one executable, the
+    # host checking stops after them (amortizes the host's share of a step; 1 = off).
+    num_scheduler_steps: int = 1
+    reserve_bytes: int = 64 << 20
+
+    def __post_init__(self):
+        self.dtype = resolve_dtype(self.dtype)
+        for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                  "tensor_parallel_size", "num_scheduler_steps"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive int, got {v!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.scheduling not in ("continuous", "dynamic", "static"):
+            raise ValueError(f"scheduling must be continuous, dynamic or static, got {self.scheduling!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole prompt must fit one step.
+            self.max_num_batched_tokens = self.max_model_len
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            self.max_num_seqs = self.max_num_batched_tokens
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineConfig":
+        if "gpu_memory_utilization" in kw:
+            kw["memory_utilization"] = kw.pop("gpu_memory_utilization")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(names)}")
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def scans_layers(self, platform: str | None = None) -> bool:
+        """Whether the step runs its layers as a lax.scan (`scan_layers`, or by platform)."""
+        if self.scan_layers is not None:
+            return self.scan_layers
+        if platform is None:
+            import jax
+
+            platform = jax.default_backend()
+        return platform != "cpu"
