@@ -510,9 +510,13 @@ def _paged_attention(inputs, attrs):
 
 
 @impl("paged_attention")
-def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale,
-                        num_kv_heads, block_size, head_dim):
-    """Ragged paged attention in XLA: gather each token's sequence blocks, mask, softmax in f32."""
+def paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale,
+                              num_kv_heads, block_size, head_dim):
+    """The op's jnp reference: gather each token's sequence blocks, mask, softmax in f32.
+
+    The executor's chunked lowering is runtime.kernels.paged_attention_xla; the Pallas kernel's
+    own reference is pallas_kernels.paged_attention_reference.
+    """
     t = q.shape[0]
     s, m = block_tables.shape
     n_rep = q.shape[1] // num_kv_heads

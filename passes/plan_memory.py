@@ -21,7 +21,8 @@ _IN_PLACE = {"kv_write", "kv_cache_update", "copy_blocks"}
 # How the executor lowers `paged_attention` on the XLA backend (CPU):
 #   "chunked": runtime.kernels.paged_attention_xla, a fori_loop over chunks of XLA_CHUNK_BLOCKS
 #              blocks with an online softmax;
-#   "gather":  the jnp reference in ir.ops, which gathers every token's whole context at once.
+#   "gather":  ir.ops.paged_attention_reference, the jnp reference, which gathers every token's
+#              whole context at once.
 PAGED_ATTENTION_LOWERINGS = ("chunked", "gather")
 # Mirror runtime.kernels' XLA_CHUNK_BLOCKS and XLA_DENSE_MAX_SEQS (passes may not import
 # runtime; a test checks they agree).

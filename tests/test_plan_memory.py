@@ -215,7 +215,7 @@ def executor_paged_lowering() -> str:
 
     impl = executor._kernel_impls(executor.resolve_backend("auto")).get("paged_attention")
     if impl is None:
-        return "gather"  # the jnp reference in ir.ops
+        return "gather"  # ir.ops.paged_attention_reference
     assert impl is kernels.paged_attention_xla, impl
     return "chunked"
 
