@@ -12,6 +12,9 @@ DTYPES = ("f32", "bf16", "f16", "i32", "i8", "bool")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i8": 1, "bool": 1}
 
 LEAF_OPS = ("input", "param")
+# Attributes the shard pass adds to nodes for tensor parallelism. They are not part of any op's
+# semantics: the executor strips them before calling an op's implementation.
+SHARDING_ATTRS = ("sharding", "all_reduce", "all_gather")
 
 
 def freeze_attrs(attrs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:

@@ -38,11 +38,9 @@ from __future__ import annotations
 from typing import Any
 
 from ir import Graph, Node, input_node, make_node
-from ir.graph import freeze_attrs
+from ir.graph import SHARDING_ATTRS, freeze_attrs
 
 AXIS = "tp"
-# Attributes this pass adds; the executor strips them before calling an op's implementation.
-SHARDING_ATTRS = ("sharding", "all_reduce", "all_gather")
 
 # Weight roles by the last component of the (source) name.
 QKV = ("wqkv", "bqkv")

@@ -11,7 +11,7 @@ import numpy as np
 
 from ir import OPS, Graph
 from ir.layers import Layers, find_layers
-from passes.shard import SHARDING_ATTRS
+from ir.graph import SHARDING_ATTRS
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
               "i8": jnp.int8, "bool": jnp.bool_}
