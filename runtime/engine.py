@@ -274,6 +274,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self._step_requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}
+        multi = self._multi_step_ready(sched)  # takes its KV blocks before the tables are built
         t_sched = time.perf_counter()
         inputs, rows = self._prepare(sched)
         row_params = [(s.request.params, _seq_seed(s, fork_index), s.num_output_tokens if fork_index is None else 0,
@@ -282,16 +283,31 @@ class LLMEngine:
         t_prep = time.perf_counter()
         if sched.copies:
             self.runner.copy_blocks(sched.copies)
-        outs = self.runner.execute(sched.bucket, inputs, si.arrays())
+        if multi:
+            outs = self.runner.execute_multi_step(sched.bucket, inputs, si.arrays())
+        else:
+            outs = self.runner.execute(sched.bucket, inputs, si.arrays())
         t_dispatch = time.perf_counter()
-        tokens, chosen_lp, top_ids, top_lp = jax.device_get([outs[k] for k in SAMPLED_OUTPUTS])
+        sampled = jax.device_get([outs[k] for k in SAMPLED_OUTPUTS])
         t2 = time.perf_counter()
         plp_seqs = [s for s in sched.scheduled if s.seq.request.params.prompt_logprobs is not None
                     and s.seq.num_computed_tokens < s.seq.prompt_len]
         if plp_seqs:
             self._prompt_logprobs(plp_seqs, sched, outs["hidden"])
         self.scheduler.update(sched)
-        touched = self._postprocess(rows, tokens, chosen_lp, top_ids, top_lp)
+        if not multi:
+            touched = self._postprocess(rows, *sampled)
+        else:
+            # Step k's tokens, in order, as if each were its own step: a sequence that stops at k
+            # skips the rest (their KV was written into blocks it no longer holds).
+            touched = {}
+            for k in range(self.runner.num_scheduler_steps):
+                if k:
+                    for sc in sched.scheduled:
+                        if not sc.seq.is_finished:
+                            sc.seq.num_computed_tokens += 1
+                            self.block_manager.mark_computed(sc.seq)
+                touched.update(self._postprocess(rows, *(x[k] for x in sampled)))
         for s in sched.preempted:
             touched.setdefault(s.request.request_id, s.request)
         t3 = time.perf_counter()
@@ -307,6 +323,30 @@ class LLMEngine:
             self.block_manager.check_invariants(
                 [s for r in self.requests.values() for s in r.seqs if not s.is_finished])
         return [self._output(r) for r in touched.values()]
+
+    def _multi_step_ready(self, sched: ScheduleOutput) -> bool:
+        """Whether this step may run num_scheduler_steps decode steps at once: every sequence
+        decodes one token with nothing that changes between the steps on the host (penalties
+        read the growing history; min_tokens lifts a ban mid-window; a first sample forks n), and
+        there are KV blocks for all K tokens. Then it takes those blocks."""
+        k = self.runner.num_scheduler_steps
+        if k <= 1 or sched.bucket not in self.runner.multi_step_buckets:
+            return False
+        limit = self.engine_config.max_model_len
+        for sc in sched.scheduled:
+            seq, p = sc.seq, sc.seq.request.params
+            if (sc.num_new_tokens != 1 or sc.num_rows != 1 or not seq.request.forked or seq.num_output_tokens == 0
+                    or p.needs_penalties or seq.num_output_tokens < p.min_tokens
+                    or seq.num_computed_tokens + k > limit):
+                return False
+        bm = self.block_manager
+        need = sum(max(bm.blocks_needed(sc.seq.num_computed_tokens + k) - len(sc.seq.block_table), 0)
+                   for sc in sched.scheduled)
+        if need > bm.num_free:
+            return False
+        for sc in sched.scheduled:
+            self.block_manager.may_append(sc.seq, k)
+        return True
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         ids = list(params.stop_token_ids)

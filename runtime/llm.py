@@ -12,7 +12,7 @@ from runtime.sampling_params import SamplingParams
 
 # Engine args that only steer the host-side loop; a saved plan may be started with new values.
 RUNTIME_ARGS = ("scheduling", "max_waiting_ms", "static_batch_size", "enable_prefix_caching", "seed",
-                "kernel_backend", "scan_layers")
+                "kernel_backend", "scan_layers", "num_scheduler_steps")
 
 
 def load_plan(model, engine_args: dict) -> Plan:

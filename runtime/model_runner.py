@@ -83,6 +83,21 @@ def _copy_blocks(pools, src, dst, *, num_layers: int):
     return {k: v.at[dst].set(jnp.take(v, src, axis=0, mode="clip"), mode="drop") for k, v in pools.items()}
 
 
+def _advance_decode(inputs: dict, tokens, block_size: int) -> dict:
+    """The next decode step's inputs on the device: token i (of sequence i) is the one just
+    sampled for row i, one position further, its KV slot looked up in its block table."""
+    real = inputs["slot_mapping"] >= 0
+    n = inputs["tokens"].shape[0]
+    positions = jnp.where(real, inputs["positions"] + 1, inputs["positions"])
+    seq = jnp.minimum(jnp.arange(n), inputs["block_tables"].shape[0] - 1)
+    block = inputs["block_tables"][seq, jnp.minimum(positions // block_size, inputs["block_tables"].shape[1] - 1)]
+    slots = jnp.where(real, block * block_size + positions % block_size, -1)
+    new_tokens = jnp.where(real, tokens[jnp.minimum(jnp.arange(n), tokens.shape[0] - 1)], inputs["tokens"])
+    context_lens = jnp.where(inputs["context_lens"] > 0, inputs["context_lens"] + 1, 0)
+    return dict(inputs, tokens=new_tokens.astype(jnp.int32), positions=positions, slot_mapping=slots,
+                context_lens=context_lens)
+
+
 def check_fit(memory: MemoryPlan, measured_peak: int | None = None) -> None:
     """Raises MemoryError, with the numbers, when weights + KV pools + the activation peak exceed
     what the device (and its allocator) can give: better to stop at start than to sit in
@@ -145,6 +160,34 @@ class ModelRunner:
 
         self._step = jax.jit(step, donate_argnums=(1,))
         self._idle_sampling: dict[int, dict] = {}
+        # Multi-step decode (vLLM's num_scheduler_steps): K decode steps in one executable, each
+        # feeding its sampled tokens to the next on the device; compiled for the buckets an
+        # all-decode step lands in.
+        self.num_scheduler_steps = engine.num_scheduler_steps
+        self.multi_step_buckets = set()
+        if self.num_scheduler_steps > 1:
+            self.multi_step_buckets = {plan.buckets.pick(n, n) for n in range(1, engine.max_num_seqs + 1)}
+        block_size = self.block_size
+
+        def multi_step(params, state, inputs, sampling):
+            def body(k, carry):
+                state, inputs, sampling, acc = carry
+                outs, state = step(params, state, inputs, sampling)
+                acc = tuple(a.at[k].set(outs[name]) for a, name in zip(acc, SAMPLED_OUTPUTS))
+                inputs = _advance_decode(inputs, outs["tokens"], block_size)
+                sampling = dict(sampling, counters=sampling["counters"] + 1)
+                return state, inputs, sampling, acc
+
+            s = sampling["temperature"].shape[0]
+            k = self.num_scheduler_steps
+            acc = (jnp.zeros((k, s), jnp.int32), jnp.zeros((k, s), jnp.float32),
+                   jnp.zeros((k, s, sampler.NUM_TOP_LOGPROBS), jnp.int32),
+                   jnp.zeros((k, s, sampler.NUM_TOP_LOGPROBS), jnp.float32))
+            state, _, _, acc = jax.lax.fori_loop(0, k, body, (state, inputs, sampling, acc))
+            return dict(zip(SAMPLED_OUTPUTS, acc)), state
+
+        self._multi_step = jax.jit(multi_step, donate_argnums=(1,))
+        self.compiled_multi: dict[tuple[int, int], object] = {}
         self._copy = jax.jit(partial(_copy_blocks, num_layers=self.layout.num_layers), donate_argnums=(0,))
         self._copy_compiled = None
 
@@ -201,6 +244,22 @@ class ModelRunner:
             self.compiled[bucket] = lowered.compile()
         return self.compiled[bucket]
 
+    def compile_multi_step(self, bucket: tuple[int, int]):
+        if bucket not in self.compiled_multi:
+            self.compiled_multi[bucket] = self._multi_step.lower(
+                self._abstract(self.params), self._abstract(self.state), self.input_specs(*bucket),
+                sampler.input_specs(bucket[1], self.max_model_len)).compile()
+        return self.compiled_multi[bucket]
+
+    def execute_multi_step(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray], sampling: dict):
+        """num_scheduler_steps decode steps of an all-decode batch (one new token per sequence,
+        token i of sequence i, blocks allocated for every step): the sampled rows, each [K, S, ...],
+        as device arrays. Tokens past a stop are the host's to drop."""
+        outs, self.state = self.compiled_multi[bucket](self.params, self.state, inputs, sampling)
+        if self.mesh is not None:
+            outs = {k: self.mesh.local_copy(v) for k, v in outs.items()}
+        return outs
+
     def warmup(self, progress: bool = False, execute: bool = False) -> float:
         """AOT-compiles every bucket's step (model + sampler; from the persistent cache when warm).
 
@@ -220,6 +279,8 @@ class ModelRunner:
             c = self.compile_bucket(b)
             self.xla_memory[b] = int(c.memory_analysis().temp_size_in_bytes)
         self.check_measured_fit()
+        for b in sorted(self.multi_step_buckets):
+            self.compile_multi_step(b)
         if execute:
             for b in buckets:
                 args = {k: np.zeros(v.shape, v.dtype) for k, v in self.input_specs(*b).items()}
