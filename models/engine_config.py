@@ -7,7 +7,10 @@ flags from them, and `ir.dump` uses that layer while DESIGN lets it import only 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 DTYPE_ALIASES = {"float32": "f32", "fp32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
                  "float16": "f16", "half": "f16", "f16": "f16"}
@@ -28,6 +31,8 @@ def resolve_dtype(dtype: str, platform: str | None = None) -> str:
     if name not in DTYPE_ALIASES:
         raise ValueError(f"dtype must be one of {['auto'] + sorted(DTYPE_ALIASES)}, got {dtype!r}")
     return DTYPE_ALIASES[name]
+
+KERNEL_BACKENDS = ("auto", "xla", "pallas", "interpret")  # auto: Pallas on GPU, XLA elsewhere
 
 # On a CPU there is no device memory to measure; like vLLM's CPU backend (4 GiB KV space by
 # default) we assume a fixed budget, which `device_memory` overrides.
@@ -79,10 +84,17 @@ class EngineConfig:
             raise ValueError(f"scheduling must be continuous, dynamic or static, got {self.scheduling!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
+                             f"got {self.kernel_backend!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step.
+            log.warning("max_num_batched_tokens %d raised to max_model_len %d: without chunked prefill "
+                        "a whole prompt must fit one step", self.max_num_batched_tokens, self.max_model_len)
             self.max_num_batched_tokens = self.max_model_len
         if self.max_num_seqs > self.max_num_batched_tokens:
+            log.warning("max_num_seqs %d lowered to max_num_batched_tokens %d: each sequence in a step "
+                        "takes at least one token", self.max_num_seqs, self.max_num_batched_tokens)
             self.max_num_seqs = self.max_num_batched_tokens
 
     @classmethod

@@ -4,6 +4,7 @@ They are defined in models.engine_config (below runtime, so that ir.dump's flags
 flags); this module is where the runtime and users import them from.
 """
 
-from models.engine_config import AUTO_DTYPE, CPU_DEVICE_MEMORY, DTYPE_ALIASES, EngineConfig, resolve_dtype
+from models.engine_config import (AUTO_DTYPE, CPU_DEVICE_MEMORY, DTYPE_ALIASES, KERNEL_BACKENDS, EngineConfig,
+                                  resolve_dtype)
 
-__all__ = ["AUTO_DTYPE", "CPU_DEVICE_MEMORY", "DTYPE_ALIASES", "EngineConfig", "resolve_dtype"]
+__all__ = ["AUTO_DTYPE", "CPU_DEVICE_MEMORY", "DTYPE_ALIASES", "KERNEL_BACKENDS", "EngineConfig", "resolve_dtype"]
