@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
+MAX_STOP_CHARS = 1024  # the stop-string scan runs on the engine thread every step, O(len(stop)^2)
 
 # Bits of the signed integer each int field is stored in (the sampler packs some into int32
 # arrays; the rest stay Python ints but are bounded like vLLM's int64 fields).
@@ -107,6 +108,9 @@ class SamplingParams:
             bad("seed", "must be an int")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got "
+                             f"{max(len(s) for s in self.stop)}")
 
     @property
     def greedy(self) -> bool:

@@ -723,7 +723,7 @@ class Server:
         """JSON body -> request model (run off the event loop: parsing a big body takes a while)."""
         try:
             obj = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except ValueError as e:  # bad UTF-8, bad JSON, an integer past Python's 4300-digit limit
             raise bad_request(f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
         except RecursionError:
             raise bad_request(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", None,
