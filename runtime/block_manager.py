@@ -212,7 +212,8 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        # num_cached_tokens stays: the final RequestOutput (made after this) reports the prefix-cache
+        # hit of the sequence's last admission; a re-admission after preemption overwrites it.
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
