@@ -35,7 +35,7 @@ CHAT = _response("chat.completion", {
     "type": "object", "required": ["index", "message", "finish_reason"],
     "properties": {"index": {"type": "integer"}, "finish_reason": FINISH,
                    "message": {"type": "object", "required": ["role", "content"],
-                               "properties": {"role": {"const": "assistant"},
+                               "properties": {"role": {"type": "string"},
                                               "content": {"type": ["string", "null"]}}},
                    "logprobs": {"type": ["object", "null"]}}})
 MODELS = {"type": "object", "required": ["object", "data"], "properties": {
@@ -101,6 +101,9 @@ def openapi_schema(request_models: dict[str, type], version: str, title: str = "
         "/detokenize": post("/detokenize", "Text of token ids", DETOKENIZE),
         "/v1/models": get("/v1/models", "The served model names", _json(MODELS)),
         "/health": get("/health", "200 while the engine serves", {}),
+        "/version": get("/version", "The server's version, as vLLM's /version",
+                        _json({"type": "object", "required": ["version"],
+                               "properties": {"version": {"type": "string"}}})),
         "/metrics": get("/metrics", "Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
     }
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,

@@ -4,7 +4,7 @@
     python -m runtime.serve --plan plans/smollm2 --api-key sk-local --max-queue 128
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream=true` as SSE),
-GET /v1/models, GET /health, GET /metrics (Prometheus, vLLM's metric names), POST /tokenize,
+GET /v1/models, GET /health, GET /version, GET /metrics (Prometheus, vLLM's metric names), POST /tokenize,
 POST /detokenize.
 
 Threads: the engine loop runs in its own thread and is the only caller of `LLMEngine.step`. The
@@ -30,7 +30,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
@@ -132,10 +132,23 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+# vLLM request options this server does not implement, with the value that means "off": any other
+# value is answered 400 naming the option (never accepted and ignored).
+VLLM_UNSUPPORTED = {
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
+    "prompt_embeds": None, "logits_processors": None, "mm_processor_kwargs": None, "cache_salt": None,
+    "kv_transfer_params": None, "vllm_xargs": None, "spaces_between_special_tokens": True,
+    "chat_template": None, "documents": None, "reasoning_effort": None,
+}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both generation endpoints: OpenAI's, then vLLM's extras."""
 
     model_config = _STRICT
+    UNSUPPORTED: ClassVar[dict] = VLLM_UNSUPPORTED
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -161,6 +174,9 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     prompt_logprobs: Optional[int] = None
     return_token_ids: bool = False  # adds token_ids (and prompt_token_ids) to each choice
+    return_tokens_as_token_ids: bool = False  # logprob tokens named "token_id:<id>"
+    truncate_prompt_tokens: Optional[int] = None  # keep only this many prompt tokens (-1: max_model_len)
+    truncation_side: Optional[str] = None  # "left" (default: keep the last ones) or "right"
 
 
 class CompletionRequest(_SamplingFields):
@@ -180,7 +196,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last message open and continue it
     chat_template_kwargs: Optional[dict] = None
+    echo: bool = False  # the response starts with the last message's content (when its role answers)
 
 
 class TokenizeRequest(BaseModel):
@@ -189,7 +207,10 @@ class TokenizeRequest(BaseModel):
     prompt: Optional[str] = None
     messages: Any = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict] = None
     add_special_tokens: bool = False
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -220,6 +241,27 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0]
 
 
+def _1_2_5_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+def _pow2_buckets(limit: int) -> list[float]:
+    """1, 8, 16, 32, ... up to the first power of two >= `limit` (tokens per engine step)."""
+    out, b = [1.0], 8
+    while True:
+        out.append(float(b))
+        if b >= limit:
+            return out
+        b *= 2
+
+
 @dataclass
 class Snapshot:
     """Engine counters as of the last step, taken on the engine thread (the HTTP side only reads it)."""
@@ -242,12 +284,14 @@ class Snapshot:
 class Metrics:
     """Prometheus metrics in a registry of their own, so several apps can live in one process."""
 
-    def __init__(self, model_name: str, snapshot_fn):
+    def __init__(self, model_name: str, snapshot_fn, *, max_model_len: int = 1 << 16,
+                 max_num_batched_tokens: int = 1 << 16, cache_config: dict | None = None):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._snapshot = snapshot_fn
+        self.cache_config = cache_config or {}
         labels = ["model_name"]
         h = lambda name, doc, buckets: Histogram(name, doc, labels, buckets=buckets,  # noqa: E731
                                                  registry=self.registry).labels(model_name)
@@ -255,6 +299,22 @@ class Metrics:
         self.itl = h("vllm:inter_token_latency_seconds", "Time between successive token steps.", ITL_BUCKETS)
         self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
         self.queue = h("vllm:request_queue_time_seconds", "Time from arrival to first scheduled.", E2E_BUCKETS)
+        self.prefill_time = h("vllm:request_prefill_time_seconds", "Time from first scheduled to first token.",
+                              E2E_BUCKETS)
+        self.decode_time = h("vllm:request_decode_time_seconds", "Time from first token to finished.",
+                             E2E_BUCKETS)
+        self.inference_time = h("vllm:request_inference_time_seconds", "Time from first scheduled to finished.",
+                                E2E_BUCKETS)
+        tokens = _1_2_5_buckets(max_model_len)
+        self.req_prompt_tokens = h("vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+                                   tokens)
+        self.req_generation_tokens = h("vllm:request_generation_tokens",
+                                       "Generated tokens of each finished request (all its sequences).", tokens)
+        self.req_params_n = h("vllm:request_params_n", "The n of each finished request.", [1, 2, 5, 10, 20])
+        self.req_params_max_tokens = h("vllm:request_params_max_tokens", "The max_tokens of each finished request.",
+                                       tokens)
+        self.iteration_tokens = h("vllm:iteration_tokens_total", "Tokens scheduled per engine step.",
+                                  _pow2_buckets(max_num_batched_tokens))
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                labels + ["finished_reason"], registry=self.registry)
         self.rejected = Counter("vllm:request_rejected", "Requests refused before reaching the engine.",
@@ -280,6 +340,10 @@ class Metrics:
             c.add_metric([m], value)
             return c
 
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's settings (labels; value 1).",
+                                 labels=sorted(self.cache_config))
+        info.add_metric([str(self.cache_config[k]) for k in sorted(self.cache_config)], 1)
+        yield info
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%); cached-only "
@@ -324,7 +388,11 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.snapshot = Snapshot()
         self._take_snapshot()
-        self.metrics = Metrics(model_name, lambda: self.snapshot)
+        ec, bm = engine.engine_config, engine.block_manager
+        self.metrics = Metrics(model_name, lambda: self.snapshot, max_model_len=ec.max_model_len,
+                               max_num_batched_tokens=ec.max_num_batched_tokens, cache_config={
+                                   "block_size": bm.block_size, "num_gpu_blocks": bm.num_blocks,
+                                   "enable_prefix_caching": bm.enable_prefix_caching})
         engine.finished_callbacks.append(self._on_finished)
         self._last_log = (time.monotonic(), self.snapshot.prompt_tokens_total, self.snapshot.generation_tokens_total)
 
@@ -428,6 +496,7 @@ class EngineLoop:
                 self._wake.wait(0.5)
                 continue
             t0 = time.perf_counter()
+            scheduled = engine.scheduled_tokens_total
             try:
                 outputs = engine.step()
             except Exception as e:  # a broken engine: fail every request, refuse new ones
@@ -435,6 +504,8 @@ class EngineLoop:
                 self.error = e
                 self._fail_all()
                 return
+            if engine.scheduled_tokens_total > scheduled:
+                self.metrics.iteration_tokens.observe(engine.scheduled_tokens_total - scheduled)
             self._dispatch(outputs)
             now = time.perf_counter()
             if now - last_snap > 0.05:
@@ -487,6 +558,16 @@ class EngineLoop:
             self.metrics.e2e.observe(end - m.arrival_time)
             if m.first_scheduled_time is not None:
                 self.metrics.queue.observe(m.first_scheduled_time - m.arrival_time)
+                self.metrics.inference_time.observe(end - m.first_scheduled_time)
+                if m.first_token_time is not None:
+                    self.metrics.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.metrics.decode_time.observe(end - m.first_token_time)
+            self.metrics.req_prompt_tokens.observe(len(req.prompt_token_ids))
+            self.metrics.req_generation_tokens.observe(num_out)
+            self.metrics.req_params_n.observe(req.params.n)
+            if req.params.max_tokens is not None:
+                self.metrics.req_params_max_tokens.observe(req.params.max_tokens)
         for r in reasons if not req.aborted else ["abort"]:
             self.metrics.success.labels(self.metrics.model_name, r).inc()
         log.info("request %s finished: prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
@@ -585,6 +666,17 @@ class Detok:
         return b
 
 
+class TokenIdNames:
+    """Detok's interface naming each token "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+
+    @staticmethod
+    def text(tid: int) -> str:
+        return f"token_id:{tid}"
+
+    def bytes(self, tid: int) -> list[int]:
+        return list(self.text(tid).encode())
+
+
 def _lp(x: float) -> float:
     return MIN_LOGPROB if not math.isfinite(x) else max(float(x), MIN_LOGPROB)
 
@@ -646,6 +738,7 @@ class ServerConfig:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     keep_alive_timeout_s: int = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
 
 
 @dataclass
@@ -731,6 +824,9 @@ class Server:
         if not isinstance(obj, dict):
             raise bad_request("the request body must be a JSON object", code="invalid_json")
         _check_json_text(obj)
+        for name, off in getattr(model_cls, "UNSUPPORTED", {}).items():
+            if name in obj and obj[name] is not None and obj[name] != off:
+                raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
         try:
             return model_cls.model_validate(obj)
         except ValidationError as e:
@@ -764,8 +860,8 @@ class Server:
             raise bad_request("the prompt is empty", param, "empty_prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param,
-                              "invalid_token_id")
+            raise bad_request(f"token id {bad[0]} is out of vocabulary: prompt token ids must be in "
+                              f"[0, {self.vocab_size}); got {bad[:5]}", param, "invalid_token_id")
 
     def sampling_params(self, r: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -871,12 +967,14 @@ class Server:
             if isinstance(p, str):
                 if not p:
                     raise bad_request("the prompt is empty", "prompt", "empty_prompt")
-                encoded.append(self.encode(p))
-                texts.append(p)
+                ids = self.encode(p)
+                kept = self.truncate(ids, r)
+                encoded.append(kept)
+                texts.append(p if len(kept) == len(ids) else None)  # echo decodes what was kept
             elif isinstance(p, list) and all(_is_int(t) for t in p):
                 ids = [int(t) for t in p]
                 self.check_prompt_ids(ids, "prompt")
-                encoded.append(ids)
+                encoded.append(self.truncate(ids, r))
                 texts.append(None)
             else:
                 raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list "
@@ -890,7 +988,8 @@ class Server:
         items = [(f"{rid}-{i}", ids, _copy(base)) for i, ids in enumerate(encoded)]
         return _Prepared(rid, int(time.time()), model, items, texts, r.n, r.stream, include_usage, continuous,
                          arrival, {"echo": r.echo, "logprobs": lp, "prompt_logprobs": r.prompt_logprobs,
-                                   "return_token_ids": r.return_token_ids})
+                                   "return_token_ids": r.return_token_ids,
+                                   "token_ids_as_names": r.return_tokens_as_token_ids})
 
     def prepare_chat(self, r: ChatCompletionRequest, arrival: float) -> _Prepared:
         model = self.check_model(r.model)
@@ -900,8 +999,13 @@ class Server:
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
                               "unsupported_parameter")
         messages = self._messages(r.messages)
-        ids = self._chat_ids(messages, r.add_generation_prompt, r.chat_template_kwargs or {})
+        ids = self.truncate(self._chat_ids(messages, r.add_generation_prompt, r.chat_template_kwargs,
+                                           r.continue_final_message), r)
         self.check_prompt_ids(ids, "messages")
+        # vLLM: the reply's role is the last message's when no generation prompt opens a new turn, and
+        # echo repeats the last message's content when that message has the reply's role.
+        role = "assistant" if r.add_generation_prompt else messages[-1]["role"]
+        echo = messages[-1]["content"] if r.echo and messages[-1]["role"] == role else ""
         if r.top_logprobs is not None and not r.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
@@ -918,7 +1022,9 @@ class Server:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return _Prepared(rid, int(time.time()), model, [(f"{rid}-0", ids, params)], [None], r.n, r.stream,
                          include_usage, continuous, arrival, {"top_logprobs": r.top_logprobs or 0,
-                                                              "return_token_ids": r.return_token_ids})
+                                                              "return_token_ids": r.return_token_ids,
+                                                              "token_ids_as_names": r.return_tokens_as_token_ids,
+                                                              "role": role, "echo": echo})
 
     def _messages(self, messages) -> list[dict]:
         if not isinstance(messages, list) or not messages:
@@ -929,9 +1035,9 @@ class Server:
             if not isinstance(m, dict):
                 raise bad_request(f"messages[{i}] must be an object", f"messages.{i}", "invalid_type")
             role = m.get("role")
-            if role not in ("system", "developer", "user", "assistant", "tool"):
-                raise bad_request(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
-                                  f"got {role!r}", f"messages.{i}.role")
+            if not isinstance(role, str) or not role:  # any other role string goes to the template, as in vLLM
+                raise bad_request(f"messages[{i}].role must be a non-empty string; got {role!r}",
+                                  f"messages.{i}.role", "invalid_type")
             content = m.get("content")
             if isinstance(content, list):
                 parts = []
@@ -951,13 +1057,44 @@ class Server:
         self.check_prompt_chars(sum(len(m["content"]) for m in out), "messages")
         return out
 
-    def _chat_ids(self, messages, add_generation_prompt=True, kwargs=None) -> list[int]:
+    def _chat_ids(self, messages, add_generation_prompt=True, kwargs=None, continue_final=False) -> list[int]:
+        """The templated prompt's ids. `continue_final`: the last message stays open (its end-of-turn and
+        anything after it are cut), so the model continues it (HF's continue_final_message). `kwargs`
+        (chat_template_kwargs) go to the template and override add_generation_prompt, as in vLLM."""
+        kwargs = {"add_generation_prompt": add_generation_prompt, **(kwargs or {})}
+        if continue_final and kwargs["add_generation_prompt"]:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
+                              "add_generation_prompt to false)", "continue_final_message")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      **(kwargs or {}))
+            text = self.tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+        if continue_final:
+            final = messages[-1]["content"]
+            for part in (final, final.strip()):
+                at = text.rfind(part) if part else -1
+                if at >= 0:
+                    text = text[:at + len(part)]
+                    break
+            else:
+                raise bad_request("continue_final_message needs a last message whose content the chat template "
+                                  "renders", "continue_final_message")
         return self.encode(text)
+
+    def truncate(self, ids: list[int], r: _SamplingFields) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last N prompt tokens (truncation_side "right": the first N)."""
+        side = r.truncation_side or "left"
+        if side not in ("left", "right"):
+            raise bad_request(f"truncation_side must be 'left' or 'right', got {side!r}", "truncation_side")
+        n = r.truncate_prompt_tokens
+        if n is None:
+            return ids
+        if n == -1:
+            n = self.max_model_len
+        if n < 1 or n > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] "
+                              f"(max_model_len), got {r.truncate_prompt_tokens}", "truncate_prompt_tokens")
+        return ids[-n:] if side == "left" else ids[:n]
 
     # ------------------------------------------------------------ running requests
 
@@ -1064,15 +1201,30 @@ class Server:
                     choice = self._chat_choice(prep, c, choice_index, reason, stop_reason)
                 else:
                     choice = self._completion_choice(prep, i, out, c, choice_index, reason, stop_reason)
-                if prep.extra.get("return_token_ids"):
-                    choice["prompt_token_ids"] = ids
+                if want_ids:
+                    if not chat:  # chat has them once, at the top level (vLLM)
+                        choice["prompt_token_ids"] = ids
                     choice["token_ids"] = list(c.token_ids) if c is not None else []
                 choices.append(choice)
-        usage = {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
         obj = {"id": prep.request_id, "object": "chat.completion" if chat else "text_completion",
-               "created": prep.created, "model": prep.model, "choices": choices, "usage": usage,
-               "system_fingerprint": None}
+               "created": prep.created, "model": prep.model, "choices": choices,
+               "usage": self._usage(num_prompt, num_out, finals.values()), "system_fingerprint": None}
+        if chat:
+            out = finals.get(0)
+            plps = out.prompt_logprobs if out is not None and prep.items[0][2].prompt_logprobs is not None else None
+            obj["prompt_logprobs"] = self._prompt_logprobs(plps)
+            obj["prompt_token_ids"] = prep.items[0][1] if want_ids else None
         return _json_response(obj)
+
+    def _usage(self, num_prompt: int, num_out: int, outputs) -> dict:
+        """OpenAI's usage; with --enable-prompt-tokens-details, prompt_tokens_details.cached_tokens counts
+        the prompt tokens found in the prefix cache (vLLM's)."""
+        details = None
+        if self.cfg.enable_prompt_tokens_details:
+            details = {"cached_tokens": sum(o.num_cached_tokens for o in outputs
+                                            if o is not None and o is not _ABORTED)}
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out,
+                "prompt_tokens_details": details}
 
     def _completion_choice(self, prep, i, out, c, choice_index, reason, stop_reason) -> dict:
         text = c.text if c is not None else ""
@@ -1089,14 +1241,17 @@ class Server:
             if echo:
                 plps = (out.prompt_logprobs if out is not None else None) or [None] * len(prompt_ids)
                 plps = list(plps) + [None] * (len(prompt_ids) - len(plps))
-                tokens_part, offset = completion_logprobs(self.detok, prompt_ids, plps, 0)
-            gen, _ = completion_logprobs(self.detok, token_ids, (c.logprobs or []) if c else [], offset)
+                tokens_part, offset = completion_logprobs(self._names(prep), prompt_ids, plps, 0)
+            gen, _ = completion_logprobs(self._names(prep), token_ids, (c.logprobs or []) if c else [], offset)
             logprobs = {k: tokens_part[k] + gen[k] for k in gen}
-        choice = {"index": choice_index, "text": prefix + text, "logprobs": logprobs, "finish_reason": reason,
-                  "stop_reason": stop_reason}
-        if prep.extra.get("prompt_logprobs") is not None and out is not None:
-            choice["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
-        return choice
+        # vLLM's choices always carry prompt_logprobs (null unless asked for).
+        plps = out.prompt_logprobs if prep.extra.get("prompt_logprobs") is not None and out is not None else None
+        return {"index": choice_index, "text": prefix + text, "logprobs": logprobs, "finish_reason": reason,
+                "stop_reason": stop_reason, "prompt_logprobs": self._prompt_logprobs(plps)}
+
+    def _names(self, prep: _Prepared):
+        """How logprob entries name tokens: their text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        return TokenIdNames() if prep.extra.get("token_ids_as_names") else self.detok
 
     def _prompt_logprobs(self, plps):
         if plps is None:
@@ -1107,8 +1262,9 @@ class Server:
     def _chat_choice(self, prep, c, choice_index, reason, stop_reason) -> dict:
         logprobs = None
         if c is not None and c.logprobs is not None:
-            logprobs = {"content": chat_logprobs(self.detok, c.token_ids, c.logprobs, prep.extra["top_logprobs"])}
-        return {"index": choice_index, "message": {"role": "assistant", "content": c.text if c else ""},
+            logprobs = {"content": chat_logprobs(self._names(prep), c.token_ids, c.logprobs, prep.extra["top_logprobs"])}
+        content = prep.extra["echo"] + (c.text if c else "")
+        return {"index": choice_index, "message": {"role": prep.extra["role"], "content": content},
                 "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
 
     async def _stream(self, prep: _Prepared, queue: asyncio.Queue, chat: bool):
@@ -1117,17 +1273,15 @@ class Server:
         num_prompt = sum(len(ids) for _, ids, _ in prep.items)
         num_out: dict[int, int] = {}
 
-        def chunk(choices, usage=False) -> bytes:
+        def chunk(choices, usage=False, **top) -> bytes:
             obj = {"id": prep.request_id, "object": obj_name, "created": prep.created, "model": prep.model,
-                   "choices": choices}
+                   "choices": choices, **top}
             if chat:
                 obj["system_fingerprint"] = None
             if prep.include_usage:
                 obj["usage"] = None
                 if usage or prep.continuous_usage:
-                    n_out = sum(num_out.values())
-                    obj["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": n_out,
-                                    "total_tokens": num_prompt + n_out}
+                    obj["usage"] = self._usage(num_prompt, sum(num_out.values()), last.values())
             return b"data: " + _dumps(obj) + b"\n\n"
 
         last: dict[int, Any] = {}
@@ -1153,7 +1307,6 @@ class Server:
                 st = states.setdefault(ci, ChoiceState())
                 if st.finish_reason is not None:
                     continue
-                num_out[ci] = len(c.token_ids)
                 delta_text = c.text[st.text_len:]
                 new_ids = c.token_ids[st.num_tokens:]
                 new_lps = c.logprobs[st.num_logprobs:] if c.logprobs is not None else None
@@ -1165,26 +1318,36 @@ class Server:
                 st.num_logprobs = len(c.logprobs) if c.logprobs is not None else 0
                 st.finish_reason = c.finish_reason
                 if chat:
-                    lp = ({"content": chat_logprobs(self.detok, new_ids, new_lps, prep.extra["top_logprobs"])}
+                    lp = ({"content": chat_logprobs(self._names(prep), new_ids, new_lps, prep.extra["top_logprobs"])}
                           if new_lps is not None else None)
-                    if first:
-                        yield chunk([{"index": ci, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}])
+                    if first:  # the role chunk counts no completion tokens yet (vLLM)
+                        top = {"prompt_token_ids": prep.items[0][1]} if want_ids and ci == 0 else {}
+                        yield chunk([{"index": ci, "delta": {"role": prep.extra["role"], "content": ""},
+                                      "logprobs": None, "finish_reason": None}], **top)
+                        if prep.extra["echo"]:
+                            yield chunk([{"index": ci, "delta": {"content": prep.extra["echo"]}, "logprobs": None,
+                                          "finish_reason": None}])
+                    num_out[ci] = len(c.token_ids)
                     if delta_text or lp is not None or (want_ids and new_ids):
-                        ch = {"index": ci, "delta": {"content": delta_text}, "logprobs": lp, "finish_reason": None}
+                        # The last content chunk carries the finish reason (no empty chunk after it).
+                        ch = {"index": ci, "delta": {"content": delta_text}, "logprobs": lp,
+                              "finish_reason": c.finish_reason}
+                        if c.finish_reason:
+                            ch["stop_reason"] = c.stop_reason
                         if want_ids:
                             ch["token_ids"] = list(new_ids)
                         yield chunk([ch])
-                    if c.finish_reason:
+                    elif c.finish_reason:  # nothing left to send but the reason
                         yield chunk([self._finish_delta(chat, ci, c.finish_reason, c.stop_reason)])
                 else:
+                    num_out[ci] = len(c.token_ids)
                     text = delta_text
                     lp = None
                     if first and prep.extra["echo"]:
                         ptxt = prep.prompt_texts[idx]
                         text = (ptxt if ptxt is not None else self.tokenizer.decode(prep.items[idx][1])) + text
                     if prep.extra["logprobs"] is not None:
-                        lp, st.text_offset = completion_logprobs(self.detok, new_ids, new_lps or [], st.text_offset)
+                        lp, st.text_offset = completion_logprobs(self._names(prep), new_ids, new_lps or [], st.text_offset)
                     ch = {"index": ci, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason}
                     if want_ids:
@@ -1209,6 +1372,9 @@ class Server:
                  "vocab_size": self.vocab_size} for name in self.cfg.served_model_names]
         return _json_response({"object": "list", "data": data})
 
+    async def version(self, request: Request) -> Response:
+        return _json_response({"version": _version()})
+
     async def health(self, request: Request) -> Response:
         if not self.loop.alive:
             raise APIError(503, f"the engine has failed: {self.loop.error!r}", code="engine_dead")
@@ -1226,17 +1392,11 @@ class Server:
 
     async def openapi(self, request: Request) -> Response:
         if self._openapi is None:
-            from importlib.metadata import PackageNotFoundError, version
-
             from runtime.openapi import openapi_schema
 
-            try:
-                v = version("jaxserve")
-            except PackageNotFoundError:
-                v = "dev"
             self._openapi = openapi_schema(
                 {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, v)
+                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, _version())
         return _json_response(self._openapi)
 
     async def docs(self, request: Request) -> Response:
@@ -1257,8 +1417,11 @@ class Server:
             self.check_prompt_chars(len(r.prompt), "prompt")
             ids = self.encode(r.prompt, add_special_tokens=r.add_special_tokens)
         else:
-            ids = self._chat_ids(self._messages(r.messages), r.add_generation_prompt)
-        return _json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+            ids = self._chat_ids(self._messages(r.messages), r.add_generation_prompt, r.chat_template_kwargs,
+                                 r.continue_final_message)
+        strs = [self.tokenizer.id_to_token(t) for t in ids] if r.return_token_strs else None
+        return _json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                               "token_strs": strs})
 
     def _detokenize(self, raw: bytes) -> Response:
         r = self.parse(raw, DetokenizeRequest)
@@ -1268,6 +1431,16 @@ class Server:
             raise bad_request(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "tokens",
                               "invalid_token_id")
         return _json_response({"prompt": self.tokenizer.decode(r.tokens)})
+
+
+def _version() -> str:
+    """The installed jaxserve's version ("dev" from a source checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxserve")
+    except PackageNotFoundError:
+        return "dev"
 
 
 def _failure(item) -> APIError | None:
@@ -1405,6 +1578,7 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/version", server.version, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
@@ -1607,6 +1781,8 @@ def parse_args(argv=None):
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX persistent compilation cache (default: the plan's xla_cache/ with --plan, "
                          "else ~/.cache/jaxserve/xla; 'none' to disable)")
+    ap.add_argument("--enable-prompt-tokens-details", action="store_true",
+                    help="usage.prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache")
     ap.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_args(ap)
@@ -1651,7 +1827,8 @@ def main(argv=None) -> int:
                     log_stats_interval=args.log_stats_interval, root=str(source),
                     max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout_s,
                     body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
-                    max_connections=args.max_connections)
+                    max_connections=args.max_connections,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     log.info("serving %s on http://%s:%d (model name%s %s)", source, args.host, args.port,
              "s" if len(names) > 1 else "", ", ".join(names))
     asyncio.run(serve(app, args.host, args.port, shutdown_grace_s=args.shutdown_grace_s,

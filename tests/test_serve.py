@@ -278,7 +278,7 @@ class TestServer:
         ("body too large", "/v1/completions", {"prompt": "x" * 70_000}, 413, None),
         ("chat: no messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
         ("chat: empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("chat: bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+        ("chat: bad role", "/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}]}, 400,
          "messages.0.role"),
         ("chat: content type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
          "messages.0.content"),
