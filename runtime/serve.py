@@ -1262,7 +1262,8 @@ class Server:
     def _chat_choice(self, prep, c, choice_index, reason, stop_reason) -> dict:
         logprobs = None
         if c is not None and c.logprobs is not None:
-            logprobs = {"content": chat_logprobs(self._names(prep), c.token_ids, c.logprobs, prep.extra["top_logprobs"])}
+            logprobs = {"content": chat_logprobs(self._names(prep), c.token_ids, c.logprobs,
+                                                 prep.extra["top_logprobs"])}
         content = prep.extra["echo"] + (c.text if c else "")
         return {"index": choice_index, "message": {"role": prep.extra["role"], "content": content},
                 "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
@@ -1347,7 +1348,8 @@ class Server:
                         ptxt = prep.prompt_texts[idx]
                         text = (ptxt if ptxt is not None else self.tokenizer.decode(prep.items[idx][1])) + text
                     if prep.extra["logprobs"] is not None:
-                        lp, st.text_offset = completion_logprobs(self._names(prep), new_ids, new_lps or [], st.text_offset)
+                        lp, st.text_offset = completion_logprobs(self._names(prep), new_ids, new_lps or [],
+                                                                 st.text_offset)
                     ch = {"index": ci, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason}
                     if want_ids:
