@@ -57,7 +57,9 @@ def make_workload(name: str, num_prompts: int, seed: int, max_model_len: int, vo
                               output_median=om, sigma=sigma)
 
 
-def run_engine(plan, runner, policy: str, work, tokenizer) -> RunResult:
+def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list | None = None) -> RunResult:
+    """One policy over the workload; with `request_traces`, every request runs with
+    SamplingParams(trace=True) and its trace is appended there."""
     from runtime.engine import LLMEngine
     from runtime.sampling_params import SamplingParams
 
@@ -68,13 +70,16 @@ def run_engine(plan, runner, policy: str, work, tokenizer) -> RunResult:
     t0 = time.monotonic()
     for i, (ids, max_tokens) in enumerate(work):
         engine.add_request(f"{policy}-{i}", ids, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                 ignore_eos=True, detokenize=False),
+                                                                 ignore_eos=True, detokenize=False,
+                                                                 trace=request_traces is not None),
                            arrival_time=t0)
     out_tokens = 0
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 out_tokens += len(o.outputs[0].token_ids)
+                if request_traces is not None:
+                    request_traces.append(dict(o.trace, request_id=o.request_id, policy=policy))
     elapsed = time.monotonic() - t0
     tr = engine.trace
     pool = engine.block_manager.num_blocks * plan.engine.block_size
@@ -237,6 +242,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", choices=("hf",), default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", default=None, help="write the results as JSON")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="write every request's trace (buckets, prefill chunks, prefix hits, queue time, "
+                         "TTFT, per-token times) as JSON lines")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="write a jax.profiler trace of the timed runs to DIR (TensorBoard / Perfetto)")
     add_engine_args(ap)
@@ -277,17 +285,22 @@ def main(argv=None) -> int:
     # A short untimed run so first-touch effects don't land on whichever policy runs first.
     run_engine(plan, runner, "continuous", work[:4], tok)
     results = []
+    traces = [] if args.trace else None
     import contextlib
 
     import jax
 
     with jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext():
         for p in policies:
-            r = run_engine(plan, runner, p, work, tok)
+            r = run_engine(plan, runner, p, work, tok, request_traces=traces)
             print(f"  {p}: {r.elapsed_s:.1f}s, {r.output_tps:.1f} out tok/s", file=sys.stderr)
             results.append(r)
     if args.profile:
         print(f"profiler trace written under {args.profile}", file=sys.stderr)
+    if args.trace:
+        with open(args.trace, "w") as f:
+            f.writelines(json.dumps(t) + "\n" for t in traces)
+        print(f"{len(traces)} request traces written to {args.trace}", file=sys.stderr)
     if args.baseline == "hf":
         results.append(run_hf(config, weights, work, batch_size=plan.engine.max_num_seqs))
     report(results)

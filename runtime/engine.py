@@ -50,6 +50,7 @@ class RequestOutput:
     metrics: object = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when a failed step ended this request
+    trace: dict | None = None  # SamplingParams(trace=True): RequestTrace.to_dict()
 
 
 @dataclass
@@ -275,6 +276,11 @@ class LLMEngine:
             return []
         self._step_requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}
         multi = self._multi_step_ready(sched)  # takes its KV blocks before the tables are built
+        for sc in sched.scheduled:
+            req = sc.seq.request
+            if req.trace is not None:
+                req.trace.step(req, sc.seq, sched.bucket, sc.num_new_tokens,
+                               self.runner.num_scheduler_steps if multi else 1)
         t_sched = time.perf_counter()
         inputs, rows = self._prepare(sched)
         row_params = [(s.request.params, _seq_seed(s, fork_index), s.num_output_tokens if fork_index is None else 0,
@@ -432,6 +438,8 @@ class LLMEngine:
             if req.aborted or target.is_finished:
                 continue
             self._append(target, int(tokens[r]), float(chosen_lp[r]), top_ids[r], top_lp[r])
+            if req.trace is not None:
+                req.trace.token(req, target, now)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
@@ -508,7 +516,8 @@ class LLMEngine:
                 list(s.logprobs) if req.params.logprobs is not None else None,
                 s.finish_reason, s.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
-                             req.is_finished or req.aborted, req.metrics, req.seqs[0].num_cached_tokens)
+                             req.is_finished or req.aborted, req.metrics, req.seqs[0].num_cached_tokens,
+                             trace=req.trace.to_dict(req) if req.trace is not None else None)
 
     # ------------------------------------------------------------------ stats
 

@@ -52,6 +52,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     detokenize: bool = True
+    trace: bool = False  # return the request's path through the engine (RequestOutput.trace)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

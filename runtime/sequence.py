@@ -75,6 +75,39 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
+@dataclass
+class RequestTrace:
+    """A request's path through the engine (`SamplingParams(trace=True)`): one entry per step that
+    ran one of its sequences, and the time of every token. Times are seconds since arrival."""
+
+    steps: list[dict] = field(default_factory=list)
+    token_times: list[list[float]] = field(default_factory=list)  # per sequence index
+
+    def step(self, request: "Request", seq: Sequence, bucket, num_tokens: int, decode_steps: int) -> None:
+        self.steps.append({
+            "t": round(time.monotonic() - request.metrics.arrival_time, 6), "seq": seq.index,
+            "phase": "prefill" if seq.num_computed_tokens < len(seq) - 1 or not seq.num_output_tokens else "decode",
+            "bucket": list(bucket), "tokens": num_tokens, "decode_steps": decode_steps,
+            "context": seq.num_computed_tokens, "cached_tokens": seq.num_cached_tokens})
+
+    def token(self, request: "Request", seq: Sequence, now: float) -> None:
+        while len(self.token_times) <= seq.index:
+            self.token_times.append([])
+        self.token_times[seq.index].append(round(now - request.metrics.arrival_time, 6))
+
+    def to_dict(self, request: "Request") -> dict:
+        m = request.metrics
+        since = lambda t: None if t is None else round(t - m.arrival_time, 6)  # noqa: E731
+        first = next((s for s in self.steps if s["seq"] == 0), None)
+        return {"queue_s": since(m.first_scheduled_time), "ttft_s": since(m.first_token_time),
+                "e2e_s": since(m.finished_time),
+                "prefix_cache_hit_tokens": first["cached_tokens"] if first else 0,
+                "prefill_chunks": sum(1 for s in self.steps if s["phase"] == "prefill"),
+                "preemptions": sum(s.num_preemptions for s in request.seqs),
+                "buckets": sorted({tuple(s["bucket"]) for s in self.steps}),
+                "steps": list(self.steps), "token_times_s": [list(t) for t in self.token_times]}
+
+
 class Request:
     """A user request: one prompt, `params.n` sequences."""
 
@@ -90,6 +123,7 @@ class Request:
         self.forked = params.n == 1
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.aborted = False
+        self.trace: RequestTrace | None = RequestTrace() if params.trace else None
 
     @property
     def is_finished(self) -> bool:

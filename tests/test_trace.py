@@ -1,0 +1,38 @@
+"""The per-request trace (SamplingParams(trace=True)): buckets, prefill chunks, prefix-cache hits,
+multi-step windows, queue time, TTFT and per-token times, as the engine ran the request."""
+
+from __future__ import annotations
+
+from models.config import get_preset
+from models.weights import random_weights
+from runtime import SamplingParams
+from runtime.compile import compile_plan
+from runtime.config import EngineConfig
+from runtime.llm import LLM
+
+
+def test_trace_follows_the_request_through_the_engine():
+    cfg = get_preset("tiny")
+    plan = compile_plan(None, EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                                           num_kv_blocks=48, num_scheduler_steps=3),
+                        weights=random_weights(cfg, seed=0), config=cfg)
+    llm = LLM.from_plan(plan, check_invariants=True)
+    prompt = list(range(10, 60))  # 50 tokens: two prefill chunks under a 32-token step budget
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, trace=True)
+    first = llm.generate([prompt], params)[0].trace
+    again = llm.generate([prompt], params)[0].trace  # its first 48 tokens are 3 cached blocks
+    untraced = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert untraced.trace is None
+
+    assert first["prefill_chunks"] == 2 and first["prefix_cache_hit_tokens"] == 0
+    assert [s["tokens"] for s in first["steps"] if s["phase"] == "prefill"] == [32, 18]
+    # 1 token from the prefill, then 6 decode tokens in two 3-step windows.
+    assert [s["decode_steps"] for s in first["steps"] if s["phase"] == "decode"] == [3, 3]
+    assert first["buckets"] and all(len(b) == 2 for b in first["buckets"])
+    times = first["token_times_s"][0]
+    assert len(times) == 7 and times == sorted(times)
+    assert 0 <= first["queue_s"] <= first["ttft_s"] == times[0] <= first["e2e_s"]
+    assert first["preemptions"] == 0
+
+    assert again["prefix_cache_hit_tokens"] == 48
+    assert again["prefill_chunks"] == 1 and again["steps"][0]["tokens"] == 2
