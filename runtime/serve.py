@@ -1799,7 +1799,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     from runtime.args import engine_kwargs_from_args, preflight
-    from runtime.cli import quiet_tpu_probe
+    from runtime.args import quiet_tpu_probe
 
     quiet_tpu_probe()
     preflight(args)
