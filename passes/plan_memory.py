@@ -158,6 +158,22 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "ch
     return peak
 
 
+# The runtime samples inside the step executable, after the model's temporaries are dead. XLA's
+# temp for the sampler (runtime.sampler.sample_rows) is 8 f32 [rows, vocab] arrays, measured at
+# 4, 16 and 64 rows: the f32 logits, their log-softmax, the biased logits, the penalty counts and
+# the top-k/top-p sort with its softmax and cumsum (both lax.cond branches get buffers).
+SAMPLER_WORKSPACE_ARRAYS = 8
+
+
+def sampler_workspace_bytes(graph: Graph, env: dict[str, int]) -> int:
+    """Peak temporaries of the sampler fused into the step, for one bucket."""
+    logits = dict(graph.outputs).get("logits")
+    if logits is None:  # a graph that samples nothing (hand-built in tests)
+        return 0
+    rows, vocab = bind_shape(logits.shape, env)
+    return SAMPLER_WORKSPACE_ARRAYS * rows * vocab * F32
+
+
 def step_io_bytes(graph: Graph, env: dict[str, int]) -> int:
     """A step's argument and output buffers other than the weights and the KV state."""
     state = {n.name for n in graph.runtime_inputs} & {name for name, _ in graph.outputs}
@@ -286,7 +302,8 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
     per_bucket = []
     for t, s in buckets:
         env = {"T": t, "S": s, "R": s, "M": max_blocks, "B": 1, "tp": graph.meta_value("tp", 1)}
-        act = activation_peak_bytes(graph, env, paged_attention_lowering, scan_layers=scan_layers)
+        act = max(activation_peak_bytes(graph, env, paged_attention_lowering, scan_layers=scan_layers),
+                  sampler_workspace_bytes(graph, env))
         io = step_io_bytes(graph, env)
         per_bucket.append(BucketMemory(t, s, act, None, io))
     peak = max((b.total_bytes for b in per_bucket), default=0)
