@@ -174,6 +174,7 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     prompt_logprobs: Optional[int] = None
     return_token_ids: bool = False  # adds token_ids (and prompt_token_ids) to each choice
+    trace: bool = False  # returns each prompt's path through the engine (RequestTrace) with the response
     return_tokens_as_token_ids: bool = False  # logprob tokens named "token_id:<id>"
     truncate_prompt_tokens: Optional[int] = None  # keep only this many prompt tokens (-1: max_model_len)
     truncation_side: Optional[str] = None  # "left" (default: keep the last ones) or "right"
@@ -915,7 +916,7 @@ class Server:
                 max_tokens=max_tokens, min_tokens=r.min_tokens, stop=stop, stop_token_ids=r.stop_token_ids,
                 ignore_eos=r.ignore_eos, include_stop_str_in_output=r.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
-                skip_special_tokens=r.skip_special_tokens, priority=r.priority)
+                skip_special_tokens=r.skip_special_tokens, priority=r.priority, trace=r.trace)
         except ValueError as e:
             msg = str(e)
             param = msg.split(" ", 1)[0]
@@ -1209,6 +1210,8 @@ class Server:
         obj = {"id": prep.request_id, "object": "chat.completion" if chat else "text_completion",
                "created": prep.created, "model": prep.model, "choices": choices,
                "usage": self._usage(num_prompt, num_out, finals.values()), "system_fingerprint": None}
+        if prep.items[0][2].trace:
+            obj["trace"] = _traces(prep, finals)
         if chat:
             out = finals.get(0)
             plps = out.prompt_logprobs if out is not None and prep.items[0][2].prompt_logprobs is not None else None
@@ -1357,6 +1360,8 @@ class Server:
                     yield chunk([ch])
         if prep.include_usage:
             yield chunk([], usage=True)
+        if prep.items[0][2].trace:
+            yield chunk([], trace=_traces(prep, last))
         yield b"data: [DONE]\n\n"
 
     @staticmethod
@@ -1452,6 +1457,11 @@ def _failure(item) -> APIError | None:
     if item is not _ABORTED and item.error is not None:
         return APIError(500, f"the engine step running this request failed: {item.error}", code="engine_error")
     return None
+
+
+def _traces(prep, outputs: dict) -> list:
+    """One trace per prompt (None where the request ended without one, e.g. aborted early)."""
+    return [getattr(outputs.get(i), "trace", None) for i in range(len(prep.items))]
 
 
 def _is_int(x) -> bool:

@@ -36,3 +36,32 @@ def test_trace_follows_the_request_through_the_engine():
 
     assert again["prefix_cache_hit_tokens"] == 48
     assert again["prefill_chunks"] == 1 and again["steps"][0]["tokens"] == 2
+
+
+def test_trace_over_http(smol_llm):
+    """`"trace": true` on a request: the response (and a streamed response's last chunk before
+    [DONE]) carries one trace per prompt."""
+    import json
+
+    import httpx
+
+    from runtime.serve import ServerThread, build_app
+
+    body = {"prompt": ["The capital of France is", "1, 2, 3,"], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "trace": True}
+    with ServerThread(build_app(smol_llm.engine, served_model_names=["m"], log_stats_interval=0)) as st:
+        r = httpx.post(st.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        traces = r.json()["trace"]
+        assert len(traces) == 2
+        for t in traces:
+            assert len(t["token_times_s"][0]) == 4 and t["prefill_chunks"] == 1 and t["ttft_s"] > 0
+        plain = httpx.post(st.url + "/v1/completions", json=dict(body, trace=False), timeout=120).json()
+        assert "trace" not in plain
+        with httpx.stream("POST", st.url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+                "trace": True}) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"] == [] and len(last["trace"]) == 1 and last["trace"][0]["steps"]
