@@ -3,7 +3,7 @@
     python -m runtime.bench --model smollm2-135m --workload mixed --num-prompts 64
     python -m runtime.bench --scheduling static,dynamic,continuous --baseline hf --plot bench.png
     python -m runtime.bench serve --url http://127.0.0.1:8000 --request-rate 4 --num-prompts 64
-    python -m runtime.bench soak --url http://127.0.0.1:8000 --duration-s 600 --request-rate 4
+    python -m runtime.bench soak --duration-min 10 --serve-args "--max-model-len 512"
 
 All policies run on the same seeded workload in one process, over one compiled plan.
 """

@@ -2,7 +2,7 @@
 
     jaxserve serve --model smollm2-135m            # OpenAI-compatible server
     jaxserve compile --model smollm2-135m --out plans/smollm2
-    jaxserve bench --model smollm2-135m            # offline; `bench serve` / `bench soak --url ...` online
+    jaxserve bench --model smollm2-135m            # offline; `bench serve` / `bench soak` online
     jaxserve dump --model llama-2-70b --stats      # the IR after the passes, and the memory plan
     jaxserve selfcheck --quick
     jaxserve kv-table

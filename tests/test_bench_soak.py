@@ -84,21 +84,21 @@ class FakeServer:
         self.thread.join(timeout=10)
 
 
-def _soak(srv, **kw) -> dict[str, bench_soak.Check]:
+def _soak(srv, duration_s: float = 0.5, **kw) -> dict[str, bench_soak.Check]:
     lines = []
-    checks = bench_soak.soak(srv.url, duration_s=kw.pop("duration_s", 0), request_rate=float("inf"),
-                             round_prompts=4, max_input_len=8, max_output_len=3, idle_timeout_s=1.0,
-                             log=lines.append, **kw)
-    assert lines and all(l.startswith("round") for l in lines)
+    rows, checks = bench_soak.soak(srv.url, duration_s=duration_s, rate=40.0, max_tokens=3, interval_s=0.25,
+                                   chat=False, idle_timeout_s=1.0, log=lines.append, **kw)
+    assert rows and all(line.startswith("| ") for line in lines)
+    assert sum(r.sent for r in rows) == srv.requests
     return {c.name: c for c in checks}
 
 
 def test_a_healthy_server_passes_every_check():
     with FakeServer() as srv:
-        checks = _soak(srv, duration_s=0.3)
+        checks = _soak(srv)
     assert all(c.ok for c in checks.values()), checks
-    assert checks["requests"].detail.startswith(f"{srv.requests}/{srv.requests} finished")
-    assert srv.requests >= 8  # more than one round in 0.3 s
+    assert checks["requests"].detail == f"{srv.requests}/{srv.requests} ok"
+    assert srv.requests >= 15  # 40 req/s for 0.5 s
 
 
 @pytest.mark.parametrize("fault, check", [(dict(leak=True), "idle"), (dict(recompile=True), "recompiles"),
@@ -106,7 +106,7 @@ def test_a_healthy_server_passes_every_check():
                                           (dict(slowdown=True), "latency")])
 def test_each_fault_fails_its_check(fault, check):
     with FakeServer(**fault) as srv:
-        checks = _soak(srv, duration_s=1.0 if check == "latency" else 0)
+        checks = _soak(srv, duration_s=1.0 if check == "latency" else 0.5)
     assert not checks[check].ok, checks[check]
     assert [name for name, c in checks.items() if not c.ok] == [check]
 
@@ -115,8 +115,8 @@ def test_cli_exit_code_and_report(capsys):
     from runtime import cli
 
     with FakeServer(recompile=True) as srv:
-        rc = cli.main(["bench", "soak", "--url", srv.url, "--duration-s", "0", "--round-prompts", "2",
-                       "--max-input-len", "8", "--max-output-len", "2", "--request-rate", "100"])
+        rc = cli.main(["bench", "soak", "--url", srv.url, "--duration-min", "0.005", "--rate", "20",
+                       "--interval-s", "0.1", "--max-tokens", "2", "--completions-only", "--idle-timeout-s", "1"])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "FAIL  recompiles" in out and "PASS  health" in out
+    assert "FAIL  recompiles" in out and "PASS  health" in out and "| 1 |" in out

@@ -510,7 +510,7 @@ def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
 
 
 def test_soak_measures_the_server_process(smol_llm):
-    from runtime.bench_serve import SoakMinute, proc_stats, soak_async, soak_flags
+    from runtime.bench_soak import SoakRow, growth_checks, proc_stats, soak_async
 
     app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
     with ServerThread(app) as st:
@@ -522,8 +522,9 @@ def test_soak_measures_the_server_process(smol_llm):
     assert 0 < r.p50_ms <= r.p99_ms
     rss, fds = proc_stats(os.getpid())
     assert r.rss_mib > 50 and abs(r.rss_mib - rss) < 500 and 3 <= r.num_fds and fds >= 3
-    assert soak_flags(rows) == []
-    grown = [SoakMinute(1, 60, 60, 0, 100, 200, 500.0, 20), SoakMinute(2, 60, 60, 0, 100, 210, 510.0, 21),
-             SoakMinute(3, 60, 59, 1, 100, 900, 700.0, 60)]
-    flags = soak_flags(grown)
-    assert len(flags) == 4 and "RSS grew 200.0 MiB" in flags[1] and "fds grew 20 -> 60" in flags[2]
+    assert all(c.ok for c in growth_checks(rows))
+    grown = [SoakRow(1, 60, 60, 0, 100, 200, 500.0, 20), SoakRow(2, 60, 60, 0, 100, 210, 510.0, 21),
+             SoakRow(3, 60, 59, 1, 100, 900, 700.0, 60)]
+    checks = {c.name: c for c in growth_checks(grown)}
+    assert not any(c.ok for c in checks.values()), checks  # latency, RSS and fds all grew
+    assert "RSS 500.0 -> 700.0 MiB" in checks["rss"].detail and "open fds 20 -> 60" in checks["fds"].detail
