@@ -18,7 +18,7 @@ from runtime.block_manager import BlockManager
 from runtime.compile import Plan
 from runtime.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
 from runtime.sampler import build_inputs
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import RequestError, SamplingParams
 from runtime.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from runtime.sequence import Request, Sequence, SeqStatus
 
@@ -145,29 +145,29 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError with the exact numbers when a request cannot be served."""
+        """Raises RequestError, with the exact numbers, when this engine cannot serve a request:
+        the model-dependent checks (SamplingParams has checked the value ranges)."""
         n = len(prompt_token_ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt", "empty_prompt")
         vocab = self.config.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+            raise RequestError(f"token id {bad[0]} is out of vocabulary: prompt token ids must be in "
+                               f"[0, {vocab}); got {bad[:5]}", "prompt", "invalid_token_id")
         limit = self.engine_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         if n + max_tokens > limit:
-            raise ValueError(
+            raise RequestError(
                 f"this model's maximum context length is {limit} tokens; the prompt has {n} tokens and "
-                f"max_tokens is {max_tokens} ({n + max_tokens} in total)")
+                f"max_tokens is {max_tokens} ({n + max_tokens} in total)", "prompt", "context_length_exceeded")
         if params.n > self.engine_config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.engine_config.max_num_seqs}")
-        if params.logit_bias:
-            for t in params.logit_bias:
+            raise RequestError(f"n must be in [1, {self.engine_config.max_num_seqs}] (max_num_seqs), got {params.n}",
+                               "n")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            for t in ids:
                 if not 0 <= int(t) < vocab:
-                    raise ValueError(f"logit_bias token id {t} is outside [0, {vocab})")
-        for t in params.stop_token_ids:
-            if not 0 <= int(t) < vocab:
-                raise ValueError(f"stop_token_ids entry {t} is outside [0, {vocab})")
+                    raise RequestError(f"{name} token id {t} is outside [0, {vocab})", name)
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
+MAX_STOP_STRINGS = 16
+MAX_TEMPERATURE = 2.0  # OpenAI's range; sharper or flatter than that is rarely what anyone means
+MAX_BIAS_VALUE = 100  # OpenAI's logit_bias range
 MAX_STOP_CHARS = 1024  # the stop-string scan runs on the engine thread every step, O(len(stop)^2)
 
 # Bits of the signed integer each int field is stored in (the sampler packs some into int32
@@ -25,6 +28,17 @@ def int_in_width(value, bits: int) -> bool:
     except TypeError:
         return False
     return -(1 << (bits - 1)) <= v < (1 << (bits - 1))
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve, with the request field it is about (`param`, named as in
+    the OpenAI API) and an error code. SamplingParams checks value ranges; the engine checks what
+    depends on the model (vocabulary, context length, max_num_seqs). The HTTP server turns it into
+    OpenAI's error body; offline callers get it as a ValueError."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
 
 
 @dataclass
@@ -65,7 +79,7 @@ class SamplingParams:
 
     def _check(self) -> None:
         def bad(name, why):
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            raise RequestError(f"{name} {why}, got {getattr(self, name)!r}", name)
 
         for name, bits in INT_FIELD_BITS.items():
             v = getattr(self, name)
@@ -74,13 +88,13 @@ class SamplingParams:
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
             for t in ids:
                 if not int_in_width(t, TOKEN_ID_BITS) or t < 0:
-                    raise ValueError(f"{name} token ids must be non-negative ints that fit in "
-                                     f"{TOKEN_ID_BITS} bits, got {t!r}")
+                    raise RequestError(f"{name} token ids must be non-negative ints that fit in "
+                                       f"{TOKEN_ID_BITS} bits, got {t!r}", name)
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an int >= 1")
-        if not 0 <= self.temperature <= 100:
-            bad("temperature", "must be in [0, 100]")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE}]")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -104,14 +118,18 @@ class SamplingParams:
             if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"must be an int in [0, {MAX_LOGPROBS}]")
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
+            raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        for v in (self.logit_bias or {}).values():
+            if not -MAX_BIAS_VALUE <= v <= MAX_BIAS_VALUE:
+                raise RequestError(f"logit_bias values must be in [-{MAX_BIAS_VALUE}, {MAX_BIAS_VALUE}], "
+                                   f"got {v}", "logit_bias")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an int")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got "
-                             f"{max(len(s) for s in self.stop)}")
+            raise RequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got "
+                               f"{max(len(s) for s in self.stop)}", "stop")
 
     @property
     def greedy(self) -> bool:

@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+from runtime.sampling_params import MAX_LOGPROBS, RequestError, SamplingParams
 
 log = logging.getLogger("runtime.serve")
 
@@ -856,71 +856,29 @@ class Server:
                            f"{self.cfg.served_model_names}", param="model", code="model_not_found")
         return model
 
-    def check_prompt_ids(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise bad_request("the prompt is empty", param, "empty_prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is out of vocabulary: prompt token ids must be in "
-                              f"[0, {self.vocab_size}); got {bad[:5]}", param, "invalid_token_id")
-
     def sampling_params(self, r: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
-        def check(name, value, lo, hi, lo_open=False):
-            if value is None:
-                return
-            if not (lo < value if lo_open else lo <= value) or value > hi:
-                raise bad_request(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", name)
-
-        check("temperature", r.temperature, 0, 2)
-        check("top_p", r.top_p, 0, 1, lo_open=True)
-        check("presence_penalty", r.presence_penalty, -2, 2)
-        check("frequency_penalty", r.frequency_penalty, -2, 2)
-        check("min_p", r.min_p, 0, 1)
-        check("repetition_penalty", r.repetition_penalty, 0, 10, lo_open=True)
-        if r.n < 1 or r.n > self.engine.engine_config.max_num_seqs:
-            raise bad_request(f"n must be in [1, {self.engine.engine_config.max_num_seqs}] (max_num_seqs), "
-                              f"got {r.n}", "n")
-        if max_tokens is not None and max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-        if r.top_k is not None and r.top_k < -1:
-            raise bad_request(f"top_k must be -1, 0 (off) or positive, got {r.top_k}", "top_k")
-        stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-        if len(stop) > 16 or any(not s for s in stop):
-            raise bad_request("stop must be at most 16 non-empty strings", "stop")
-        for name, v in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if v is not None and not 0 <= v <= MAX_LOGPROBS:
-                raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}", name)
+        """Maps the request's fields onto SamplingParams, which owns the range checks (RequestError)."""
         bias = None
         if r.logit_bias:
             bias = {}
             for k, v in r.logit_bias.items():
                 try:
-                    tid = int(k)
+                    bias[int(k)] = float(v)
                 except ValueError:
                     raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
-                if not 0 <= tid < self.vocab_size:
-                    raise bad_request(f"logit_bias token id {tid} is outside [0, {self.vocab_size})", "logit_bias")
-                if not -100 <= v <= 100:
-                    raise bad_request(f"logit_bias values must be in [-100, 100], got {v}", "logit_bias")
-                bias[tid] = float(v)
-        for t in r.stop_token_ids or []:
-            if not 0 <= t < self.vocab_size:
-                raise bad_request(f"stop_token_ids entry {t} is outside [0, {self.vocab_size})", "stop_token_ids")
         try:
             return SamplingParams(
                 n=r.n, temperature=1.0 if r.temperature is None else r.temperature,
-                top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0, min_p=r.min_p or 0.0,
-                presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                top_p=1.0 if r.top_p is None else r.top_p, top_k=0 if r.top_k is None else r.top_k,
+                min_p=r.min_p or 0.0, presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
                 repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty, seed=r.seed,
-                max_tokens=max_tokens, min_tokens=r.min_tokens, stop=stop, stop_token_ids=r.stop_token_ids,
+                max_tokens=max_tokens, min_tokens=r.min_tokens, stop=r.stop, stop_token_ids=r.stop_token_ids,
                 ignore_eos=r.ignore_eos, include_stop_str_in_output=r.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
                 skip_special_tokens=r.skip_special_tokens, priority=r.priority, trace=r.trace)
-        except ValueError as e:
-            msg = str(e)
-            param = msg.split(" ", 1)[0]
-            raise bad_request(msg, param if param.isidentifier() else None) from None
+        except RequestError as e:
+            raise bad_request(e.message, e.param, e.code) from None
 
     def _stream_flags(self, r: _SamplingFields) -> tuple[bool, bool]:
         if r.stream_options is not None and not r.stream:
@@ -928,17 +886,12 @@ class Server:
         so = r.stream_options
         return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)
 
-    def _context_error(self, e: ValueError, param: str) -> APIError:
-        msg = str(e)
-        code = "context_length_exceeded" if "context length" in msg else (
-            "empty_prompt" if "empty" in msg else "invalid_value")
-        if msg.startswith("n="):
-            param = "n"
-        elif "logit_bias" in msg:
-            param = "logit_bias"
-        elif "stop_token_ids" in msg:
-            param = "stop_token_ids"
-        return bad_request(msg, param, code)
+    @staticmethod
+    def _request_error(e: ValueError, chat: bool) -> APIError:
+        """The engine's RequestError as OpenAI's error body; a chat's prompt is its messages."""
+        if isinstance(e, RequestError):
+            return bad_request(e.message, "messages" if chat and e.param == "prompt" else e.param, e.code)
+        return bad_request(str(e), None)
 
     # ------------------------------------------------------------ preparing requests
 
@@ -973,9 +926,8 @@ class Server:
                 encoded.append(kept)
                 texts.append(p if len(kept) == len(ids) else None)  # echo decodes what was kept
             elif isinstance(p, list) and all(_is_int(t) for t in p):
-                ids = [int(t) for t in p]
-                self.check_prompt_ids(ids, "prompt")
-                encoded.append(self.truncate(ids, r))
+                # Their vocabulary is the engine's to check (RequestError, param prompt).
+                encoded.append(self.truncate([int(t) for t in p], r))
                 texts.append(None)
             else:
                 raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list "
@@ -1002,7 +954,6 @@ class Server:
         messages = self._messages(r.messages)
         ids = self.truncate(self._chat_ids(messages, r.add_generation_prompt, r.chat_template_kwargs,
                                            r.continue_final_message), r)
-        self.check_prompt_ids(ids, "messages")
         # vLLM: the reply's role is the last message's when no generation prompt opens a new turn, and
         # echo repeats the last message's content when that message has the reply's role.
         role = "assistant" if r.add_generation_prompt else messages[-1]["role"]
@@ -1112,7 +1063,7 @@ class Server:
             raise APIError(503, str(e), code="queue_full",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
         except ValueError as e:
-            raise self._context_error(e, "messages" if prep.request_id.startswith("chat") else "prompt") from None
+            raise self._request_error(e, prep.request_id.startswith("chat")) from None
 
     async def results(self, prep: _Prepared, queue: asyncio.Queue):
         """Yields (prompt index, RequestOutput | _ABORTED | exception) until every prompt finished."""
@@ -1163,7 +1114,7 @@ class Server:
             try:
                 self.engine.validate(ids, params)
             except ValueError as e:
-                raise self._context_error(e, "messages" if prep.request_id.startswith("chat") else "prompt") from None
+                raise self._request_error(e, prep.request_id.startswith("chat")) from None
         return body, prep
 
     def _closed(self, prep: _Prepared) -> None:
