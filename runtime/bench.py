@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.workload import WORKLOADS
+from runtime.workload import WORKLOADS, make_workload
 
 
 @dataclass
@@ -47,14 +47,6 @@ class RunResult:
     @property
     def total_tps(self) -> float:
         return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
-
-
-def make_workload(name: str, num_prompts: int, seed: int, max_model_len: int, vocab: int):
-    from runtime.workload import synthetic_workload
-
-    pm, om, sigma = WORKLOADS[name]
-    return synthetic_workload(num_prompts, seed, max_model_len, vocab, prompt_median=pm,
-                              output_median=om, sigma=sigma)
 
 
 def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list | None = None) -> RunResult:

@@ -21,10 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-try:  # the offline benchmark owns the workload table; the two must agree
-    from runtime.workload import WORKLOADS
-except Exception:  # pragma: no cover - bench.py absent or broken
-    WORKLOADS = {"mixed": (96, 64, 0.9), "short": (32, 32, 0.5), "long-prompt": (384, 32, 0.6)}
+from runtime.workload import WORKLOADS, make_workload
 
 
 @dataclass
@@ -163,18 +160,6 @@ def server_info(url: str, api_key: str | None = None) -> dict:
     r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     r.raise_for_status()
     return r.json()["data"][0]
-
-
-def make_workload(name: str, num_prompts: int, seed: int, max_model_len: int, vocab_size: int,
-                  max_input_len: int | None = None, max_output_len: int | None = None):
-    from runtime.workload import synthetic_workload
-
-    pm, om, sigma = WORKLOADS[name]
-    work = synthetic_workload(num_prompts, seed, max_model_len, vocab_size, prompt_median=pm, output_median=om,
-                              sigma=sigma)
-    if max_input_len or max_output_len:
-        work = [(ids[:max_input_len or len(ids)], min(o, max_output_len or o)) for ids, o in work]
-    return work
 
 
 def format_result(r: BenchResult) -> str:

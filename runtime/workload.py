@@ -27,3 +27,14 @@ def synthetic_workload(num_prompts: int, seed: int = 0, max_model_len: int = 204
         ids = rng.integers(low_id, vocab_size, size=p).tolist()
         out.append((ids, o))
     return out
+
+
+def make_workload(name: str, num_prompts: int, seed: int, max_model_len: int, vocab_size: int,
+                  max_input_len: int | None = None, max_output_len: int | None = None):
+    """The named workload of WORKLOADS (the benchmarks' shared table), optionally truncated."""
+    pm, om, sigma = WORKLOADS[name]
+    work = synthetic_workload(num_prompts, seed, max_model_len, vocab_size, prompt_median=pm, output_median=om,
+                              sigma=sigma)
+    if max_input_len or max_output_len:
+        work = [(ids[:max_input_len or len(ids)], min(o, max_output_len or o)) for ids, o in work]
+    return work
