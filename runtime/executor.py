@@ -11,12 +11,12 @@ import numpy as np
 
 from ir import OPS, Graph
 from ir.layers import Layers, find_layers
+from runtime.config import KERNEL_BACKENDS
 from ir.graph import SHARDING_ATTRS
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
               "i8": jnp.int8, "bool": jnp.bool_}
 
-KERNEL_BACKENDS = ("auto", "xla", "pallas", "interpret")
 
 
 def resolve_backend(backend: str) -> str:
