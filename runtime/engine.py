@@ -139,6 +139,9 @@ class LLMEngine:
         self.start_time = time.monotonic()
         self.trace: list[StepTrace] | None = None
         self.finished_callbacks = []  # fn(request) when a request finishes
+        # fn(schedule, outputs) after each step ran: the ScheduleOutput and the step's device outputs
+        # (the graph's outputs, e.g. "logits", and the sampled rows); for tests and tools.
+        self.step_hooks = []
         self.num_recompiles = 0
         self._step_requests: dict[str, Request] | None = None  # what the running step touches
 
@@ -294,6 +297,8 @@ class LLMEngine:
         else:
             outs = self.runner.execute(sched.bucket, inputs, si.arrays())
         t_dispatch = time.perf_counter()
+        for hook in self.step_hooks:
+            hook(sched, outs)
         sampled = jax.device_get([outs[k] for k in SAMPLED_OUTPUTS])
         t2 = time.perf_counter()
         plp_seqs = [s for s in sched.scheduled if s.seq.request.params.prompt_logprobs is not None

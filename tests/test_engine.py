@@ -227,13 +227,11 @@ def test_smollm2_served_graph_logits_match_golden(smol_llm):
         ids = g["prompt_ids"].tolist()
         if len(ids) > SMOL_ARGS["max_num_batched_tokens"]:
             continue  # a chunked prompt's logits come from its last chunk; covered by greedy ids
-        engine.add_request(f"logits-{p['name']}", ids, SamplingParams(temperature=0, max_tokens=1))
-        engine._drain()
-        sched = engine.scheduler.schedule()
-        inputs, rows = engine._prepare(sched)
-        outs = engine.runner.execute(sched.bucket, inputs)
-        logits = np.asarray(jax.device_get(outs["logits"]))[0]
-        engine.scheduler.update(sched)
-        engine.abort_request(f"logits-{p['name']}")
-        engine._drain()
-        assert np.abs(logits - g["last_logits"]).max() < 1e-3, p["name"]
+        seen = []
+        engine.step_hooks.append(lambda sched, outs: seen.append(np.asarray(jax.device_get(outs["logits"]))[0]))
+        try:
+            out = smol_llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0]
+        finally:
+            engine.step_hooks.clear()
+        assert out.finished and len(seen) == 1
+        assert np.abs(seen[0] - g["last_logits"]).max() < 1e-3, p["name"]

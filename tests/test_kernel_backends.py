@@ -25,22 +25,12 @@ def tiny_llm(backend: str) -> LLM:
 
 
 def step_logits(llm: LLM, sched_steps):
-    """Runs engine steps and returns the raw logits rows of each step."""
-    engine = llm.engine
+    """Runs engine steps and returns the raw logits rows of each step (through the step hook)."""
     out = []
+    llm.engine.step_hooks.append(
+        lambda sched, outs: out.append(np.asarray(jax.device_get(outs["logits"]))[:sum(s.num_rows for s in sched.scheduled)]))
     for _ in range(sched_steps):
-        engine._drain()
-        sched = engine.scheduler.schedule()
-        if sched.is_empty:
-            break
-        inputs, rows = engine._prepare(sched)
-        outs = engine.runner.execute(sched.bucket, inputs)
-        logits = np.asarray(jax.device_get(outs["logits"]))[:len(rows)]
-        tokens = np.argmax(logits, axis=-1)
-        engine.scheduler.update(sched)
-        for (seq, _), t in zip(rows, tokens):
-            seq.token_ids.append(int(t))
-        out.append(logits)
+        llm.engine.step()
     return out
 
 
