@@ -143,10 +143,10 @@ _ENGINE_FLAGS = (
      dict(type=int, help="decode steps per executable for all-decode batches (vLLM's multi-step)")),
 )
 
-ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "memory_utilization", "dtype", "enable_prefix_caching", "enable_chunked_prefill",
-                 "scheduling", "max_waiting_ms", "tensor_parallel_size", "quantization", "seed",
-                 "num_kv_blocks", "kernel_backend", "scan_layers", "num_scheduler_steps")
+# EngineConfig fields with no flag: set through LLM(...) or a saved plan only.
+NO_FLAG_FIELDS = ("static_batch_size", "memory_limit", "reserve_bytes")
+# The fields engine_kwargs_from_args passes on as they are (device_memory is converted there).
+ENGINE_FIELDS = tuple(name for name, _, _ in _ENGINE_FLAGS if name != "device_memory")
 
 
 def add_engine_args(ap: argparse.ArgumentParser, only=None, defaults=None) -> None:

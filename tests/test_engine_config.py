@@ -213,3 +213,17 @@ def test_flags_reach_the_config():
 def test_flag_values_get_the_config_checks():
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         engine_config_from_args(_parser().parse_args(["--block-size", "12"]))
+
+
+def test_every_engine_field_has_a_flag_or_says_why_not():
+    """One path for engine settings: the flag table covers EngineConfig, so a new field can't be
+    forgotten on the command line."""
+    import dataclasses
+
+    from models.cli import _ENGINE_FLAGS, NO_FLAG_FIELDS
+    from runtime.config import EngineConfig
+
+    flagged = {name for name, _, _ in _ENGINE_FLAGS}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert flagged | set(NO_FLAG_FIELDS) == fields
+    assert not flagged & set(NO_FLAG_FIELDS)
