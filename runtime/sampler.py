@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -30,7 +31,6 @@ class SamplerInputs:
     freq_penalty: np.ndarray  # f32 [S]
     history: np.ndarray  # i32 [S, max_model_len]: prompt then output ids, -1 pad (filled if penalties)
     prompt_lens: np.ndarray  # i32 [S]
-    greedy: bool
     penalties: bool
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -133,7 +133,9 @@ def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], nu
     freq = np.zeros(S, np.float32)
     prompt_lens = np.zeros(S, np.int32)
     penalties = any(p.needs_penalties for p, *_ in rows)
-    history = np.full((S, max_model_len), -1, np.int32)
+    # The penalty history is only read when some row has penalties (lax.cond in sample_rows):
+    # otherwise every step shares one read-only all-padding array instead of building [S, L] anew.
+    history = np.full((S, max_model_len), -1, np.int32) if penalties else _no_history(S, max_model_len)
     for i, (p, seed, counter, hist, plen) in enumerate(rows):
         temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         seeds[i], counters[i] = seed & 0xFFFFFFFF, counter
@@ -149,9 +151,15 @@ def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], nu
         if penalties:
             h = hist[-max_model_len:]
             history[i, :len(h)] = h
-    greedy = all(p.temperature == 0 for p, *_ in rows)
     return SamplerInputs(temp, top_k, top_p, min_p, seeds, counters, bias_ids, bias_vals, rep,
-                         pres, freq, history, prompt_lens, greedy, penalties)
+                         pres, freq, history, prompt_lens, penalties)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_history(num_rows: int, max_model_len: int) -> np.ndarray:
+    history = np.full((num_rows, max_model_len), -1, np.int32)
+    history.flags.writeable = False
+    return history
 
 
 class Sampler:
