@@ -160,16 +160,3 @@ def _no_history(num_rows: int, max_model_len: int) -> np.ndarray:
     history = np.full((num_rows, max_model_len), -1, np.int32)
     history.flags.writeable = False
     return history
-
-
-class Sampler:
-    """The sampler on its own (one executable per row count), for tests and tools; the engine runs
-    `sample_rows` inside its step executable."""
-
-    def __init__(self, vocab_size: int, max_model_len: int):
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self._fn = jax.jit(sample_rows)
-
-    def __call__(self, logits, si: SamplerInputs):
-        return self._fn(logits, si.arrays())

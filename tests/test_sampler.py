@@ -5,10 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.sampler import Sampler, build_inputs
+import jax
+
+from runtime.sampler import build_inputs, sample_rows
 from runtime.sampling_params import SamplingParams
 
 V = 32
+_sample = jax.jit(sample_rows)  # the engine traces it into its step executable
+
+
+def sample(logits, si):
+    return _sample(logits, si.arrays())
 
 
 def draw(logits, params_list, histories=None, counters=None, seeds=None):
@@ -19,7 +26,7 @@ def draw(logits, params_list, histories=None, counters=None, seeds=None):
         rows.append((p, (seeds or [i] * len(params_list))[i], (counters or [0] * len(params_list))[i],
                      hist, len(hist)))
     si = build_inputs(rows, logits.shape[0], 64, lambda p: [2])
-    tokens, chosen, top_ids, top_lp = Sampler(V, 64)(logits, si)
+    tokens, chosen, top_ids, top_lp = sample(logits, si)
     return np.asarray(tokens), np.asarray(chosen), np.asarray(top_ids), np.asarray(top_lp)
 
 
@@ -83,7 +90,7 @@ def test_penalties_and_logit_bias():
     assert greedy(presence_penalty=2.0) == 3
     # Prompt [7], outputs [3, 3]: the frequency penalty counts the two outputs.
     si_rows = [(SamplingParams(temperature=0, frequency_penalty=1.0), 0, 2, [7, 3, 3], 1)]
-    tokens, *_ = Sampler(V, 64)(lg, build_inputs(si_rows, 1, 64, lambda p: []))
+    tokens, *_ = sample(lg, build_inputs(si_rows, 1, 64, lambda p: []))
     assert int(np.asarray(tokens)[0]) == 4  # 5 - 2 * 1.0 < 4
     assert draw(lg, [SamplingParams(temperature=0, logit_bias={9: 100.0})])[0][0] == 9
 
