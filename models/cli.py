@@ -138,7 +138,7 @@ _ENGINE_FLAGS = (
     ("kernel_backend", ("--kernel-backend",), dict(choices=KERNEL_BACKENDS)),
     ("scan_layers", ("--scan-layers",),
      dict(type=_bool, metavar="BOOL", help="run the decoder layers as one lax.scan: about 3x faster cold "
-          "compiles (default: on GPU/TPU, off on CPU, where the steps run up to 20%% slower)")),
+          "compiles (default: on GPU/TPU, off on CPU, where the steps run 5-13%% slower)")),
     ("num_scheduler_steps", ("--num-scheduler-steps",),
      dict(type=int, help="decode steps per executable for all-decode batches (vLLM's multi-step)")),
 )
