@@ -1,0 +1,1 @@
+"""Host-side engine core: scheduler, block manager, sequences, buckets, request parameters. No jax here."""

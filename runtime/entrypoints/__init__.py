@@ -1,0 +1,1 @@
+"""What users call: offline `LLM` and the OpenAI-compatible HTTP server."""

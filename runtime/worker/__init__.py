@@ -1,0 +1,1 @@
+"""The device side: model runner, step executor, kernels, sampler, sharding, parameters."""
