@@ -1,6 +1,6 @@
 """The runtime: plans, the engine loop, offline generation and the HTTP server."""
 
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 
 def __getattr__(name):

@@ -69,7 +69,7 @@ def check_port(host: str, port: int) -> None:
 
 def plan_without_weights(config, engine: EngineConfig):
     """(final graph, memory plan, bucket table) from the config alone, as a dry run makes them."""
-    from runtime.buckets import BucketTable
+    from runtime.core.buckets import BucketTable
     from runtime.planner import build_graph
 
     buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)

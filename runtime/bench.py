@@ -53,7 +53,7 @@ def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list 
     """One policy over the workload; with `request_traces`, every request runs with
     SamplingParams(trace=True) and its trace is appended there."""
     from runtime.engine import LLMEngine
-    from runtime.sampling_params import SamplingParams
+    from runtime.core.sampling_params import SamplingParams
 
     plan = dataclasses.replace(plan, engine=dataclasses.replace(plan.engine, scheduling=policy))
     engine = LLMEngine(plan, tokenizer, runner=runner, warmup=False)

@@ -24,7 +24,7 @@ import numpy as np
 from ir import Graph, parse_graph, print_graph
 from models.config import ModelConfig, PRESETS
 from passes.plan_memory import MemoryPlan
-from runtime.buckets import BucketTable
+from runtime.core.buckets import BucketTable
 from runtime.config import EngineConfig
 from runtime.planner import PLAN_VERSION, build_graph, is_plan_dir  # noqa: F401 (re-exported)
 

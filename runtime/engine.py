@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from runtime import detokenizer
-from runtime.block_manager import BlockManager
+from runtime.core import detokenizer
+from runtime.core.block_manager import BlockManager
 from runtime.compile import Plan
 from runtime.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
 from runtime.sampler import build_inputs
-from runtime.sampling_params import RequestError, SamplingParams
-from runtime.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
-from runtime.sequence import Request, Sequence, SeqStatus
+from runtime.core.sampling_params import RequestError, SamplingParams
+from runtime.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
+from runtime.core.sequence import Request, Sequence, SeqStatus
 
 log = logging.getLogger("runtime.engine")
 

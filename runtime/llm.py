@@ -8,7 +8,7 @@ from typing import Sequence
 from runtime.compile import Plan, compile_plan, is_plan_dir
 from runtime.config import EngineConfig, resolve_dtype
 from runtime.engine import LLMEngine, RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 # Engine args that only steer the host-side loop; a saved plan may be started with new values.
 RUNTIME_ARGS = ("scheduling", "max_waiting_ms", "static_batch_size", "enable_prefix_caching", "seed",

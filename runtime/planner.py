@@ -13,7 +13,7 @@ from ir import print_graph
 from models.config import ModelConfig
 from models.llama import lower
 from passes.pipeline import PipelineOptions, memory_report, run_pipeline
-from runtime.buckets import BucketTable
+from runtime.core.buckets import BucketTable
 from runtime.config import CPU_DEVICE_MEMORY, EngineConfig
 
 PLAN_VERSION = 1

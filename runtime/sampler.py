@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runtime.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from runtime.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 NUM_TOP_LOGPROBS = MAX_LOGPROBS
 

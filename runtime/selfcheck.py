@@ -281,7 +281,7 @@ def build_llm(cfg, weights, *, backend: str, dtype: str, buckets=None, warm_exec
 
 
 def _greedy(max_tokens: int):
-    from runtime.sampling_params import SamplingParams
+    from runtime.core.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
@@ -319,8 +319,8 @@ def compare_greedy(a, b, tol: float) -> tuple[str, str]:
 def part_tiny(args) -> tuple[bool, str, dict]:
     from models.config import get_preset
     from models.weights import random_weights
-    from runtime.buckets import BucketTable
-    from runtime.sampling_params import SamplingParams
+    from runtime.core.buckets import BucketTable
+    from runtime.core.sampling_params import SamplingParams
 
     pallas = "pallas" if _on_gpu() else "interpret"
     cfg = get_preset("tiny")
@@ -397,7 +397,7 @@ def part_throughput(args) -> tuple[bool, str, dict]:
     import gc
 
     from models.weights import random_weights
-    from runtime.buckets import BucketTable
+    from runtime.core.buckets import BucketTable
 
     on_gpu = _on_gpu()
     pallas = "pallas" if on_gpu else "interpret"

@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.sampling_params import MAX_LOGPROBS, RequestError, SamplingParams
+from runtime.core.sampling_params import MAX_LOGPROBS, RequestError, SamplingParams
 
 log = logging.getLogger("runtime.serve")
 

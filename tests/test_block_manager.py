@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
-from runtime.block_manager import BlockManager
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Request
+from runtime.core.block_manager import BlockManager
+from runtime.core.sampling_params import SamplingParams
+from runtime.core.sequence import Request
 
 
 def make_seq(tokens, n=1, rid=None, arrival=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import detokenizer
+from runtime.core import detokenizer
 
 
 @pytest.fixture(scope="module")

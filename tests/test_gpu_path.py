@@ -15,7 +15,7 @@ from ir import bind_shape
 from models.config import get_preset
 from models.weights import random_weights
 from runtime import SamplingParams
-from runtime.buckets import BucketTable
+from runtime.core.buckets import BucketTable
 from runtime.compile import build_graph, compile_plan
 from runtime.config import EngineConfig, resolve_dtype
 from runtime.executor import JNP_DTYPES, build_step, state_names

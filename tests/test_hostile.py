@@ -24,7 +24,7 @@ import pytest
 from test_engine import tiny_llm
 from test_serve import MODEL, assert_kv_idle, start_cli_server, wait_idle
 
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.serve import ServerThread, build_app
 
 CHAT = [{"role": "user", "content": "Say hi."}]

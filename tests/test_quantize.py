@@ -72,7 +72,7 @@ def test_weight_bytes_halve_bf16_and_quarter_f32():
     assert weight_bytes(q) == weight_bytes(f32) - 3 * mm + scales
 
     # A real model, as `runtime.compile --dry-run` plans it: llama-2-7b (32 layers, untied).
-    from runtime.buckets import BucketTable
+    from runtime.core.buckets import BucketTable
     from runtime.compile import build_graph
     from runtime.config import EngineConfig
 

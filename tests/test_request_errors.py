@@ -11,7 +11,7 @@ from runtime import SamplingParams
 from runtime.compile import compile_plan
 from runtime.config import EngineConfig
 from runtime.llm import LLM
-from runtime.sampling_params import RequestError
+from runtime.core.sampling_params import RequestError
 
 
 @pytest.mark.parametrize("kw, param", [

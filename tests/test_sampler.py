@@ -8,7 +8,7 @@ import pytest
 import jax
 
 from runtime.sampler import build_inputs, sample_rows
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 V = 32
 _sample = jax.jit(sample_rows)  # the engine traces it into its step executable

@@ -15,7 +15,7 @@ from ir.layers import find_layers
 from models.config import get_preset
 from models.weights import random_weights
 from runtime import SamplingParams
-from runtime.buckets import BucketTable
+from runtime.core.buckets import BucketTable
 from runtime.compile import build_graph, compile_plan
 from runtime.config import EngineConfig
 from runtime.executor import JNP_DTYPES, build_step, step_layout

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from runtime.block_manager import BlockManager
-from runtime.buckets import BucketTable
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Request, SeqStatus
+from runtime.core.block_manager import BlockManager
+from runtime.core.buckets import BucketTable
+from runtime.core.sampling_params import SamplingParams
+from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.sequence import Request, SeqStatus
 
 
 def make_seq(tokens, n=1, rid=None, arrival=None):
@@ -22,7 +22,7 @@ def make_seq(tokens, n=1, rid=None, arrival=None):
 def test_scheduler_does_not_import_jax():
     import subprocess
 
-    code = ("import sys; import runtime.scheduler, runtime.block_manager; "
+    code = ("import sys; import runtime.core.scheduler, runtime.core.block_manager; "
             "assert 'jax' not in sys.modules, 'scheduler pulled in jax'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

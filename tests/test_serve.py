@@ -23,7 +23,7 @@ import httpx
 import pytest
 from conftest import CACHE_DIR, ROOT, SMOL_ARGS
 
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.serve import ServerThread, build_app
 
 MODEL = "smollm2-135m"

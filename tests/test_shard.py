@@ -176,7 +176,7 @@ def test_memory_plan_per_device_bytes():
 
 def test_llama_70b_tp8_dry_run_plan():
     """The predicted per-device memory for llama-2-70b at tp=8, bf16 (no weights loaded)."""
-    from runtime.buckets import BucketTable
+    from runtime.core.buckets import BucketTable
     from runtime.compile import Plan, build_graph
     from runtime.config import EngineConfig
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from conftest import SMOL_ARGS
 
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 from runtime.serve import VLLM_UNSUPPORTED, ServerThread, build_app
 
 MODEL = "smollm2-135m"

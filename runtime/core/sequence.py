@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from runtime.block_manager import BlockManager
-from runtime.buckets import BucketTable
-from runtime.sequence import Request, Sequence, SeqStatus
+from runtime.core.block_manager import BlockManager
+from runtime.core.buckets import BucketTable
+from runtime.core.sequence import Request, Sequence, SeqStatus
 
 POLICIES = ("continuous", "dynamic", "static")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from runtime.sequence import Sequence
+from runtime.core.sequence import Sequence
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
