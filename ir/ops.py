@@ -514,7 +514,7 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, context_lens, cu_
                               num_kv_heads, block_size, head_dim):
     """The op's jnp reference: gather each token's sequence blocks, mask, softmax in f32.
 
-    The executor's chunked lowering is runtime.kernels.paged_attention_xla; the Pallas kernel's
+    The executor's chunked lowering is runtime.worker.kernels.paged_attention_xla; the Pallas kernel's
     own reference is pallas_kernels.paged_attention_reference.
     """
     t = q.shape[0]

@@ -22,7 +22,7 @@ class PipelineOptions:
     memory_utilization: float = 0.9
     reserve_bytes: int = 0
     memory_limit_bytes: int | None = None
-    scan_layers: bool = False  # the executor scans the repeated layers (see runtime.executor)
+    scan_layers: bool = False  # the executor scans the repeated layers (see runtime.worker.executor)
     num_kv_blocks: int | None = None
     quantization: str | None = None
     tensor_parallel_size: int = 1

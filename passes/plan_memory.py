@@ -19,12 +19,12 @@ _VIEWS = {"reshape"}
 _IN_PLACE = {"kv_write", "kv_cache_update", "copy_blocks"}
 
 # How the executor lowers `paged_attention` on the XLA backend (CPU):
-#   "chunked": runtime.kernels.paged_attention_xla, a fori_loop over chunks of XLA_CHUNK_BLOCKS
+#   "chunked": runtime.worker.kernels.paged_attention_xla, a fori_loop over chunks of XLA_CHUNK_BLOCKS
 #              blocks with an online softmax;
 #   "gather":  ir.ops.paged_attention_reference, the jnp reference, which gathers every token's
 #              whole context at once.
 PAGED_ATTENTION_LOWERINGS = ("chunked", "gather")
-# Mirror runtime.kernels' XLA_CHUNK_BLOCKS and XLA_DENSE_MAX_SEQS (passes may not import
+# Mirror runtime.worker.kernels' XLA_CHUNK_BLOCKS and XLA_DENSE_MAX_SEQS (passes may not import
 # runtime; a test checks they agree).
 XLA_CHUNK_BLOCKS = 8
 XLA_DENSE_MAX_SEQS = 4
@@ -159,7 +159,7 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "ch
 
 
 # The runtime samples inside the step executable, after the model's temporaries are dead. XLA's
-# temp for the sampler (runtime.sampler.sample_rows) is 8 f32 [rows, vocab] arrays, measured at
+# temp for the sampler (runtime.worker.sampler.sample_rows) is 8 f32 [rows, vocab] arrays, measured at
 # 4, 16 and 64 rows: the f32 logits, their log-softmax, the biased logits, the penalty counts and
 # the top-k/top-p sort with its softmax and cumsum (both lax.cond branches get buffers).
 SAMPLER_WORKSPACE_ARRAYS = 8

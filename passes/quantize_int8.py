@@ -10,7 +10,7 @@ def quantize_int8(graph: Graph) -> Graph:
     """Weight-only int8 for every matmul whose weight is a 2-D param; embeddings stay as they are.
 
     Symmetric per output channel: w ~= w_int8 * scale[None, :], computed at compile time by
-    runtime.params from the recipe each new param carries. A tied LM head (a transposed matmul
+    runtime.worker.params from the recipe each new param carries. A tied LM head (a transposed matmul
     on the embedding table) stays: the lookup needs the table in full precision, so an int8
     copy would add bytes rather than save them.
     """

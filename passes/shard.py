@@ -17,7 +17,7 @@ along that dim) or "tp".
 
 Fused weights. A plain column split of [wq | wk | wv] would give device 0 only q columns. The
 pass instead records a compile-time column layout on the fused param (`tp_layout`, applied by
-runtime.params) that stores each shard's parts next to each other, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...],
+runtime.worker.params) that stores each shard's parts next to each other, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...],
 and rewrites each `slice` of the fused result into reshape [.., tp, per_shard] -> slice -> reshape.
 The graph means the same on one device as on many; under the mesh each device computes only
 its own q/k/v heads (or gate/up columns) and no activation moves between devices.

@@ -135,7 +135,7 @@ def fit_advice(config, engine: EngineConfig, memory) -> list[str]:
 def fit_error(config, engine: EngineConfig, memory) -> UserError | None:
     """Why the plan does not fit (None if it does): the KV cache is short of one max_model_len
     sequence, or the parts (an explicit --num-kv-blocks) overrun the budget."""
-    from runtime.model_runner import check_fit
+    from runtime.worker.model_runner import check_fit
 
     if not kv_fits(memory, engine):
         return not_fit_error(config, engine, memory)

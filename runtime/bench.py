@@ -261,7 +261,7 @@ def main(argv=None) -> int:
 
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
-    from runtime.model_runner import ModelRunner
+    from runtime.worker.model_runner import ModelRunner
     from models.weights import load_model
 
     config, weights, tok = load_model(args.model)

@@ -133,7 +133,7 @@ def resolve_model(model) -> tuple[ModelConfig, dict | None, object | None]:
 def compile_plan(model, engine: EngineConfig | None = None, *, progress: bool = False,
                  weights=None, config: ModelConfig | None = None, tokenizer=None) -> Plan:
     """Lowers the model, runs the passes, and materializes the final weights (in memory)."""
-    from runtime.params import materialize
+    from runtime.worker.params import materialize
 
     engine = engine or EngineConfig()
     if config is None:
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     plan = compile_plan(args.model, engine, progress=True)
     out = plan.save(args.out)
-    from runtime.model_runner import ModelRunner
+    from runtime.worker.model_runner import ModelRunner
 
     runner = ModelRunner(plan, cache_dir=out / "xla_cache")
     runner.warmup(progress=True)

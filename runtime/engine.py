@@ -16,8 +16,8 @@ import numpy as np
 from runtime.core import detokenizer
 from runtime.core.block_manager import BlockManager
 from runtime.compile import Plan
-from runtime.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
-from runtime.sampler import build_inputs
+from runtime.worker.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
+from runtime.worker.sampler import build_inputs
 from runtime.core.sampling_params import RequestError, SamplingParams
 from runtime.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from runtime.core.sequence import Request, Sequence, SeqStatus

@@ -1766,7 +1766,7 @@ def main(argv=None) -> int:
     preflight(args)
     from runtime.engine import LLMEngine
     from runtime.llm import load_plan
-    from runtime.model_runner import DEFAULT_COMPILATION_CACHE, ModelRunner
+    from runtime.worker.model_runner import DEFAULT_COMPILATION_CACHE, ModelRunner
 
     t0 = time.perf_counter()
     cache = args.compilation_cache_dir

@@ -24,7 +24,7 @@ from models.config import get_preset  # noqa: E402
 from models.weights import load_model, random_weights  # noqa: E402
 from runtime.compile import compile_plan  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
-from runtime.model_runner import ModelRunner  # noqa: E402
+from runtime.worker.model_runner import ModelRunner  # noqa: E402
 
 
 def startup() -> dict:

@@ -24,7 +24,7 @@ SMOL_ARGS = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
 
 
 def pytest_configure(config):
-    from runtime.model_runner import enable_compilation_cache
+    from runtime.worker.model_runner import enable_compilation_cache
 
     enable_compilation_cache(CACHE_DIR)
 

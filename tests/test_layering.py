@@ -89,7 +89,7 @@ def imports_of(module: str) -> dict[str, int]:
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            for alias in node.names:  # `from runtime import kernels` imports runtime.kernels
+            for alias in node.names:  # `from runtime import kernels` imports runtime.worker.kernels
                 sub = f"{source}.{alias.name}"
                 add(sub if sub in MODULES else source, node.lineno)
         elif isinstance(node, ast.Call):

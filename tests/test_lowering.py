@@ -17,8 +17,8 @@ from models.config import config_from_hf
 from models.llama import lower
 from models.weights import load_safetensors
 from passes.pipeline import PipelineOptions, run_pipeline
-from runtime.executor import JNP_DTYPES, jit_step, state_names, to_device_params
-from runtime.params import materialize
+from runtime.worker.executor import JNP_DTYPES, jit_step, state_names, to_device_params
+from runtime.worker.params import materialize
 
 HF_TOL = 1e-4
 BLOCK_SIZE = 4

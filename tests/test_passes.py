@@ -30,8 +30,8 @@ from passes.insert_paged_kv import insert_paged_kv
 from passes.pipeline import PipelineOptions, build_pipeline, run_pipeline
 from passes.plan_memory import plan_memory
 from passes.quantize_int8 import quantize_int8
-from runtime.executor import JNP_DTYPES, jit_step, state_names, to_device_params
-from runtime.params import materialize
+from runtime.worker.executor import JNP_DTYPES, jit_step, state_names, to_device_params
+from runtime.worker.params import materialize
 
 # f32 tolerance for "logits unchanged": the passes reorder sums (fused softmax, concatenated
 # matmuls, paged gathers), which moves f32 results by a few ulps, nothing more.

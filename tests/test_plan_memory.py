@@ -201,7 +201,7 @@ def test_attention_workspace_scales_with_chunk_not_context():
 
 
 def test_chunk_size_mirrors_the_kernel():
-    from runtime import kernels
+    from runtime.worker import kernels
 
     assert XLA_CHUNK_BLOCKS == kernels.XLA_CHUNK_BLOCKS
     assert XLA_DENSE_MAX_SEQS == kernels.XLA_DENSE_MAX_SEQS
@@ -211,7 +211,7 @@ def test_chunk_size_mirrors_the_kernel():
 
 def executor_paged_lowering() -> str:
     """Which paged_attention lowering the executor uses on this backend (plan_memory models both)."""
-    from runtime import executor, kernels
+    from runtime.worker import executor, kernels
 
     impl = executor._kernel_impls(executor.resolve_backend("auto")).get("paged_attention")
     if impl is None:
@@ -238,8 +238,8 @@ def test_predicted_activation_peak_matches_xla(smol_plan, lowering, scan, monkey
     each way the executor can lower paged_attention on the XLA backend, unrolled and scanned."""
     from dataclasses import replace
 
-    from runtime import executor, kernels
-    from runtime.model_runner import ModelRunner
+    from runtime.worker import executor, kernels
+    from runtime.worker.model_runner import ModelRunner
 
     forced = {"chunked": {"paged_attention": kernels.paged_attention_xla}, "gather": {}}[lowering]
     monkeypatch.setattr(executor, "_kernel_impls", lambda backend: forced)

@@ -96,8 +96,8 @@ def test_int8_with_tensor_parallel_on_one_device():
     import jax
 
     from models.weights import random_weights
-    from runtime.executor import build_step, to_device_params
-    from runtime.params import materialize
+    from runtime.worker.executor import build_step, to_device_params
+    from runtime.worker.params import materialize
 
     cfg = get_preset("tiny")
     weights = random_weights(cfg, seed=3)

@@ -7,7 +7,7 @@ import pytest
 
 import jax
 
-from runtime.sampler import build_inputs, sample_rows
+from runtime.worker.sampler import build_inputs, sample_rows
 from runtime.core.sampling_params import SamplingParams
 
 V = 32

@@ -128,8 +128,8 @@ def test_sharded_graph_same_logits_on_one_device():
     import jax
 
     from models.weights import random_weights
-    from runtime.executor import build_step, to_device_params
-    from runtime.params import materialize
+    from runtime.worker.executor import build_step, to_device_params
+    from runtime.worker.params import materialize
 
     rng = np.random.default_rng(0)
     for cfg, tps in ((tiny(), (2, 4)), (tiny_8q4kv(), (4,)), (tiny(qkv_bias=True), (4,))):
@@ -342,7 +342,7 @@ def child_smollm2() -> dict:
     from conftest import golden_arrays, golden_prompts
     from models.weights import load_model
     from runtime import SamplingParams
-    from runtime.model_runner import enable_compilation_cache
+    from runtime.worker.model_runner import enable_compilation_cache
     from conftest import CACHE_DIR
 
     enable_compilation_cache(CACHE_DIR)

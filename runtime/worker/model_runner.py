@@ -16,10 +16,10 @@ import numpy as np
 
 from ir import bind_shape
 from passes.plan_memory import MemoryPlan
-from runtime.executor import JNP_DTYPES, build_step, state_names, step_layout
-from runtime import sampler
+from runtime.worker.executor import JNP_DTYPES, build_step, state_names, step_layout
+from runtime.worker import sampler
 
-log = logging.getLogger("runtime.model_runner")
+log = logging.getLogger("runtime.worker.model_runner")
 
 # What the step returns beyond the graph's outputs: the sampler's results, one row per sequence.
 SAMPLED_OUTPUTS = ("tokens", "chosen_logprobs", "top_ids", "top_logprobs")
@@ -137,7 +137,7 @@ class ModelRunner:
         self.num_blocks = plan.num_kv_blocks
         self.max_model_len = engine.max_model_len
         if mesh is None and engine.tensor_parallel_size > 1:
-            from runtime.sharding import TensorParallelMesh
+            from runtime.worker.sharding import TensorParallelMesh
 
             mesh = TensorParallelMesh.for_graph(self.graph, engine.tensor_parallel_size)
         self.mesh = mesh

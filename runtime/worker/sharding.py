@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ir import Graph, Node
 from passes.shard import AXIS
 
-log = logging.getLogger("runtime.sharding")
+log = logging.getLogger("runtime.worker.sharding")
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:

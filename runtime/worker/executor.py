@@ -30,7 +30,7 @@ def resolve_backend(backend: str) -> str:
 
 def _kernel_impls(backend: str) -> dict[str, Callable]:
     """Overrides of the jnp references for the attention ops, by backend."""
-    from runtime import kernels
+    from runtime.worker import kernels
 
     return kernels.lowerings(backend)
 
