@@ -1,0 +1,337 @@
+"""Structured outputs, host side: request constraints (vLLM's names), grammars compiled by llguidance,
+and one matcher per sequence that writes the allowed-token bitmask for the next step.
+
+Bitmask layout (the same as llguidance's and vLLM's): an int32 array of shape
+[rows, ceil(vocab_size / 32)]; token t is allowed in row r when bit (t % 32) of word t // 32 is set,
+bit 0 being the least significant. `allocate_bitmask` fills it with -1 (all allowed), so rows without
+a grammar constrain nothing; a matcher rewrites its whole row. Ids the tokenizer does not have (the
+model's vocabulary may be padded past the tokenizer's) are always masked off in a matcher's row.
+
+EOS: the grammar knows the tokenizer's stop ids. While the text so far is a complete match that could
+still grow, they are allowed alongside the continuations; once nothing but the end can follow, they are
+the only tokens allowed and `is_terminated()` is already true: the engine may finish the sequence with
+finish_reason "stop" right away instead of spending a step sampling a forced EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from runtime.core.sampling_params import RequestError
+
+log = logging.getLogger(__name__)
+
+PARAM = "structured_outputs"
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_ANY_OBJECT = {"type": "object"}
+CACHE_SIZE = 256  # compiled grammars kept per compiler (LRU)
+
+
+def _words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """An int32 bitmask [rows, ceil(vocab_size/32)] with every token allowed (see the module doc)."""
+    return np.full((rows, _words(vocab_size)), -1, dtype=np.int32)
+
+
+def bitmask_to_bool(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Reference decoder: bool [rows, vocab_size], True where the token is allowed."""
+    bitmask = np.asarray(bitmask, dtype=np.int32)
+    squeeze = bitmask.ndim == 1
+    words = bitmask.reshape(-1, bitmask.shape[-1]).astype(np.int64) & 0xFFFFFFFF
+    bits = (words[:, :, None] >> np.arange(32, dtype=np.int64)) & 1
+    out = bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
+    return out[0] if squeeze else out
+
+
+def _is_set(value) -> bool:
+    return value is not None and value is not False  # json_object=False means unset
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint per request, named as in vLLM: exactly one of `json` (a JSON schema, as a
+    dict or a JSON string), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or
+    GBNF/EBNF as llguidance converts it) or `json_object` (any JSON object) must be set.
+    `disable_any_whitespace` makes JSON compact (no free whitespace between tokens)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    # The request field errors are reported against: "response_format" when built from one.
+    source_param: str = field(default=PARAM, repr=False, compare=False)
+
+    def __post_init__(self):
+        set_ = [name for name in _CONSTRAINTS if _is_set(getattr(self, name))]
+        if len(set_) != 1:
+            which = ", ".join(set_) if set_ else "none"
+            raise RequestError(f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)} "
+                               f"(got {which})", param=self.source_param)
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise RequestError("disable_any_whitespace must be a boolean", param=self.source_param)
+        self._check_value(set_[0])
+
+    def _check_value(self, kind: str) -> None:
+        value, err = getattr(self, kind), self.source_param
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise RequestError(f"structured_outputs.json is not valid JSON: {e}", param=err) from None
+            if not isinstance(value, (dict, bool)):
+                raise RequestError("structured_outputs.json must be a JSON schema (an object)", param=err)
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise RequestError(f"structured_outputs.{kind} must be a non-empty string", param=err)
+        elif kind == "choice":
+            if (not isinstance(value, (list, tuple)) or not value
+                    or not all(isinstance(c, str) for c in value)):
+                raise RequestError("structured_outputs.choice must be a non-empty list of strings", param=err)
+            self.choice = list(value)
+        elif value is not True:
+            raise RequestError("structured_outputs.json_object must be true", param=err)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _CONSTRAINTS if _is_set(getattr(self, name)))
+
+    def cache_key(self) -> tuple:
+        """What determines the compiled grammar."""
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "json":
+            value = json.dumps(json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+        elif kind == "choice":
+            value = tuple(value)
+        whitespace = self.disable_any_whitespace if kind in ("json", "json_object") else False
+        return kind, value, whitespace
+
+    @classmethod
+    def from_response_format(cls, response_format: Any) -> "StructuredOutputsParams | None":
+        """OpenAI's `response_format`: {"type": "text"} (or None) -> None; {"type": "json_object"};
+        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+        p = "response_format"
+        if response_format is None:
+            return None
+        if not isinstance(response_format, dict):
+            raise RequestError("response_format must be an object", param=p)
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True, source_param=p)
+        if kind != "json_schema":
+            raise RequestError(f"response_format.type must be one of text, json_object, json_schema "
+                               f"(got {kind!r})", param=p)
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError("response_format.json_schema must be an object", param=p)
+        name, strict = spec.get("name"), spec.get("strict")
+        if name is not None and not isinstance(name, str):
+            raise RequestError("response_format.json_schema.name must be a string", param=p)
+        if strict is not None and not isinstance(strict, bool):
+            raise RequestError("response_format.json_schema.strict must be a boolean", param=p)
+        schema = spec.get("schema", _ANY_OBJECT)  # OpenAI makes it optional
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError("response_format.json_schema.schema must be an object", param=p)
+        return cls(json=schema, source_param=p)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A validated llguidance grammar, shared by every sequence that asks for the same constraint."""
+
+    key: tuple
+    grammar: str  # llguidance's serialized grammar
+    vocab_size: int  # the model's: width of the bitmask rows
+    eos_token_ids: tuple[int, ...]
+    llg_vocab_size: int  # llguidance's: max(model's, tokenizer's)
+    _prototype: Any = field(repr=False, compare=False)  # a fresh LLMatcher, deep-copied per sequence
+
+    def matcher(self) -> "GrammarMatcher":
+        return GrammarMatcher(self)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams into CompiledGrammars for one tokenizer and model vocabulary.
+    Builds llguidance's tokenizer once (~0.2 s for a 49k vocabulary); grammars are cached by
+    `params.cache_key()`. `compile` is safe to call from several threads (llguidance drops the GIL)."""
+
+    def __init__(self, tokenizer, vocab_size: int | None = None, *, cache_size: int = CACHE_SIZE):
+        self.tokenizer_vocab_size = tokenizer.vocab_size
+        self.vocab_size = vocab_size or self.tokenizer_vocab_size
+        stop = sorted(getattr(tokenizer, "stop_token_ids", ()) or ())
+        eos = tokenizer.eos_token_id
+        self.eos_token_ids = tuple(([eos] if eos is not None else []) + [t for t in stop if t != eos])
+        self._llg_vocab = max(self.vocab_size, self.tokenizer_vocab_size)
+        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=self._llg_vocab,
+                                                   eos_token=list(self.eos_token_ids) or None)
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The grammar for `params`, checked now (request admission) so that a bad schema, regex or
+        grammar is a RequestError naming the problem, never a failure mid-generation."""
+        key = params.cache_key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(params, key)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams, key: tuple) -> CompiledGrammar:
+        kind, err = params.kind, params.source_param
+        what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex",
+                "choice": "choice", "grammar": "grammar"}[kind]
+        try:
+            grammar = self._serialize(params)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise RequestError(f"invalid {what}: {e}", param=err) from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error:
+            raise RequestError(f"invalid {what}: {messages[0] if messages else 'rejected'}", param=err)
+        for m in messages:
+            log.warning("structured output %s: %s", what, m)
+        proto = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if proto.is_error():
+            raise RequestError(f"invalid {what}: {proto.get_error()}", param=err)
+        return CompiledGrammar(key, grammar, self.vocab_size, self.eos_token_ids, self._llg_vocab, proto)
+
+    @staticmethod
+    def _serialize(params: StructuredOutputsParams) -> str:
+        kind = params.kind
+        if kind in ("json", "json_object"):
+            schema = _ANY_OBJECT if kind == "json_object" else params.json
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if schema is False:
+                raise ValueError("the schema false matches nothing")
+            if schema is True:
+                schema = {}  # anything
+            options = {"whitespace_flexible": not params.disable_any_whitespace}
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", params.choice)
+        return llguidance.grammar_from(kind, getattr(params, kind))  # "regex", "grammar" (Lark or GBNF)
+
+
+class GrammarMatcher:
+    """The parse state of one sequence. Not thread-safe: one thread (the engine's) drives it.
+
+    Per step: `fill_bitmask(bitmask, row)` before sampling, `accept_token(t)` after. A token the
+    grammar does not allow is refused (False) and leaves the state unchanged. Stop ids are handled
+    here, not by llguidance, so `rollback` counts them like any other accepted token."""
+
+    def __init__(self, compiled: CompiledGrammar):
+        self.compiled = compiled
+        self._m = compiled._prototype.deep_copy()
+        self._eos = frozenset(compiled.eos_token_ids)
+        self._num_tokens = 0  # accepted so far, EOS included
+        self._ended = False  # a stop id was accepted
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32 [rows, ceil(vocab/32)])."""
+        words = _words(self.compiled.vocab_size)
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != words:
+            raise ValueError(f"bitmask must be int32 [rows, {words}], got {bitmask.dtype} {bitmask.shape}")
+        dst = bitmask[row]
+        if self._ended:  # only a stop id may follow
+            dst[:] = 0
+            for t in self._eos:
+                if t < self.compiled.vocab_size:
+                    dst.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
+            return
+        llg_words = _words(self.compiled.llg_vocab_size)
+        if llg_words == words and dst.flags["C_CONTIGUOUS"]:
+            self._m.unsafe_compute_mask_ptr(dst.ctypes.data, dst.nbytes)
+        else:  # a model vocabulary smaller than the tokenizer's (drop the ids it cannot emit), or a
+            # row that is not contiguous
+            scratch = np.zeros(llg_words, np.int32)
+            self._m.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+            dst[:] = scratch[:words]
+        tail = self.compiled.vocab_size % 32
+        if tail:  # the padding bits of the last word
+            dst[words - 1] &= np.int32((1 << tail) - 1)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) when the grammar does not allow it."""
+        token_id = int(token_id)
+        if self._ended:
+            return False
+        if token_id in self._eos:
+            if not self._m.is_accepting():
+                return False
+            self._ended = True
+        elif self._m.try_consume_tokens([token_id]) != 1:
+            return False
+        self._num_tokens += 1
+        return True
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` (e.g. draft tokens) the grammar would accept in a row, without
+        advancing."""
+        if self._ended:
+            return 0
+        ids = [int(t) for t in token_ids]
+        end = next((i for i, t in enumerate(ids) if t in self._eos), len(ids))
+        n = self._m.validate_tokens(ids[:end]) if end else 0
+        if n < end or end == len(ids):
+            return n
+        # ids[end] is a stop id: allowed when the text before it is a complete match
+        consumed = self._m.try_consume_tokens(ids[:end]) if end else 0
+        accepting = consumed == end and self._m.is_accepting()
+        if consumed:
+            self._m.rollback(consumed)
+        return end + 1 if accepting else end
+
+    @property
+    def error(self) -> str | None:
+        """llguidance's message when the parser gave up (a resource limit hit mid-generation): the
+        mask then allows only stop ids, which `accept_token` refuses; the engine should abort the
+        sequence. None normally."""
+        return (self._m.get_error() or "llguidance error") if self._m.is_error() else None
+
+    def is_terminated(self) -> bool:
+        """True when the grammar is complete: a stop id was accepted, or nothing but one can follow.
+        The sequence should finish with finish_reason "stop"."""
+        return self._ended or (self._m.is_stopped() and not self._m.is_error())
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding's rejected drafts)."""
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} of {self._num_tokens} tokens")
+        n = num_tokens
+        if n and self._ended:
+            self._ended = False
+            n -= 1
+        if n and not self._m.rollback(n):
+            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
+        self._num_tokens -= num_tokens
+
+    def reset(self) -> None:
+        """Back to the start of the grammar (e.g. a preempted sequence that recomputes)."""
+        self.rollback(self._num_tokens)
