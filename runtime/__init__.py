@@ -6,7 +6,7 @@ from runtime.core.sampling_params import SamplingParams
 def __getattr__(name):
     # LLM pulls in JAX; keep `import runtime` light for the pure-Python scheduler tests.
     if name == "LLM":
-        from runtime.llm import LLM
+        from runtime.entrypoints.llm import LLM
 
         return LLM
     if name == "LLMEngine":

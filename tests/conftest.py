@@ -50,7 +50,7 @@ def smol_llm(smollm2):
     """A warmed-up LLM on the real SmolLM2 (f32), shared by the end-to-end tests."""
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
-    from runtime.llm import LLM
+    from runtime.entrypoints.llm import LLM
 
     config, weights, tok = smollm2
     plan = compile_plan(None, EngineConfig(**SMOL_ARGS), weights=weights, config=config, tokenizer=tok)

@@ -9,7 +9,7 @@ import pytest
 from runtime import SamplingParams
 from runtime.compile import compile_plan
 from runtime.config import EngineConfig
-from runtime.llm import LLM
+from runtime.entrypoints.llm import LLM
 
 
 def tiny_llm(backend: str) -> LLM:

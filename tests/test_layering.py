@@ -176,3 +176,37 @@ def test_no_import_cycles():
                  for m in cycle for d, line in sorted(GRAPH[m].items()) if d in members]
         lines.append(" <-> ".join(cycle) + "\n" + "\n".join(edges))
     assert not cycles, "import cycles:\n" + "\n".join(lines)
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_runtime_core_is_host_only():
+    """runtime/core/ (scheduler, block manager, sequences, params) is plain Python: no jax, and nothing
+    from the project outside runtime.core, so its tests run in milliseconds without a device."""
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        if not module.startswith("runtime.core"):
+            continue
+        jaxy = _third_party_imports(path) & {"jax", "jaxlib", "flax", "orbax"}
+        if jaxy:
+            bad.append(f"{path.relative_to(ROOT)} imports {sorted(jaxy)}")
+        bad += [f"{path.relative_to(ROOT)}:{line} imports {dep}" for dep, line in GRAPH[module].items()
+                if not dep.startswith("runtime.core")]
+    assert not bad, "runtime/core must stay host-only:\n" + "\n".join(bad)
+
+
+MAX_PRODUCT_FILE_LINES = 600
+
+
+def test_no_product_file_is_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > MAX_PRODUCT_FILE_LINES}
+    assert not long, f"split these files (limit {MAX_PRODUCT_FILE_LINES} lines): {long}"

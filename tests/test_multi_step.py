@@ -10,7 +10,7 @@ from models.weights import random_weights
 from runtime import SamplingParams
 from runtime.compile import compile_plan
 from runtime.config import EngineConfig
-from runtime.llm import LLM
+from runtime.entrypoints.llm import LLM
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64)
 

@@ -19,7 +19,7 @@ def fuzz_server(smollm2):
     from models.weights import random_weights
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
-    from runtime.llm import LLM
+    from runtime.entrypoints.llm import LLM
 
     _, _, tok = smollm2
     cfg = replace(get_preset("tiny"), name="tiny-smolvocab", vocab_size=tok.vocab_size, eos_token_id=2)

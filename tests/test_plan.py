@@ -13,7 +13,7 @@ from conftest import ROOT
 from runtime import SamplingParams
 from runtime.compile import Plan, compile_plan
 from runtime.config import EngineConfig
-from runtime.llm import LLM
+from runtime.entrypoints.llm import LLM
 
 ARGS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
 

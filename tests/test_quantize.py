@@ -171,7 +171,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def int8_llm(smollm2):
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
-    from runtime.llm import LLM
+    from runtime.entrypoints.llm import LLM
 
     config, weights, tok = smollm2
     plan = compile_plan(None, EngineConfig(**ACC_ARGS, quantization="int8"), weights=weights,

@@ -10,7 +10,7 @@ from models.weights import random_weights
 from runtime import SamplingParams
 from runtime.compile import compile_plan
 from runtime.config import EngineConfig
-from runtime.llm import LLM
+from runtime.entrypoints.llm import LLM
 from runtime.core.sampling_params import RequestError
 
 

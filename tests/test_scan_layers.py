@@ -19,7 +19,7 @@ from runtime.core.buckets import BucketTable
 from runtime.compile import build_graph, compile_plan
 from runtime.config import EngineConfig
 from runtime.worker.executor import JNP_DTYPES, build_step, step_layout
-from runtime.llm import LLM
+from runtime.entrypoints.llm import LLM
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT
 from pallas_kernels import bench
-from runtime import selfcheck
+from runtime import selfcheck, selfcheck_parts
 
 
 @pytest.mark.slow  # five subprocesses, about a minute; CI runs it
@@ -95,10 +95,10 @@ def _wrong_flash(kind):
 def test_kernel_part_catches_a_wrong_kernel(monkeypatch, kind, problem):
   import pallas_kernels
 
-  monkeypatch.setattr(selfcheck, "kernel_cases",
-                      lambda large: [selfcheck._flash_case([5, 20], 3, 4, 2, 64)])
+  monkeypatch.setattr(selfcheck_parts, "kernel_cases",
+                      lambda large: [selfcheck_parts._flash_case([5, 20], 3, 4, 2, 64)])
   monkeypatch.setattr(pallas_kernels, "flash_attention", _wrong_flash(kind))
-  ok, summary, data = selfcheck.part_kernels(SimpleNamespace(quick=True))
+  ok, summary, data = selfcheck_parts.part_kernels(SimpleNamespace(quick=True))
   assert not ok and "0/2 within tolerance" in summary
   assert all(problem in r["problem"] for r in data["rows"])
 
@@ -123,8 +123,8 @@ def _fake_llm(split_gap):
 
 
 def test_tiny_part_fails_on_a_real_divergence(monkeypatch):
-  monkeypatch.setattr(selfcheck, "build_llm", _fake_llm(split_gap=0.5))
-  ok, summary, data = selfcheck.part_tiny(SimpleNamespace(quick=True))
+  monkeypatch.setattr(selfcheck_parts, "build_llm", _fake_llm(split_gap=0.5))
+  ok, summary, data = selfcheck_parts.part_tiny(SimpleNamespace(quick=True))
   assert not ok
   assert data["dtypes"]["f32"]["equal"] == 4 and not data["dtypes"]["f32"]["ok"]
   assert data["dtypes"]["f32"]["first_split"] == "prompt 2 token 7: 7 vs 107, logprob gap 5.0e-01"
@@ -133,8 +133,8 @@ def test_tiny_part_fails_on_a_real_divergence(monkeypatch):
 
 def test_tiny_part_allows_a_split_at_a_near_tie(monkeypatch):
   # 0.05: a tie at bf16's precision, not at f32's.
-  monkeypatch.setattr(selfcheck, "build_llm", _fake_llm(split_gap=0.05))
-  ok, summary, data = selfcheck.part_tiny(SimpleNamespace(quick=True))
+  monkeypatch.setattr(selfcheck_parts, "build_llm", _fake_llm(split_gap=0.05))
+  ok, summary, data = selfcheck_parts.part_tiny(SimpleNamespace(quick=True))
   assert not ok
   assert not data["dtypes"]["f32"]["ok"]
   assert data["dtypes"]["bf16"] | {"first_split": None} == {
@@ -145,10 +145,10 @@ def test_tiny_part_allows_a_split_at_a_near_tie(monkeypatch):
 def test_compare_greedy_needs_each_token_in_the_other_top_logprobs():
   a = SimpleNamespace(token_ids=[1, 2], logprobs=[{1: -0.1}, {2: -0.1, 3: -0.1}])
   b = SimpleNamespace(token_ids=[1, 3], logprobs=[{1: -0.1}, {3: -0.1}])  # 2 not in b's top
-  assert selfcheck.compare_greedy(a, a, 1.0) == ("equal", "-")
-  assert selfcheck.compare_greedy(a, b, 1.0)[0] == "differ"
+  assert selfcheck_parts.compare_greedy(a, a, 1.0) == ("equal", "-")
+  assert selfcheck_parts.compare_greedy(a, b, 1.0)[0] == "differ"
   short = SimpleNamespace(token_ids=[1], logprobs=[{1: -0.1}])
-  assert selfcheck.compare_greedy(a, short, 1.0) == ("differ", "token 1 (lengths differ)")
+  assert selfcheck_parts.compare_greedy(a, short, 1.0) == ("differ", "token 1 (lengths differ)")
 
 
 def _bench_row(impl, spec, rate=None, fraction=None, note=""):

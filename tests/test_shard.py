@@ -272,7 +272,7 @@ def _engine_case(cfg, weights, tp: int, prompts, params, tokenizer=None, quantiz
                  scan_layers=None) -> dict:
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
-    from runtime.llm import LLM
+    from runtime.entrypoints.llm import LLM
 
     engine = EngineConfig(**SMALL_ENGINE, tensor_parallel_size=tp, quantization=quantization,
                           scan_layers=scan_layers)
@@ -322,7 +322,7 @@ def _plan_restart(prompts, params) -> dict:
     from models.weights import random_weights
     from runtime.compile import compile_plan
     from runtime.config import EngineConfig
-    from runtime.llm import LLM
+    from runtime.entrypoints.llm import LLM
 
     cfg = tiny()
     plan = compile_plan(None, EngineConfig(**SMALL_ENGINE, tensor_parallel_size=2),

@@ -8,7 +8,7 @@ from models.weights import random_weights
 from runtime import SamplingParams
 from runtime.compile import compile_plan
 from runtime.config import EngineConfig
-from runtime.llm import LLM
+from runtime.entrypoints.llm import LLM
 
 
 def test_trace_follows_the_request_through_the_engine():

@@ -1,0 +1,295 @@
+"""The engine thread and its queues: runs `LLMEngine.step()` on its own thread, and routes each request's
+outputs to the asyncio queue of whoever submitted it.
+
+Threads: the engine loop runs in its own thread and is the only caller of `LLMEngine.step`. The
+asyncio side only enqueues requests and aborts, both thread-safe, and receives outputs through one
+asyncio queue per caller, filled with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+
+from runtime.core.sampling_params import SamplingParams
+from runtime.metrics import Metrics, Snapshot
+
+log = logging.getLogger("runtime.async_engine")
+
+DEFAULT_MAX_QUEUE = 256
+
+
+# ====================================================================== the engine loop
+
+
+class QueueFull(Exception):
+    pass
+
+
+ABORTED = object()  # pushed to a request's queue when the engine aborted it
+
+
+class EngineLoop:
+    """Runs `engine.step()` on its own thread; routes outputs to per-HTTP-request asyncio queues."""
+
+    def __init__(self, engine, *, max_queue: int | None = DEFAULT_MAX_QUEUE, model_name: str = "model",
+                 log_stats_interval: float = 10.0):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.log_stats_interval = log_stats_interval
+        self._lock = threading.Lock()
+        self._subs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._queued: set[str] = set()  # added, not yet scheduled: what --max-queue bounds
+        self._last_token: dict[str, float] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.snapshot = Snapshot()
+        self._take_snapshot()
+        ec, bm = engine.engine_config, engine.block_manager
+        self.metrics = Metrics(model_name, lambda: self.snapshot, max_model_len=ec.max_model_len,
+                               max_num_batched_tokens=ec.max_num_batched_tokens, cache_config={
+                                   "block_size": bm.block_size, "num_gpu_blocks": bm.num_blocks,
+                                   "enable_prefix_caching": bm.enable_prefix_caching})
+        engine.finished_callbacks.append(self._on_finished)
+        self._last_log = (time.monotonic(), self.snapshot.prompt_tokens_total, self.snapshot.generation_tokens_total)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.abort_all()
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with contextlib.suppress(ValueError):
+            self.engine.finished_callbacks.remove(self._on_finished)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    @property
+    def capacity(self) -> int | None:
+        """Most requests that can be admitted at once: every batch slot plus the waiting queue."""
+        return None if self.max_queue is None else self.max_queue + self.engine.engine_config.max_num_seqs
+
+    def _free_slots(self) -> int:
+        return max(0, self.engine.engine_config.max_num_seqs - len(self.engine.scheduler.running))
+
+    # ------------------------------------------------------------ HTTP side (event loop thread)
+
+    def add(self, items: list[tuple[str, list[int], SamplingParams]], queue: asyncio.Queue,
+            arrival_time: float) -> None:
+        """Adds all of an HTTP request's prompts, or none: raises QueueFull or ValueError."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop has failed: {self.error!r}")
+        for _, ids, params in items:
+            self.engine.validate(ids, params)
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            # Requests that will take a free batch slot at the next step do not count as waiting.
+            free = self._free_slots()
+            if self.max_queue is not None and len(self._queued) + len(items) > self.max_queue + free:
+                raise QueueFull(f"the server's waiting queue is full ({len(self._queued)} requests not yet "
+                                f"scheduled, {free} free batch slots, queue limit {self.max_queue}); retry later")
+            for i, (rid, _, _) in enumerate(items):
+                self._subs[rid] = (loop, queue, i)
+                self._queued.add(rid)
+        added = []
+        try:
+            for rid, ids, params in items:
+                self.engine.add_request(rid, None, params, prompt_token_ids=ids, arrival_time=arrival_time)
+                added.append(rid)
+        except BaseException:
+            for rid, _, _ in items:
+                self._unsubscribe(rid)
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request (client gone, or shutdown); its KV blocks are freed at the next step.
+
+        The subscription stays until the engine confirms the abort (`_on_finished`), so whoever still
+        listens (a stream cut by shutdown) gets its final "abort" chunk."""
+        self.engine.abort_request(request_id)
+        self._wake.set()
+
+    def abort_all(self) -> int:
+        with self._lock:
+            ids = list(self._subs)
+        for rid in ids:
+            self.abort(rid)
+        return len(ids)
+
+    def _unsubscribe(self, request_id: str) -> None:
+        with self._lock:
+            self._subs.pop(request_id, None)
+            self._queued.discard(request_id)
+
+    # ------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        last_snap = 0.0
+        while not self._stop:
+            self._wake.clear()
+            if not engine.has_unfinished_requests():
+                self._take_snapshot()
+                self._maybe_log_stats()
+                self._wake.wait(0.5)
+                continue
+            t0 = time.perf_counter()
+            scheduled = engine.scheduled_tokens_total
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a broken engine: fail every request, refuse new ones
+                log.exception("engine step failed; the server will refuse new requests")
+                self.error = e
+                self._fail_all()
+                return
+            if engine.scheduled_tokens_total > scheduled:
+                self.metrics.iteration_tokens.observe(engine.scheduled_tokens_total - scheduled)
+            self._dispatch(outputs)
+            now = time.perf_counter()
+            if now - last_snap > 0.05:
+                self._take_snapshot()
+                self._maybe_log_stats()
+                last_snap = now
+            if not outputs and now - t0 < 1e-3:
+                self._wake.wait(0.002)  # nothing schedulable yet (e.g. a static batch filling up)
+        self._take_snapshot()
+
+    def _dispatch(self, outputs) -> None:
+        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            if self._queued:
+                for rid in list(self._queued):
+                    req = self.engine.requests.get(rid)
+                    if req is None or req.metrics.first_scheduled_time is not None:
+                        self._queued.discard(rid)
+            for out in outputs:
+                rid = out.request_id
+                m = out.metrics
+                if m is not None and m.last_token_time is not None:
+                    prev = self._last_token.get(rid)
+                    if prev is not None and m.last_token_time > prev:
+                        self.metrics.itl.observe(m.last_token_time - prev)
+                    self._last_token[rid] = m.last_token_time
+                sub = self._subs.pop(rid, None) if out.finished else self._subs.get(rid)
+                if out.finished:
+                    self._last_token.pop(rid, None)
+                if sub is not None:
+                    loop, q, idx = sub
+                    per_loop.setdefault(loop, []).append((q, idx, out))
+        for loop, batch in per_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+                loop.call_soon_threadsafe(_deliver, batch)
+
+    def _on_finished(self, req) -> None:
+        """Engine callback (engine thread): a request finished or was aborted."""
+        rid = req.request_id
+        m = req.metrics
+        now = time.monotonic()
+        num_out = sum(s.num_output_tokens for s in req.seqs)
+        reasons = sorted({s.finish_reason or "abort" for s in req.seqs})
+        reason = "abort" if req.aborted else ",".join(reasons)
+        end = m.finished_time or now
+        ttft = (m.first_token_time - m.arrival_time) if m.first_token_time is not None else None
+        if not req.aborted:
+            if ttft is not None:
+                self.metrics.ttft.observe(ttft)
+            self.metrics.e2e.observe(end - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.metrics.queue.observe(m.first_scheduled_time - m.arrival_time)
+                self.metrics.inference_time.observe(end - m.first_scheduled_time)
+                if m.first_token_time is not None:
+                    self.metrics.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.metrics.decode_time.observe(end - m.first_token_time)
+            self.metrics.req_prompt_tokens.observe(len(req.prompt_token_ids))
+            self.metrics.req_generation_tokens.observe(num_out)
+            self.metrics.req_params_n.observe(req.params.n)
+            if req.params.max_tokens is not None:
+                self.metrics.req_params_max_tokens.observe(req.params.max_tokens)
+        for r in reasons if not req.aborted else ["abort"]:
+            self.metrics.success.labels(self.metrics.model_name, r).inc()
+        log.info("request %s finished: prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
+                 rid, len(req.prompt_token_ids), num_out, f"{ttft:.3f}s" if ttft is not None else "-",
+                 end - m.arrival_time, reason)
+        if req.aborted:
+            with self._lock:
+                sub = self._subs.pop(rid, None)
+                self._queued.discard(rid)
+                self._last_token.pop(rid, None)
+            if sub is not None:
+                loop, q, idx = sub
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_deliver, [(q, idx, ABORTED)])
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            subs = list(self._subs.values())
+            self._subs.clear()
+            self._queued.clear()
+        for loop, q, idx in subs:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_deliver, [(q, idx, self.error)])
+
+    def _take_snapshot(self) -> None:
+        e = self.engine
+        st = e.stats()
+        sched = e.scheduler
+        self.snapshot = Snapshot(
+            time=time.monotonic(),
+            num_running=len({id(s.request) for s in list(sched.running)}),
+            num_waiting=len({id(s.request) for s in list(sched.waiting)}),
+            kv_cache_usage=st.kv_cache_usage, prefix_cache_queries=st.prefix_cache_queries,
+            prefix_cache_hits=st.prefix_cache_hits, num_preemptions=st.num_preemptions,
+            num_recompiles=st.num_recompiles, prompt_tokens_total=st.prompt_tokens_total,
+            generation_tokens_total=st.generation_tokens_total, padding_waste_ratio=st.padding_waste_ratio,
+            num_kv_blocks=st.num_kv_blocks, num_cached_blocks=st.num_cached_blocks)
+
+    def _maybe_log_stats(self) -> None:
+        if not self.log_stats_interval:
+            return
+        now = time.monotonic()
+        t, p, g = self._last_log
+        if now - t < self.log_stats_interval:
+            return
+        s = self.snapshot
+        self._last_log = (now, s.prompt_tokens_total, s.generation_tokens_total)
+        if s.prompt_tokens_total == p and s.generation_tokens_total == g and not (s.num_running or s.num_waiting):
+            return  # idle: say nothing
+        dt = now - t
+        hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        log.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+                 "Preemptions: %d, Recompiles: %d",
+                 (s.prompt_tokens_total - p) / dt, (s.generation_tokens_total - g) / dt, s.num_running,
+                 s.num_waiting, 100 * s.kv_cache_usage, 100 * hit, s.num_preemptions, s.num_recompiles)
+
+
+def _deliver(batch) -> None:
+    for q, idx, item in batch:
+        q.put_nowait((idx, item))
+
+

@@ -1,0 +1,385 @@
+"""The OpenAI-compatible HTTP server: the Starlette app, uvicorn, graceful drain, and the command line.
+
+    python -m runtime.serve --model smollm2-135m --port 8000
+    python -m runtime.serve --plan plans/smollm2 --api-key sk-local --max-queue 128
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream=true` as SSE),
+GET /v1/models, GET /health, GET /version, GET /metrics (Prometheus, vLLM's metric names), POST /tokenize,
+POST /detokenize, GET /openapi.json, GET /docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+
+from runtime.async_engine import DEFAULT_MAX_QUEUE
+from runtime.entrypoints.openai.protocol import APIError
+from runtime.entrypoints.openai.serving import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                                DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
+                                                DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN, Server,
+                                                ServerConfig)
+
+log = logging.getLogger("runtime.serve")
+
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+MAX_HEADER_BYTES = 64 << 10  # h11's buffer for an incomplete request head
+
+
+# ====================================================================== the app
+
+
+class _Gate:
+    """ASGI middleware: API key and shutdown checks before any handler runs."""
+
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app, server: Server):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"]
+            s = self.server
+            err = None
+            if s.draining and path not in ("/metrics", "/health"):
+                err = APIError(503, "the server is shutting down", code="server_shutting_down",
+                               headers={"Retry-After": str(s.cfg.retry_after_s)})
+            elif s.cfg.api_key and path.startswith(self.PROTECTED):
+                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                scheme, _, token = auth.partition(" ")
+                if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                         s.cfg.api_key.encode()):
+                    err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if err is not None:
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine, *, served_model_names: list[str] | str | None = None, api_key: str | None = None,
+              max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              log_stats_interval: float = 10.0, root: str | None = None, start_engine: bool = True,
+              **limits) -> Starlette:
+    """The ASGI app around an `LLMEngine`. `app.state.server` is the Server (engine loop, metrics, state).
+
+    The engine loop thread starts with the app (lifespan) unless `start_engine=False`; then call
+    `app.state.server.loop.start()` yourself. `limits`: the other `ServerConfig` fields (timeouts,
+    max_connections, max_prompt_chars); the connection ones apply when run by `serve` or `ServerThread`.
+    """
+    if isinstance(served_model_names, str):
+        served_model_names = [served_model_names]
+    names = list(served_model_names or [engine.config.name])
+    server = Server(engine, ServerConfig(names, api_key, max_queue, max_body_bytes, log_stats_interval,
+                                         root=root, **limits))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if start_engine:
+            server.loop.start()
+        try:
+            yield
+        finally:
+            server.loop.stop()
+            server.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def api_error(request, exc: APIError):
+        return exc.response()
+
+    async def http_error(request, exc: HTTPException):
+        return APIError(exc.status_code, exc.detail or "error", code=None,
+                        type="not_found_error" if exc.status_code == 404 else "invalid_request_error").response()
+
+    async def server_error(request, exc: Exception):
+        log.exception("unhandled error in %s", request.url.path)
+        return APIError(500, f"internal server error: {exc!r}", code="internal_error").response()
+
+    routes = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/version", server.version, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/openapi.json", server.openapi, methods=["GET"]),
+        Route("/docs", server.docs, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app.add_middleware(_Gate, server=server)
+    app.state.server = server
+    return app
+
+
+# ====================================================================== running it
+
+
+class _UvicornServer:
+    """uvicorn.Server without its own signal handling: SIGTERM/SIGINT drain (see `serve`)."""
+
+    def __new__(cls, config):
+        import uvicorn
+
+        class S(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        return S(config)
+
+
+def _guarded_protocol(header_timeout_s: float, max_connections: int):
+    """uvicorn's HTTP protocol, plus what it lacks against slow or numerous clients: connections past
+    `max_connections` are closed at accept, and one that has not sent a full request head within
+    `header_timeout_s` (of connecting, or of its previous response) is closed."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class GuardedHTTPProtocol(AutoHTTPProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                log.warning("%d connections open (limit %d): closing a new one", len(self.connections) - 1,
+                            max_connections)
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            # A request whose head arrived has a live cycle; its body has the body timeout.
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedHTTPProtocol
+
+
+def _uvicorn_config(app, host: str, port: int, **kwargs):
+    import uvicorn
+
+    server = getattr(getattr(app, "state", None), "server", None)
+    cfg = server.cfg if server is not None else ServerConfig([])  # another ASGI app: the defaults
+    return uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
+                          http=_guarded_protocol(cfg.header_timeout_s, cfg.max_connections),
+                          limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=cfg.keep_alive_timeout_s,
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **kwargs)
+
+
+class ServerThread:
+    """Runs an app on uvicorn in a background thread (tests, benchmarks). `url` once `start()` returns."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.app = app
+        self.host = host
+        self.server = _UvicornServer(_uvicorn_config(app, host, port, log_level=log_level, access_log=False))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.port: int | None = None
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+async def serve(app, host: str, port: int, *, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+                log_level: str = "info", access_log: bool = False) -> None:
+    """Serves until SIGTERM/SIGINT; then refuses new requests (503), drains in-flight ones for up to
+    `shutdown_grace_s`, aborts whatever is left, and returns. A second signal exits at once."""
+    server: Server = app.state.server
+    uv = _UvicornServer(_uvicorn_config(app, host, port, log_level=log_level, access_log=access_log,
+                                        log_config=None))
+    loop = asyncio.get_running_loop()
+    state = {"signals": 0}
+
+    async def drain(signame: str) -> None:
+        server.draining = True
+        deadline = time.monotonic() + shutdown_grace_s
+        log.info("%s: refusing new requests, draining %d in flight (grace %.0fs)", signame, server.num_inflight,
+                 shutdown_grace_s)
+        while server.num_inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if server.num_inflight > 0:
+            # Each aborted stream gets a final chunk with finish_reason "abort", then [DONE].
+            log.warning("grace period over: aborting %d in-flight requests", server.num_inflight)
+            server.loop.abort_all()
+            t_end = time.monotonic() + 1.0
+            while server.num_inflight > 0 and time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+        log.info("drained; shutting down")
+        uv.should_exit = True
+
+    def on_signal(signame: str) -> None:
+        state["signals"] += 1
+        if state["signals"] > 1:
+            log.warning("%s again: exiting now", signame)
+            uv.force_exit = uv.should_exit = True
+            return
+        asyncio.ensure_future(drain(signame))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, on_signal, sig.name)
+    await uv.serve()
+
+
+def _explicit_engine_kwargs(ap: argparse.ArgumentParser, args) -> dict:
+    """Engine args the user actually set (a saved plan keeps its own values for the others)."""
+    from runtime.args import engine_kwargs_from_args
+
+    kw = engine_kwargs_from_args(args)
+    return {k: v for k, v in kw.items() if v is not None and v != ap.get_default(k)}
+
+
+def parse_args(argv=None):
+    from runtime.args import add_engine_args
+
+    ap = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", default="smollm2-135m", help="preset name, GGUF file or HF directory")
+    src.add_argument("--plan", help="a plan directory from `python -m runtime.compile` (no lowering at start)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                         "(default: $JAXSERVE_API_KEY)")
+    ap.add_argument("--served-model-name", nargs="+", default=None,
+                    help="model name(s) clients use; the first is reported in responses")
+    ap.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                    help="requests allowed to wait for a batch slot; beyond it: 503 + Retry-After (-1: no limit)")
+    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                    help="larger request bodies get 413")
+    ap.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
+    ap.add_argument("--max-prompt-chars", type=int, default=None,
+                    help="longer prompts get 413 before tokenizing (default: max_model_len x "
+                         f"{PROMPT_CHARS_PER_TOKEN})")
+    ap.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                    help="close a connection that has not sent a request head within this")
+    ap.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                    help="answer 408 when a request body takes longer than this to arrive")
+    ap.add_argument("--keep-alive-timeout-s", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                    help="close an idle keep-alive connection after this")
+    ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                    help="open connections allowed; more are closed at accept")
+    ap.add_argument("--log-stats-interval", type=float, default=10.0,
+                    help="seconds between stats log lines (0: off)")
+    ap.add_argument("--compilation-cache-dir", default=None,
+                    help="JAX persistent compilation cache (default: the plan's xla_cache/ with --plan, "
+                         "else ~/.cache/jaxserve/xla; 'none' to disable)")
+    ap.add_argument("--enable-prompt-tokens-details", action="store_true",
+                    help="usage.prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache")
+    ap.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_engine_args(ap)
+    args = ap.parse_args(argv)
+    return ap, args
+
+
+def main(argv=None) -> int:
+    """The server's entry point (`python -m runtime.serve`, `jaxserve serve`). The model or plan,
+    the engine args and the port are checked first, so a mistake is one line before any compile."""
+    ap, args = parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    from runtime.args import engine_kwargs_from_args, preflight
+    from runtime.args import quiet_tpu_probe
+
+    quiet_tpu_probe()
+    preflight(args)
+    from runtime.engine import LLMEngine
+    from runtime.llm import load_plan
+    from runtime.worker.model_runner import DEFAULT_COMPILATION_CACHE, ModelRunner
+
+    t0 = time.perf_counter()
+    cache = args.compilation_cache_dir
+    if cache is None and not args.plan:
+        cache = str(DEFAULT_COMPILATION_CACHE)
+    cache = None if cache in (None, "none", "") else str(Path(cache).expanduser())
+    if args.plan:
+        plan = load_plan(args.plan, _explicit_engine_kwargs(ap, args))
+        source = args.plan
+    else:
+        plan = load_plan(args.model, engine_kwargs_from_args(args))
+        source = args.model
+    log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
+    runner = ModelRunner(plan, cache_dir=cache)
+    engine = LLMEngine(plan, runner=runner, progress=True, warm_execute=True)
+    log.info("engine warm in %.1fs (%d buckets compiled or loaded)", time.perf_counter() - t0,
+             len(plan.buckets.pairs()))
+    names = args.served_model_name or [args.model if not args.plan else plan.config.name]
+    app = build_app(engine, served_model_names=names, api_key=args.api_key,
+                    max_queue=None if args.max_queue < 0 else args.max_queue, max_body_bytes=args.max_body_bytes,
+                    log_stats_interval=args.log_stats_interval, root=str(source),
+                    max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout_s,
+                    body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
+                    max_connections=args.max_connections,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+    log.info("serving %s on http://%s:%d (model name%s %s)", source, args.host, args.port,
+             "s" if len(names) > 1 else "", ", ".join(names))
+    asyncio.run(serve(app, args.host, args.port, shutdown_grace_s=args.shutdown_grace_s,
+                      log_level=args.log_level, access_log=args.access_log))
+    log.info("server stopped")
+    # Interpreter teardown (the XLA client, device buffers, module globals) takes seconds and would
+    # push the exit past the grace period; the server is drained and has nothing left to write.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    from runtime.errors import run_main
+
+    sys.exit(run_main(main))
+

@@ -1,0 +1,145 @@
+"""/v1/chat/completions: messages through the chat template, chat choices, and chat stream chunks.
+A mixin of `Server` (serving.py), which supplies the shared plumbing through `self`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from runtime.core.sampling_params import MAX_LOGPROBS
+from runtime.entrypoints.openai.protocol import (ChatCompletionRequest, ChoiceState, Prepared, bad_request,
+                                                 chat_logprobs)
+
+
+class ChatServing:
+    """Server's /v1/chat/completions handler and its chat-specific parts."""
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, ChatCompletionRequest, self.prepare_chat, chat=True)
+
+    def prepare_chat(self, r: ChatCompletionRequest, arrival: float) -> Prepared:
+        model = self.check_model(r.model)
+        if r.tools:
+            raise bad_request("tools are not supported", "tools", "unsupported_parameter")
+        if r.response_format and r.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
+                              "unsupported_parameter")
+        messages = self._messages(r.messages)
+        ids = self.truncate(self._chat_ids(messages, r.add_generation_prompt, r.chat_template_kwargs,
+                                           r.continue_final_message), r)
+        # vLLM: the reply's role is the last message's when no generation prompt opens a new turn, and
+        # echo repeats the last message's content when that message has the reply's role.
+        role = "assistant" if r.add_generation_prompt else messages[-1]["role"]
+        echo = messages[-1]["content"] if r.echo and messages[-1]["role"] == role else ""
+        if r.top_logprobs is not None and not r.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {r.top_logprobs}", "top_logprobs")
+        max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+        param = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"{param} must be at least 1, got {max_tokens}", param)
+        if max_tokens is None:
+            max_tokens = max(self.max_model_len - len(ids), 1)  # the rest of the context
+        lp = (r.top_logprobs or 0) if r.logprobs else None
+        params = self.sampling_params(r, max_tokens=max_tokens, logprobs=lp, prompt_logprobs=r.prompt_logprobs)
+        include_usage, continuous = self._stream_flags(r)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return Prepared(rid, int(time.time()), model, [(f"{rid}-0", ids, params)], [None], r.n, r.stream,
+                         include_usage, continuous, arrival, {"top_logprobs": r.top_logprobs or 0,
+                                                              "return_token_ids": r.return_token_ids,
+                                                              "token_ids_as_names": r.return_tokens_as_token_ids,
+                                                              "role": role, "echo": echo})
+
+    def _messages(self, messages) -> list[dict]:
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages must be a non-empty list", "messages",
+                              "missing_required_parameter" if messages is None else "invalid_value")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise bad_request(f"messages[{i}] must be an object", f"messages.{i}", "invalid_type")
+            role = m.get("role")
+            if not isinstance(role, str) or not role:  # any other role string goes to the template, as in vLLM
+                raise bad_request(f"messages[{i}].role must be a non-empty string; got {role!r}",
+                                  f"messages.{i}.role", "invalid_type")
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                            part.get("text"), str):
+                        raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported",
+                                          f"messages.{i}.content.{j}", "unsupported_parameter")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            elif content is None and role == "assistant":
+                content = ""
+            elif not isinstance(content, str):
+                raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
+                                  f"messages.{i}.content", "invalid_type")
+            out.append({"role": "system" if role == "developer" else role, "content": content})
+        self.check_prompt_chars(sum(len(m["content"]) for m in out), "messages")
+        return out
+
+    def _chat_ids(self, messages, add_generation_prompt=True, kwargs=None, continue_final=False) -> list[int]:
+        """The templated prompt's ids. `continue_final`: the last message stays open (its end-of-turn and
+        anything after it are cut), so the model continues it (HF's continue_final_message). `kwargs`
+        (chat_template_kwargs) go to the template and override add_generation_prompt, as in vLLM."""
+        kwargs = {"add_generation_prompt": add_generation_prompt, **(kwargs or {})}
+        if continue_final and kwargs["add_generation_prompt"]:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
+                              "add_generation_prompt to false)", "continue_final_message")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, **kwargs)
+        except Exception as e:
+            raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+        if continue_final:
+            final = messages[-1]["content"]
+            for part in (final, final.strip()):
+                at = text.rfind(part) if part else -1
+                if at >= 0:
+                    text = text[:at + len(part)]
+                    break
+            else:
+                raise bad_request("continue_final_message needs a last message whose content the chat template "
+                                  "renders", "continue_final_message")
+        return self.encode(text)
+
+    def _chat_choice(self, prep, c, choice_index, reason, stop_reason) -> dict:
+        logprobs = None
+        if c is not None and c.logprobs is not None:
+            logprobs = {"content": chat_logprobs(self._names(prep), c.token_ids, c.logprobs,
+                                                 prep.extra["top_logprobs"])}
+        content = prep.extra["echo"] + (c.text if c else "")
+        return {"index": choice_index, "message": {"role": prep.extra["role"], "content": content},
+                "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
+
+    def _stream_chat_choice(self, prep: Prepared, idx: int, ci: int, c, st: ChoiceState, first: bool,
+                            delta_text: str, new_ids, new_lps, chunk, num_out: dict):
+        """The SSE chunks for one new output of choice `ci` (see `_stream`)."""
+        want_ids = prep.extra.get("return_token_ids", False)
+        lp = ({"content": chat_logprobs(self._names(prep), new_ids, new_lps, prep.extra["top_logprobs"])}
+              if new_lps is not None else None)
+        if first:  # the role chunk counts no completion tokens yet (vLLM)
+            top = {"prompt_token_ids": prep.items[0][1]} if want_ids and ci == 0 else {}
+            yield chunk([{"index": ci, "delta": {"role": prep.extra["role"], "content": ""},
+                          "logprobs": None, "finish_reason": None}], **top)
+            if prep.extra["echo"]:
+                yield chunk([{"index": ci, "delta": {"content": prep.extra["echo"]}, "logprobs": None,
+                              "finish_reason": None}])
+        num_out[ci] = len(c.token_ids)
+        if delta_text or lp is not None or (want_ids and new_ids):
+            # The last content chunk carries the finish reason (no empty chunk after it).
+            ch = {"index": ci, "delta": {"content": delta_text}, "logprobs": lp,
+                  "finish_reason": c.finish_reason}
+            if c.finish_reason:
+                ch["stop_reason"] = c.stop_reason
+            if want_ids:
+                ch["token_ids"] = list(new_ids)
+            yield chunk([ch])
+        elif c.finish_reason:  # nothing left to send but the reason
+            yield chunk([self._finish_delta(True, ci, c.finish_reason, c.stop_reason)])
