@@ -35,7 +35,7 @@ def check_plan_dir(path: str) -> dict:
         meta = json.loads((d / "plan.json").read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--plan {path}: unreadable plan.json ({e}); recompile: {make}") from e
-    from runtime.planner import PLAN_VERSION
+    from runtime.plan import PLAN_VERSION
 
     if meta.get("version") != PLAN_VERSION:
         raise UserError(f"--plan {path}: plan version {meta.get('version')}, this engine reads version "
@@ -70,7 +70,7 @@ def check_port(host: str, port: int) -> None:
 def plan_without_weights(config, engine: EngineConfig):
     """(final graph, memory plan, bucket table) from the config alone, as a dry run makes them."""
     from runtime.core.buckets import BucketTable
-    from runtime.planner import build_graph
+    from runtime.plan import build_graph
 
     buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
     try:
@@ -181,7 +181,7 @@ def preflight(args, *, engine_kwargs: dict | None = None, dry_run: bool = False)
     the tensor-parallel size. `engine_kwargs` replaces the engine args read from `args`.
     Returns the model config (None for a plan).
     """
-    from runtime.planner import is_plan_dir
+    from runtime.plan import is_plan_dir
 
     plan = getattr(args, "plan", None)
     model = getattr(args, "model", None)

@@ -52,11 +52,11 @@ class RunResult:
 def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list | None = None) -> RunResult:
     """One policy over the workload; with `request_traces`, every request runs with
     SamplingParams(trace=True) and its trace is appended there."""
-    from runtime.engine import LLMEngine
+    from runtime.build import build_engine
     from runtime.core.sampling_params import SamplingParams
 
     plan = dataclasses.replace(plan, engine=dataclasses.replace(plan.engine, scheduling=policy))
-    engine = LLMEngine(plan, tokenizer, runner=runner, warmup=False)
+    engine = build_engine(plan, runner=runner, tokenizer=tokenizer, warmup=False)
     engine.trace = []
     engine.scheduler.no_more_arrivals = True
     t0 = time.monotonic()
@@ -259,14 +259,14 @@ def main(argv=None) -> int:
         raise UserError(f"--model {args.model} is a plan directory; the offline benchmark compiles from a "
                         f"model (a preset, .gguf file or HF directory): pass that instead")
 
-    from runtime.compile import compile_plan
+    from runtime.plan import compile_plan
     from runtime.config import EngineConfig
-    from runtime.worker.model_runner import ModelRunner
+    from runtime.build import build_runner
     from models.weights import load_model
 
     config, weights, tok = load_model(args.model)
     plan = compile_plan(None, EngineConfig.from_kwargs(**kw), weights=weights, config=config, tokenizer=tok)
-    runner = ModelRunner(plan)
+    runner = build_runner(plan)
     warm = runner.warmup(progress=True, execute=True)
     print(f"warm-up (compile {len(plan.buckets.pairs())} buckets): {warm:.1f}s; "
           f"KV pool {plan.num_kv_blocks} blocks x {plan.engine.block_size}", file=sys.stderr)

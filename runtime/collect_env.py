@@ -60,7 +60,7 @@ def _devices() -> dict:
 def collect() -> dict:
     """Everything `jaxserve env` reports, as plain data."""
     from models.weights import find_smollm2_gguf
-    from runtime.worker.model_runner import DEFAULT_COMPILATION_CACHE
+    from runtime.build import DEFAULT_COMPILATION_CACHE
 
     try:
         gguf = str(find_smollm2_gguf())

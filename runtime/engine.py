@@ -15,7 +15,7 @@ import numpy as np
 
 from runtime.core import detokenizer
 from runtime.core.block_manager import BlockManager
-from runtime.compile import Plan
+from runtime.plan import Plan
 from runtime.worker.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
 from runtime.worker.sampler import build_inputs
 from runtime.core.sampling_params import RequestError, SamplingParams

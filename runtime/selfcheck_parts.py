@@ -224,7 +224,7 @@ def build_llm(cfg, weights, *, backend: str, dtype: str, buckets=None, warm_exec
     warm_execute: also run every bucket twice at start, as the server does, so that no bucket's
     slow first executions land inside a timed run.
     """
-    from runtime.compile import compile_plan
+    from runtime.plan import compile_plan
     from runtime.config import EngineConfig
     from runtime.entrypoints.llm import LLM
 

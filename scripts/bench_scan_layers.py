@@ -22,9 +22,9 @@ import numpy as np  # noqa: E402
 
 from models.config import get_preset  # noqa: E402
 from models.weights import load_model, random_weights  # noqa: E402
-from runtime.compile import compile_plan  # noqa: E402
+from runtime.plan import compile_plan  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
-from runtime.worker.model_runner import ModelRunner  # noqa: E402
+from runtime.build import build_runner  # noqa: E402
 
 
 def startup() -> dict:
@@ -34,11 +34,11 @@ def startup() -> dict:
         cache = tempfile.mkdtemp(prefix=f"scan_{scan}_")
         plan = compile_plan(None, EngineConfig(scan_layers=scan), weights=w, config=cfg, tokenizer=tok)
         t0 = time.perf_counter()
-        ModelRunner(plan, cache_dir=cache).warmup()
+        build_runner(plan, cache).warmup()
         cold = time.perf_counter() - t0
         jax.clear_caches()
         t0 = time.perf_counter()
-        ModelRunner(plan, cache_dir=cache).warmup()
+        build_runner(plan, cache).warmup()
         res["scan" if scan else "unrolled"] = dict(buckets=len(plan.buckets.pairs()), cold_compile_s=round(cold, 1),
                                                    warm_load_s=round(time.perf_counter() - t0, 1))
     return res
@@ -66,7 +66,7 @@ def steps(rounds: int = 4) -> dict:
     for scan in (True, False):
         plan = compile_plan(None, EngineConfig(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=128,
                                                num_kv_blocks=1200, scan_layers=scan), weights=w, config=cfg)
-        runners[scan] = ModelRunner(plan)
+        runners[scan] = build_runner(plan)
     times = {name: {True: [], False: []} for name in cases}
     for _ in range(rounds):  # interleaved, so load changes hit both alike
         for name, (bucket, n, t, ctx) in cases.items():

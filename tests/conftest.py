@@ -37,6 +37,26 @@ def golden_arrays(name: str) -> dict[str, np.ndarray]:
     return dict(np.load(GOLDEN_DIR / f"{name}.npz"))
 
 
+def tiny_bpe_tokenizer():
+    """A byte-level BPE of 262 tokens (the 256 bytes, 5 merges, <eos> = 261): a real tokenizer for
+    fast tests of structured outputs."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from models.tokenizer import Tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    merges = [("a", "b"), ("1", "2"), ('"', "a"), ("Ġ", "a"), ("{", '"')]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    backend = Backend(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    return Tokenizer(backend, eos_token="<eos>")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(config, weights, tokenizer) of the real SmolLM2-135M-Instruct, loaded once."""
@@ -48,7 +68,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smol_llm(smollm2):
     """A warmed-up LLM on the real SmolLM2 (f32), shared by the end-to-end tests."""
-    from runtime.compile import compile_plan
+    from runtime.plan import compile_plan
     from runtime.config import EngineConfig
     from runtime.entrypoints.llm import LLM
 

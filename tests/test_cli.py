@@ -173,7 +173,7 @@ def test_bad_flags_are_one_line_too(capsys, argv, says):
 @pytest.mark.parametrize("command", [("serve",), ("compile", "--out", "/tmp/never"), ("compile", "--dry-run"),
                                      ("dump",), ("bench",)])
 def test_unknown_model(capsys, command, monkeypatch):
-    monkeypatch.setattr("runtime.entrypoints.llm.load_plan", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr("runtime.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
     line = _one_line_error(*_cli(capsys, *command, "--model", "smolm2-135m")[::2])
     assert "unknown model 'smolm2-135m'" in line and "did you mean --model smollm2-135m?" in line
 
@@ -186,14 +186,14 @@ def test_preset_without_bundled_weights(capsys):
 
 @pytest.mark.parametrize("command", [("compile", "--dry-run"), ("serve",), ("dump",)])
 def test_max_model_len_beyond_the_model(capsys, command, monkeypatch):
-    monkeypatch.setattr("runtime.entrypoints.llm.load_plan", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr("runtime.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
     line = _one_line_error(*_cli(capsys, command[0], "--model", "smollm2-135m", *command[1:],
                                  "--max-model-len", "100000")[::2])
     assert "--max-model-len 100000" in line and "--max-model-len 8192 or less" in line
 
 
 def test_missing_plan_directory_is_named(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("runtime.entrypoints.llm.load_plan", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr("runtime.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
     missing = tmp_path / "plans" / "smollm2"
     line = _one_line_error(*_cli(capsys, "serve", "--plan", str(missing))[::2])
     assert f"--plan {missing}: no such directory" in line and "jaxserve compile" in line
@@ -203,7 +203,7 @@ def test_missing_plan_directory_is_named(capsys, tmp_path, monkeypatch):
 
 
 def test_busy_port_is_reported_before_anything_loads(capsys, busy_port, monkeypatch):
-    monkeypatch.setattr("runtime.entrypoints.llm.load_plan", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr("runtime.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
     line = _one_line_error(*_cli(capsys, "serve", "--model", "tiny", "--max-model-len", "256",
                                  "--port", str(busy_port))[::2])
     assert f"port {busy_port} on 127.0.0.1 is already in use" in line and "--port" in line

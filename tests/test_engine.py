@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SMOL_ARGS, golden_arrays, golden_prompts
 from runtime import SamplingParams
-from runtime.compile import compile_plan
+from runtime.plan import compile_plan
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 from runtime.workload import synthetic_workload

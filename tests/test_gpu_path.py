@@ -16,7 +16,7 @@ from models.config import get_preset
 from models.weights import random_weights
 from runtime import SamplingParams
 from runtime.core.buckets import BucketTable
-from runtime.compile import build_graph, compile_plan
+from runtime.plan import build_graph, compile_plan
 from runtime.config import EngineConfig, resolve_dtype
 from runtime.worker.executor import JNP_DTYPES, build_step, state_names
 from runtime.entrypoints.llm import LLM

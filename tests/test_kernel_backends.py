@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from runtime import SamplingParams
-from runtime.compile import compile_plan
+from runtime.plan import compile_plan
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 

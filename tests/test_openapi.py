@@ -17,7 +17,7 @@ def fuzz_server(smollm2):
 
     from models.config import get_preset
     from models.weights import random_weights
-    from runtime.compile import compile_plan
+    from runtime.plan import compile_plan
     from runtime.config import EngineConfig
     from runtime.entrypoints.llm import LLM
 

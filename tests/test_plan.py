@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT
 from runtime import SamplingParams
-from runtime.compile import Plan, compile_plan
+from runtime.plan import Plan, compile_plan
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 

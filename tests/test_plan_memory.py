@@ -225,7 +225,7 @@ XLA_BUCKETS = [(32, 4), (64, 16), (128, 16)]
 
 @pytest.fixture(scope="module")
 def smol_plan(smollm2):
-    from runtime.compile import compile_plan
+    from runtime.plan import compile_plan
     from runtime.config import EngineConfig
 
     config, weights, tok = smollm2

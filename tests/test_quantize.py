@@ -73,7 +73,7 @@ def test_weight_bytes_halve_bf16_and_quarter_f32():
 
     # A real model, as `runtime.compile --dry-run` plans it: llama-2-7b (32 layers, untied).
     from runtime.core.buckets import BucketTable
-    from runtime.compile import build_graph
+    from runtime.plan import build_graph
     from runtime.config import EngineConfig
 
     cfg = get_preset("llama-2-7b")
@@ -169,7 +169,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def int8_llm(smollm2):
-    from runtime.compile import compile_plan
+    from runtime.plan import compile_plan
     from runtime.config import EngineConfig
     from runtime.entrypoints.llm import LLM
 

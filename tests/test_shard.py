@@ -177,7 +177,7 @@ def test_memory_plan_per_device_bytes():
 def test_llama_70b_tp8_dry_run_plan():
     """The predicted per-device memory for llama-2-70b at tp=8, bf16 (no weights loaded)."""
     from runtime.core.buckets import BucketTable
-    from runtime.compile import Plan, build_graph
+    from runtime.plan import Plan, build_graph
     from runtime.config import EngineConfig
 
     cfg = get_preset("llama-2-70b")
@@ -270,7 +270,7 @@ def _collectives(hlo: str) -> list[tuple[str, str]]:
 
 def _engine_case(cfg, weights, tp: int, prompts, params, tokenizer=None, quantization=None,
                  scan_layers=None) -> dict:
-    from runtime.compile import compile_plan
+    from runtime.plan import compile_plan
     from runtime.config import EngineConfig
     from runtime.entrypoints.llm import LLM
 
@@ -320,7 +320,7 @@ def _plan_restart(prompts, params) -> dict:
     import tempfile
 
     from models.weights import random_weights
-    from runtime.compile import compile_plan
+    from runtime.plan import compile_plan
     from runtime.config import EngineConfig
     from runtime.entrypoints.llm import LLM
 

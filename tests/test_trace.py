@@ -6,7 +6,7 @@ from __future__ import annotations
 from models.config import get_preset
 from models.weights import random_weights
 from runtime import SamplingParams
-from runtime.compile import compile_plan
+from runtime.plan import compile_plan
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 

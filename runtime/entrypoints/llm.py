@@ -5,47 +5,24 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from runtime.compile import Plan, compile_plan, is_plan_dir
-from runtime.config import EngineConfig, resolve_dtype
-from runtime.engine import LLMEngine, RequestOutput
+from runtime.build import build_engine
+from runtime.plan import Plan, load_plan
+from runtime.engine import RequestOutput
 from runtime.core.sampling_params import SamplingParams
-
-# Engine args that only steer the host-side loop; a saved plan may be started with new values.
-RUNTIME_ARGS = ("scheduling", "max_waiting_ms", "static_batch_size", "enable_prefix_caching", "seed",
-                "kernel_backend", "scan_layers", "num_scheduler_steps")
-
-
-def load_plan(model, engine_args: dict) -> Plan:
-    """A saved plan directory (runtime args may be overridden), or a fresh in-memory compile."""
-    if is_plan_dir(model):
-        plan = Plan.load(model)
-        fixed = {k: v for k, v in engine_args.items() if k not in RUNTIME_ARGS and k != "gpu_memory_utilization"}
-        if "dtype" in fixed:
-            fixed["dtype"] = resolve_dtype(fixed["dtype"])
-        for k, v in fixed.items():
-            if getattr(plan.engine, k, v) != v:
-                raise ValueError(f"{model} was compiled with {k}={getattr(plan.engine, k)!r}; "
-                                 f"recompile the plan to use {k}={v!r}")
-        for k in RUNTIME_ARGS:
-            if k in engine_args:
-                setattr(plan.engine, k, engine_args[k])
-        return plan
-    return compile_plan(model, EngineConfig.from_kwargs(**engine_args))
-
 
 class LLM:
     """`LLM(model="smollm2-135m", **engine_args)`: a preset, GGUF file, HF directory or plan directory."""
 
     def __init__(self, model: str = "smollm2-135m", *, check_invariants: bool = False, **engine_args):
         self.plan = load_plan(model, engine_args)
-        self.engine = LLMEngine(self.plan, check_invariants=check_invariants)
+        self.engine = build_engine(self.plan, check_invariants=check_invariants)
 
     @classmethod
     def from_plan(cls, plan: Plan, **engine_kwargs) -> "LLM":
         """Wraps an already compiled plan (e.g. one shared by several tests)."""
         self = cls.__new__(cls)
         self.plan = plan
-        self.engine = LLMEngine(plan, **engine_kwargs)
+        self.engine = build_engine(plan, **engine_kwargs)
         return self
 
     def get_tokenizer(self):

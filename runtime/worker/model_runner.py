@@ -47,9 +47,6 @@ def num_backend_compiles() -> int:
     return _num_compiles
 
 
-DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
-
-
 def enable_compilation_cache(cache_dir: str | Path) -> None:
     """JAX's persistent compilation cache: a second start loads executables instead of compiling."""
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
@@ -120,22 +117,17 @@ def check_fit(memory: MemoryPlan, measured_peak: int | None = None) -> None:
 class ModelRunner:
     """Owns the device state of a plan and executes one bucketed step at a time."""
 
-    def __init__(self, plan, cache_dir: str | Path | None = None, backend: str | None = None,
-                 mesh=None):
+    def __init__(self, plan, backend: str | None = None, mesh=None):
+        """The persistent compilation cache is set by runtime.build.build_runner, not here."""
         self.plan = plan
         self.graph = plan.graph
         engine = plan.engine
-        if cache_dir is None and plan.directory is not None:
-            cache_dir = Path(plan.directory) / "xla_cache"
-        if cache_dir is None and not jax.config.jax_compilation_cache_dir:
-            cache_dir = DEFAULT_COMPILATION_CACHE  # in-memory plans share one per-user cache
-        if cache_dir is not None:
-            enable_compilation_cache(cache_dir)
         self.backend = backend or engine.kernel_backend
         self.block_size = engine.block_size
         self.max_blocks_per_seq = math.ceil(engine.max_model_len / engine.block_size)
         self.num_blocks = plan.num_kv_blocks
         self.max_model_len = engine.max_model_len
+        self.vocab_size = plan.config.vocab_size
         if mesh is None and engine.tensor_parallel_size > 1:
             from runtime.worker.sharding import TensorParallelMesh
 
@@ -240,7 +232,7 @@ class ModelRunner:
         if bucket not in self.compiled:
             specs = self.input_specs(*bucket)
             lowered = self._step.lower(self._abstract(self.params), self._abstract(self.state), specs,
-                                       sampler.input_specs(bucket[1], self.max_model_len))
+                                       sampler.input_specs(bucket[1], self.max_model_len, self.vocab_size))
             self.compiled[bucket] = lowered.compile()
         return self.compiled[bucket]
 
@@ -248,7 +240,7 @@ class ModelRunner:
         if bucket not in self.compiled_multi:
             self.compiled_multi[bucket] = self._multi_step.lower(
                 self._abstract(self.params), self._abstract(self.state), self.input_specs(*bucket),
-                sampler.input_specs(bucket[1], self.max_model_len)).compile()
+                sampler.input_specs(bucket[1], self.max_model_len, self.vocab_size)).compile()
         return self.compiled_multi[bucket]
 
     def execute_multi_step(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray], sampling: dict):
@@ -345,7 +337,7 @@ class ModelRunner:
         if sampling is None:
             if bucket[1] not in self._idle_sampling:
                 self._idle_sampling[bucket[1]] = sampler.build_inputs(
-                    [], bucket[1], self.max_model_len, lambda p: []).arrays()
+                    [], bucket[1], self.max_model_len, lambda p: [], vocab_size=self.vocab_size).arrays()
             sampling = self._idle_sampling[bucket[1]]
         outs, self.state = fn(self.params, self.state, inputs, sampling)
         if self.mesh is not None:

@@ -20,7 +20,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -337,15 +336,10 @@ def main(argv=None) -> int:
 
     quiet_tpu_probe()
     preflight(args)
-    from runtime.engine import LLMEngine
-    from runtime.llm import load_plan
-    from runtime.worker.model_runner import DEFAULT_COMPILATION_CACHE, ModelRunner
+    from runtime.build import build_engine
+    from runtime.plan import load_plan
 
     t0 = time.perf_counter()
-    cache = args.compilation_cache_dir
-    if cache is None and not args.plan:
-        cache = str(DEFAULT_COMPILATION_CACHE)
-    cache = None if cache in (None, "none", "") else str(Path(cache).expanduser())
     if args.plan:
         plan = load_plan(args.plan, _explicit_engine_kwargs(ap, args))
         source = args.plan
@@ -353,8 +347,7 @@ def main(argv=None) -> int:
         plan = load_plan(args.model, engine_kwargs_from_args(args))
         source = args.model
     log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
-    runner = ModelRunner(plan, cache_dir=cache)
-    engine = LLMEngine(plan, runner=runner, progress=True, warm_execute=True)
+    engine = build_engine(plan, cache_dir=args.compilation_cache_dir, progress=True, warm_execute=True)
     log.info("engine warm in %.1fs (%d buckets compiled or loaded)", time.perf_counter() - t0,
              len(plan.buckets.pairs()))
     names = args.served_model_name or [args.model if not args.plan else plan.config.name]

@@ -1,0 +1,50 @@
+"""The one place a plan becomes a running engine (plans come from runtime.plan's `load_plan`):
+`build_runner` (the device side, with the one compilation-cache rule) and `build_engine`.
+`LLM`, the server, the benchmarks and `compile` all come through here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.plan import Plan
+
+DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
+NO_CACHE = ("none", "")
+
+
+def compilation_cache_dir(plan: Plan, cache_dir: str | Path | None = None) -> Path | None:
+    """Where compiled executables persist: `cache_dir` if given ("none" turns the cache off), else the
+    plan directory's xla_cache/, else the cache this process already uses, else one per-user cache
+    shared by in-memory plans."""
+    if cache_dir is not None:
+        return None if str(cache_dir) in NO_CACHE else Path(cache_dir).expanduser()
+    if plan.directory is not None:
+        return Path(plan.directory) / "xla_cache"
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:  # already chosen in this process (a test session, a user)
+        return None
+    return DEFAULT_COMPILATION_CACHE
+
+
+def build_runner(plan: Plan, cache_dir: str | Path | None = None, **runner_kwargs):
+    """The ModelRunner for `plan` (weights and KV pools on the device), with the cache rule above."""
+    from runtime.worker.model_runner import ModelRunner, enable_compilation_cache
+
+    directory = compilation_cache_dir(plan, cache_dir)
+    if directory is not None:
+        enable_compilation_cache(directory)
+    return ModelRunner(plan, **runner_kwargs)
+
+
+def build_engine(plan: Plan, *, cache_dir: str | Path | None = None, runner=None, tokenizer=None,
+                 warmup: bool = True, progress: bool = False, warm_execute: bool = False,
+                 check_invariants: bool = False):
+    """The LLMEngine over `plan`: a new runner unless one is given (the benchmarks share one across
+    engines), compiled (or loaded from the cache) unless `warmup=False`."""
+    from runtime.engine import LLMEngine
+
+    if runner is None:
+        runner = build_runner(plan, cache_dir)
+    return LLMEngine(plan, tokenizer, runner=runner, warmup=warmup, progress=progress,
+                     warm_execute=warm_execute, check_invariants=check_invariants)
