@@ -18,7 +18,8 @@ from runtime.core.block_manager import BlockManager
 from runtime.plan import Plan
 from runtime.worker.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
 from runtime.worker.sampler import build_inputs
-from runtime.core.sampling_params import RequestError, SamplingParams
+from runtime.core.sampling_params import STRUCTURED_PARAM, RequestError, SamplingParams
+from runtime.core.structured_output import CompiledGrammar, GrammarCompiler, allocate_bitmask
 from runtime.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from runtime.core.sequence import Request, Sequence, SeqStatus
 
@@ -144,12 +145,16 @@ class LLMEngine:
         self.step_hooks = []
         self.num_recompiles = 0
         self._step_requests: dict[str, Request] | None = None  # what the running step touches
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
+        self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------ requests
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> CompiledGrammar | None:
         """Raises RequestError, with the exact numbers, when this engine cannot serve a request:
-        the model-dependent checks (SamplingParams has checked the value ranges)."""
+        the model-dependent checks (SamplingParams has checked the value ranges). Compiles the
+        request's grammar (structured outputs), so a bad schema fails here, at admission; returns
+        it (None without one). Safe to call from several threads."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt", "empty_prompt")
@@ -171,6 +176,18 @@ class LLMEngine:
             for t in ids:
                 if not 0 <= int(t) < vocab:
                     raise RequestError(f"{name} token id {t} is outside [0, {vocab})", name)
+        so = params.structured_outputs
+        return self.grammar_compiler(so.source_param).compile(so) if so is not None else None
+
+    def grammar_compiler(self, param: str = STRUCTURED_PARAM) -> GrammarCompiler:
+        """The engine's one GrammarCompiler (llguidance's view of the tokenizer), built on first use."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need the model's tokenizer, and this model has "
+                                       "none", param, "unsupported_parameter")
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.config.vocab_size)
+            return self._grammar_compiler
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,
@@ -186,13 +203,16 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.validate(prompt_token_ids, params)
+        grammar = self.validate(prompt_token_ids, params)
         if params.max_tokens is None:
             params.max_tokens = self.engine_config.max_model_len - len(prompt_token_ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params.seed is None:
             params = _with_seed(params, self._rng.getrandbits(31))
         req = Request(request_id, prompt, prompt_token_ids, params, arrival_time)
+        if grammar is not None:
+            req.grammar = grammar
+            req.seqs[0].matcher = grammar.matcher()
         with self._lock:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -288,7 +308,8 @@ class LLMEngine:
         inputs, rows = self._prepare(sched)
         row_params = [(s.request.params, _seq_seed(s, fork_index), s.num_output_tokens if fork_index is None else 0,
                        s.token_ids, s.prompt_len) for s, fork_index in rows]
-        si = build_inputs(row_params, sched.bucket[1], self.engine_config.max_model_len, self._stop_ids)
+        si = build_inputs(row_params, sched.bucket[1], self.engine_config.max_model_len, self._stop_ids,
+                          vocab_size=self.config.vocab_size, bitmask=self._grammar_bitmask(rows, sched.bucket[1]))
         t_prep = time.perf_counter()
         if sched.copies:
             self.runner.copy_blocks(sched.copies)
@@ -338,8 +359,9 @@ class LLMEngine:
     def _multi_step_ready(self, sched: ScheduleOutput) -> bool:
         """Whether this step may run num_scheduler_steps decode steps at once: every sequence
         decodes one token with nothing that changes between the steps on the host (penalties
-        read the growing history; min_tokens lifts a ban mid-window; a first sample forks n), and
-        there are KV blocks for all K tokens. Then it takes those blocks."""
+        read the growing history; min_tokens lifts a ban mid-window; a first sample forks n; a
+        grammar needs the host to write each step's mask), and there are KV blocks for all K
+        tokens. Then it takes those blocks."""
         k = self.runner.num_scheduler_steps
         if k <= 1 or sched.bucket not in self.runner.multi_step_buckets:
             return False
@@ -347,7 +369,7 @@ class LLMEngine:
         for sc in sched.scheduled:
             seq, p = sc.seq, sc.seq.request.params
             if (sc.num_new_tokens != 1 or sc.num_rows != 1 or not seq.request.forked or seq.num_output_tokens == 0
-                    or p.needs_penalties or seq.num_output_tokens < p.min_tokens
+                    or p.needs_penalties or seq.num_output_tokens < p.min_tokens or seq.matcher is not None
                     or seq.num_computed_tokens + k > limit):
                 return False
         bm = self.block_manager
@@ -401,6 +423,18 @@ class LLMEngine:
         inputs = {"tokens": tokens, "positions": positions, "slot_mapping": slots, "block_tables": tables,
                   "context_lens": ctx, "cu_q_lens": cu, "logits_indices": logits_idx}
         return inputs, rows
+
+    def _grammar_bitmask(self, rows, num_rows: int) -> np.ndarray | None:
+        """The step's allowed-token masks, written on the host before dispatch (overlapping this with
+        the previous step on the device is left for later); None when no row is constrained. The n
+        first-sample rows of a request all read the parent's matcher: none has a token yet."""
+        if all(seq.matcher is None for seq, _ in rows):
+            return None
+        bitmask = allocate_bitmask(num_rows, self.config.vocab_size)
+        for r, (seq, _) in enumerate(rows):
+            if seq.matcher is not None:
+                seq.matcher.fill_bitmask(bitmask, r)
+        return bitmask
 
     def _prompt_logprobs(self, scheduled, sched: ScheduleOutput, hidden) -> None:
         hidden = np.asarray(jax.device_get(hidden))
@@ -464,6 +498,8 @@ class LLMEngine:
             return parent
         child = Sequence(req, parent.token_ids[:parent.prompt_len], fork_index)
         child.status = SeqStatus.RUNNING
+        if req.grammar is not None:
+            child.matcher = req.grammar.matcher()  # its own parse state
         self.block_manager.fork(parent, child)
         req.seqs.append(child)
         self.scheduler.running.append(child)
@@ -473,6 +509,12 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lp) -> None:
         p = seq.request.params
+        if seq.matcher is not None and not seq.matcher.accept_token(tok):
+            # The mask should make this impossible; end this sequence, not the engine.
+            why = seq.matcher.error or f"token {tok} is not allowed by the grammar"
+            seq.request.error, seq.finish_reason = f"structured output failed: {why}", "error"
+            log.error("request %s: %s", seq.request.request_id, seq.request.error)
+            return self.scheduler.finish(seq)
         seq.token_ids.append(tok)
         self.generation_tokens_total += 1
         if seq.num_output_tokens == 1 and seq.index == 0:
@@ -502,6 +544,8 @@ class LLMEngine:
                     i, s = hit
                     seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
                     reason, stop_reason = "stop", s
+        if reason is None and seq.matcher is not None and seq.matcher.is_terminated():
+            reason = "stop"  # the grammar is complete (its last token may be a stop id or not)
         if reason is None and (n_out >= p.max_tokens or len(seq) >= self.engine_config.max_model_len):
             reason = "length"
         if reason is not None:
@@ -522,7 +566,7 @@ class LLMEngine:
                 s.finish_reason, s.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
                              req.is_finished or req.aborted, req.metrics, req.seqs[0].num_cached_tokens,
-                             trace=req.trace.to_dict(req) if req.trace is not None else None)
+                             error=req.error, trace=req.trace.to_dict(req) if req.trace is not None else None)
 
     # ------------------------------------------------------------------ stats
 

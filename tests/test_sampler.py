@@ -18,14 +18,14 @@ def sample(logits, si):
     return _sample(logits, si.arrays())
 
 
-def draw(logits, params_list, histories=None, counters=None, seeds=None):
+def draw(logits, params_list, histories=None, counters=None, seeds=None, bitmask=None):
     logits = np.asarray(logits, np.float32)
     rows = []
     for i, p in enumerate(params_list):
         hist = (histories or [[]] * len(params_list))[i]
         rows.append((p, (seeds or [i] * len(params_list))[i], (counters or [0] * len(params_list))[i],
                      hist, len(hist)))
-    si = build_inputs(rows, logits.shape[0], 64, lambda p: [2])
+    si = build_inputs(rows, logits.shape[0], 64, lambda p: [2], vocab_size=logits.shape[1], bitmask=bitmask)
     tokens, chosen, top_ids, top_lp = sample(logits, si)
     return np.asarray(tokens), np.asarray(chosen), np.asarray(top_ids), np.asarray(top_lp)
 
@@ -90,7 +90,7 @@ def test_penalties_and_logit_bias():
     assert greedy(presence_penalty=2.0) == 3
     # Prompt [7], outputs [3, 3]: the frequency penalty counts the two outputs.
     si_rows = [(SamplingParams(temperature=0, frequency_penalty=1.0), 0, 2, [7, 3, 3], 1)]
-    tokens, *_ = sample(lg, build_inputs(si_rows, 1, 64, lambda p: []))
+    tokens, *_ = sample(lg, build_inputs(si_rows, 1, 64, lambda p: [], vocab_size=V))
     assert int(np.asarray(tokens)[0]) == 4  # 5 - 2 * 1.0 < 4
     assert draw(lg, [SamplingParams(temperature=0, logit_bias={9: 100.0})])[0][0] == 9
 
@@ -101,3 +101,64 @@ def test_min_tokens_bans_stop_ids():
     p = SamplingParams(temperature=0, min_tokens=3)
     assert draw(lg, [p], counters=[0])[0][0] != 2
     assert draw(lg, [p], counters=[3])[0][0] == 2
+
+
+# ---- grammar bitmasks (structured outputs) -------------------------------------------------------
+
+def mask_of(allowed_rows, vocab):
+    """int32 bitmask rows from lists of allowed ids (None: everything allowed)."""
+    from runtime.core.structured_output import allocate_bitmask
+
+    bm = allocate_bitmask(len(allowed_rows), vocab)
+    for r, allowed in enumerate(allowed_rows):
+        if allowed is not None:
+            bm[r] = 0
+            for t in allowed:
+                bm[r].view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
+    return bm
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bitmask_allows_only_its_tokens(temperature):
+    vocab = 70  # three words, the last one partly padding
+    lg = np.random.default_rng(0).normal(size=(4, vocab)).astype(np.float32) * 3
+    allowed = [[5, 33, 69], None, [64], [0, 1, 2, 3]]
+    bm = mask_of(allowed, vocab)
+    params = [SamplingParams(temperature=temperature, logprobs=5)] * 4
+    free = draw(lg, params, seeds=[0] * 4)
+    for seed in range(20):
+        tokens, chosen, top_ids, top_lp = draw(lg, params, seeds=[seed] * 4, bitmask=bm)
+        for r, a in enumerate(allowed):
+            if a is not None:
+                assert tokens[r] in a
+                # vLLM: logprobs of the masked distribution (renormalized over the allowed ids)
+                lse = np.log(np.exp(lg[r, a] - lg[r, a].max()).sum()) + lg[r, a].max()
+                np.testing.assert_allclose(chosen[r], lg[r, tokens[r]] - lse, rtol=1e-5, atol=1e-5)
+                assert set(top_ids[r][:len(a)]) == set(a) and np.isneginf(top_lp[r][len(a):]).all()
+        if seed == 0:  # the unconstrained row is untouched by its neighbours' masks
+            np.testing.assert_array_equal(tokens[1], free[0][1])
+            np.testing.assert_array_equal(chosen[1], free[1][1])
+            np.testing.assert_array_equal(top_lp[1], free[3][1])
+
+
+def test_bitmask_beats_min_tokens_and_bias():
+    """A constrained row keeps its stop ids under min_tokens (the grammar decides), and a logit bias
+    cannot revive a masked token."""
+    from runtime.core.sampling_params import StructuredOutputsParams
+
+    lg = np.zeros((1, V), np.float32)
+    so = StructuredOutputsParams(regex="x")
+    p = SamplingParams(temperature=0, min_tokens=3, logit_bias={7: 100.0}, structured_outputs=so)
+    assert draw(lg, [p], bitmask=mask_of([[2]], V))[0][0] == 2  # 2: the helper's stop id
+    assert draw(lg, [p], bitmask=mask_of([[2, 9]], V))[0][0] == 2
+    lg[0, 9] = 1.0
+    assert draw(lg, [p], bitmask=mask_of([[2, 9]], V))[0][0] == 9
+
+
+def test_unconstrained_steps_share_one_device_mask():
+    a = build_inputs([], 4, 64, lambda p: [], vocab_size=100)
+    b = build_inputs([], 4, 64, lambda p: [], vocab_size=100)
+    assert isinstance(a.bitmask, jax.Array) and a.bitmask is b.bitmask and not a.constrained
+    assert a.bitmask.shape == (4, 4) and (np.asarray(a.bitmask) == -1).all()
+    with pytest.raises(ValueError, match="bitmask must be"):
+        build_inputs([], 4, 64, lambda p: [], vocab_size=100, bitmask=np.zeros((4, 3), np.int32))

@@ -1,6 +1,6 @@
 """Structured outputs, host side: params and response_format, grammar compilation errors, and matchers
 driven by a greedy walk over a fixed random score vector (real SmolLM2 tokenizer: slow) or a tiny
-byte-level BPE built here (fast)."""
+byte-level BPE (conftest.tiny_bpe_tokenizer: fast)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from conftest import tiny_bpe_tokenizer
 from models.tokenizer import Tokenizer
 from runtime.core.sampling_params import RequestError
 from runtime.core.structured_output import (GrammarCompiler, StructuredOutputsParams, allocate_bitmask,
@@ -121,19 +122,7 @@ def test_response_format():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    merges = [("a", "b"), ("1", "2"), ('"', "a"), ("Ġ", "a"), ("{", '"')]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    backend = Backend(models.BPE(vocab=vocab, merges=merges))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<eos>"])
-    return Tokenizer(backend, eos_token="<eos>")
+    return tiny_bpe_tokenizer()
 
 
 TINY_VOCAB = 300  # the model's rows: past the tokenizer's 262, not a multiple of 32

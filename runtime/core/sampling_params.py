@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
@@ -41,6 +43,107 @@ class RequestError(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
+STRUCTURED_PARAM = "structured_outputs"
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+ANY_OBJECT_SCHEMA = {"type": "object"}
+
+
+def _is_set(value) -> bool:
+    return value is not None and value is not False  # json_object=False means unset
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint per request, named as in vLLM: exactly one of `json` (a JSON schema, as a
+    dict or a JSON string), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or
+    GBNF/EBNF as llguidance converts it) or `json_object` (any JSON object) must be set.
+    `disable_any_whitespace` makes JSON compact (no free whitespace between tokens)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    # The request field errors are reported against: "response_format" when built from one.
+    source_param: str = field(default=STRUCTURED_PARAM, repr=False, compare=False)
+
+    def __post_init__(self):
+        set_ = [name for name in _CONSTRAINTS if _is_set(getattr(self, name))]
+        if len(set_) != 1:
+            which = ", ".join(set_) if set_ else "none"
+            raise RequestError(f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)} "
+                               f"(got {which})", param=self.source_param)
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise RequestError("disable_any_whitespace must be a boolean", param=self.source_param)
+        self._check_value(set_[0])
+
+    def _check_value(self, kind: str) -> None:
+        value, err = getattr(self, kind), self.source_param
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise RequestError(f"structured_outputs.json is not valid JSON: {e}", param=err) from None
+            if not isinstance(value, (dict, bool)):
+                raise RequestError("structured_outputs.json must be a JSON schema (an object)", param=err)
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise RequestError(f"structured_outputs.{kind} must be a non-empty string", param=err)
+        elif kind == "choice":
+            if (not isinstance(value, (list, tuple)) or not value
+                    or not all(isinstance(c, str) for c in value)):
+                raise RequestError("structured_outputs.choice must be a non-empty list of strings", param=err)
+            self.choice = list(value)
+        elif value is not True:
+            raise RequestError("structured_outputs.json_object must be true", param=err)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _CONSTRAINTS if _is_set(getattr(self, name)))
+
+    def cache_key(self) -> tuple:
+        """What determines the compiled grammar."""
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "json":
+            value = json.dumps(json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+        elif kind == "choice":
+            value = tuple(value)
+        whitespace = self.disable_any_whitespace if kind in ("json", "json_object") else False
+        return kind, value, whitespace
+
+    @classmethod
+    def from_response_format(cls, response_format: Any) -> "StructuredOutputsParams | None":
+        """OpenAI's `response_format`: {"type": "text"} (or None) -> None; {"type": "json_object"};
+        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+        p = "response_format"
+        if response_format is None:
+            return None
+        if not isinstance(response_format, dict):
+            raise RequestError("response_format must be an object", param=p)
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True, source_param=p)
+        if kind != "json_schema":
+            raise RequestError(f"response_format.type must be one of text, json_object, json_schema "
+                               f"(got {kind!r})", param=p)
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError("response_format.json_schema must be an object", param=p)
+        name, strict = spec.get("name"), spec.get("strict")
+        if name is not None and not isinstance(name, str):
+            raise RequestError("response_format.json_schema.name must be a string", param=p)
+        if strict is not None and not isinstance(strict, bool):
+            raise RequestError("response_format.json_schema.strict must be a boolean", param=p)
+        schema = spec.get("schema", ANY_OBJECT_SCHEMA)  # OpenAI makes it optional
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError("response_format.json_schema.schema must be an object", param=p)
+        return cls(json=schema, source_param=p)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling options. `temperature=0` means greedy."""
@@ -67,6 +170,8 @@ class SamplingParams:
     priority: int = 0
     detokenize: bool = True
     trace: bool = False  # return the request's path through the engine (RequestOutput.trace)
+    # Output constrained to a JSON schema, regex, choice list or grammar (a dict is converted).
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,6 +180,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._check()
 
     def _check(self) -> None:
@@ -139,3 +245,17 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1.0)
+
+
+def _structured_outputs(value) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise RequestError(f"structured_outputs must be a StructuredOutputsParams or a dict, got "
+                           f"{type(value).__name__}", STRUCTURED_PARAM)
+    known = {f for f in StructuredOutputsParams.__dataclass_fields__ if f != "source_param"}
+    unknown = sorted(set(value) - known, key=str)
+    if unknown:
+        raise RequestError(f"structured_outputs has no field {unknown[0]!r} (it takes "
+                           f"{', '.join(sorted(known))})", STRUCTURED_PARAM)
+    return StructuredOutputsParams(**value)

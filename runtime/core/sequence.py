@@ -40,6 +40,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.text = ""
         self.detok_state = None  # incremental detokenizer state, owned by the engine
+        self.matcher = None  # GrammarMatcher (structured outputs), owned by the engine
         self.num_preemptions = 0
 
     def __len__(self) -> int:
@@ -124,6 +125,8 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.aborted = False
         self.trace: RequestTrace | None = RequestTrace() if params.trace else None
+        self.grammar = None  # CompiledGrammar (structured outputs): each sequence gets a matcher of it
+        self.error: str | None = None  # why a sequence of it was ended with finish_reason "error"
 
     @property
     def is_finished(self) -> bool:

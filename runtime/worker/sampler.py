@@ -1,4 +1,5 @@
-"""The batched sampler, jitted and on device: penalties, temperature, top-k/top-p/min-p, seeds, logprobs."""
+"""The batched sampler, jitted and on device: grammar masks, penalties, temperature, top-k/top-p/min-p,
+seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class SamplerInputs:
     history: np.ndarray  # i32 [S, max_model_len]: prompt then output ids, -1 pad (filled if penalties)
     prompt_lens: np.ndarray  # i32 [S]
     penalties: bool
+    # i32 [S, ceil(V/32)], bit t%32 of word t//32 set where token t is allowed (structured outputs);
+    # with no constrained row, one cached all-allowed array already on the device.
+    bitmask: np.ndarray | jax.Array
+    constrained: bool
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The step executable's sampling inputs."""
@@ -40,12 +45,13 @@ class SamplerInputs:
                 "bias_ids": self.bias_ids, "bias_vals": self.bias_vals, "rep_penalty": self.rep_penalty,
                 "pres_penalty": self.pres_penalty, "freq_penalty": self.freq_penalty,
                 "history": self.history, "prompt_lens": self.prompt_lens,
-                "penalize": np.asarray(self.penalties)}
+                "penalize": np.asarray(self.penalties), "bitmask": self.bitmask,
+                "constrained": np.asarray(self.constrained)}
 
 
-def input_specs(num_rows: int, max_model_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+def input_specs(num_rows: int, max_model_len: int, vocab_size: int) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes of `SamplerInputs.arrays()` for a bucket of `num_rows` rows."""
-    dummy = build_inputs([], num_rows, max_model_len, lambda p: [])
+    dummy = build_inputs([], num_rows, max_model_len, lambda p: [], vocab_size=vocab_size)
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dummy.arrays().items()}
 
 
@@ -61,6 +67,14 @@ def _apply_penalties(logits, history, prompt_lens, rep, pres, freq):
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep[:, None], logits * rep[:, None]), logits)
     # Presence and frequency penalties (OpenAI): over output tokens only.
     return logits - freq[:, None] * counts - pres[:, None] * (counts > 0)
+
+
+def _apply_bitmask(logits, bitmask):
+    """Disallowed tokens -> -inf: bit (t % 32) of word t // 32 of a row's bitmask allows token t."""
+    s, v = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(s, -1)[:, :v].astype(jnp.bool_)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _filter(logits, top_k, top_p, min_p):
@@ -86,14 +100,18 @@ def sample_rows(logits, s: dict):
     """The sampler, traced into the step executable (one dispatch per step).
 
     logits [S, V]; `s` holds SamplerInputs' arrays (see `SamplerInputs.arrays`). Returns
-    (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]). The penalty
-    scatter and the top-k/top-p/min-p sort run under `lax.cond`, so a greedy batch without
-    penalties pays for neither, and one executable serves every mix of requests.
+    (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]). The grammar mask,
+    the penalty scatter and the top-k/top-p/min-p sort run under `lax.cond`, so a greedy batch
+    without constraints or penalties pays for none of them, and one executable serves every mix of
+    requests.
 
     Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
-    reports them by default.
+    reports them by default; on a constrained row, after the grammar mask, as in vLLM (whose
+    runner masks the logits before its sampler computes raw logprobs): disallowed tokens get
+    -inf and the allowed ones are renormalized.
     """
     logits = logits.astype(jnp.float32)
+    logits = jax.lax.cond(s["constrained"], lambda l: _apply_bitmask(l, s["bitmask"]), lambda l: l, logits)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(raw_logprobs, NUM_TOP_LOGPROBS)
     rows = jnp.arange(logits.shape[0])[:, None]
@@ -117,8 +135,11 @@ def sample_rows(logits, s: dict):
 
 
 def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], num_rows: int,
-                 max_model_len: int, stop_ids_for_min_tokens) -> SamplerInputs:
-    """rows: (params, seed, counter, token history, prompt_len) for each real row, in order."""
+                 max_model_len: int, stop_ids_for_min_tokens, *, vocab_size: int,
+                 bitmask: np.ndarray | None = None) -> SamplerInputs:
+    """rows: (params, seed, counter, token history, prompt_len) for each real row, in order.
+    bitmask: the grammar masks, int32 [num_rows, ceil(vocab_size/32)] (structured outputs), or None
+    when no row is constrained."""
     S = num_rows
     temp = np.zeros(S, np.float32)
     top_k = np.zeros(S, np.int32)
@@ -142,8 +163,9 @@ def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], nu
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         prompt_lens[i] = plen
         bias = dict(p.logit_bias or {})
-        if counter < p.min_tokens:
-            # min_tokens: stop tokens are banned until enough tokens exist.
+        if counter < p.min_tokens and p.structured_outputs is None:
+            # min_tokens: stop tokens are banned until enough tokens exist (not on a constrained
+            # row: its grammar decides when the end may come).
             for t in stop_ids_for_min_tokens(p):
                 bias[t] = -np.inf
         for j, (tid, val) in enumerate(list(bias.items())[:MAX_LOGIT_BIAS]):
@@ -151,8 +173,13 @@ def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], nu
         if penalties:
             h = hist[-max_model_len:]
             history[i, :len(h)] = h
+    words = (vocab_size + 31) // 32
+    if bitmask is not None and bitmask.shape != (S, words):
+        raise ValueError(f"bitmask must be [{S}, {words}], got {bitmask.shape}")
+    constrained = bitmask is not None
     return SamplerInputs(temp, top_k, top_p, min_p, seeds, counters, bias_ids, bias_vals, rep,
-                         pres, freq, history, prompt_lens, penalties)
+                         pres, freq, history, prompt_lens, penalties,
+                         bitmask if constrained else _all_allowed(S, words), constrained)
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,3 +187,10 @@ def _no_history(num_rows: int, max_model_len: int) -> np.ndarray:
     history = np.full((num_rows, max_model_len), -1, np.int32)
     history.flags.writeable = False
     return history
+
+
+@functools.lru_cache(maxsize=None)
+def _all_allowed(num_rows: int, num_words: int) -> jax.Array:
+    # Put on the device once per row count: an unconstrained step copies no mask from the host.
+    # Uncommitted (no device named), so a sharded step may still place it where it needs it.
+    return jax.device_put(np.full((num_rows, num_words), -1, np.int32))

@@ -1,0 +1,147 @@
+"""Structured outputs end to end: grammars compiled at admission, one matcher per sequence, the mask
+inside the step executable. Fast tests on the tiny random model with a tiny byte-level BPE; slow ones
+on the real SmolLM2, offline (LLM.generate) and over HTTP (chat, completions, streaming, n > 1, bad
+schemas)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import httpx
+import jsonschema
+import pytest
+from conftest import tiny_bpe_tokenizer
+
+from runtime.compile import compile_plan
+from runtime.config import EngineConfig
+from runtime.core.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
+from runtime.entrypoints.llm import LLM
+from runtime.worker.model_runner import num_backend_compiles
+
+TINY_REGEX = r"(ab|12){1,3}x"
+TINY_SCHEMA = {"type": "object", "properties": {"ab": {"enum": [12, 21]}}, "required": ["ab"],
+               "additionalProperties": False}
+
+
+def tiny_llm(**engine_args) -> LLM:
+    """The tiny random model over the tiny BPE (its vocabulary padded to 300 rows, EOS emittable)."""
+    from models.config import get_preset
+    from models.weights import random_weights
+
+    tok = tiny_bpe_tokenizer()
+    cfg = replace(get_preset("tiny"), name="tiny-bpe", vocab_size=300, eos_token_id=tok.eos_token_id)
+    args = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64) | engine_args
+    plan = compile_plan(None, EngineConfig(**args), weights=random_weights(cfg, seed=0), config=cfg,
+                        tokenizer=tok)
+    return LLM.from_plan(plan, check_invariants=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llm()
+
+
+def constrained(temperature=0.0, max_tokens=40, **so) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1,
+                          structured_outputs=StructuredOutputsParams(**so))
+
+
+PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45], [100], [7, 7, 7, 7]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tiny_regex_choice_json(tiny, temperature):
+    c0 = num_backend_compiles()
+    params = [constrained(temperature, regex=TINY_REGEX), constrained(temperature, choice=["ab", "a12", "b"]),
+              constrained(temperature, json=TINY_SCHEMA, disable_any_whitespace=True),
+              constrained(temperature, json_object=True, disable_any_whitespace=True, max_tokens=8)]
+    outs = tiny.generate(PROMPTS, params)
+    texts = [o.outputs[0].text for o in outs]
+    assert re.fullmatch(TINY_REGEX, texts[0]), texts[0]
+    assert texts[1] in ("ab", "a12", "b")
+    assert json.loads(texts[2])["ab"] in (12, 21)
+    assert [o.outputs[0].finish_reason for o in outs[:3]] == ["stop"] * 3
+    # Cut by max_tokens before the grammar completes: "length", and a prefix of an object.
+    assert outs[3].outputs[0].finish_reason in ("stop", "length") and texts[3].startswith("{")
+    assert num_backend_compiles() == c0 and tiny.engine.stats().num_recompiles == 0
+
+
+def test_tiny_n_gt_1_each_fork_has_its_own_matcher(tiny):
+    out = tiny.generate([[9, 10, 11]], replace(constrained(1.0, regex=TINY_REGEX), n=4))[0]
+    texts = [c.text for c in out.outputs]
+    assert len(texts) == 4 and len(set(texts)) > 1, texts
+    for t, c in zip(texts, out.outputs):
+        assert re.fullmatch(TINY_REGEX, t) and c.finish_reason == "stop", t
+
+
+def test_tiny_free_rows_unchanged_by_constrained_neighbours(tiny):
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = tiny.generate(PROMPTS, free)
+    mixed = tiny.generate(PROMPTS + PROMPTS, [free] * 4 + [constrained(regex=TINY_REGEX)] * 4)
+    assert [o.outputs[0].token_ids for o in mixed[:4]] == [o.outputs[0].token_ids for o in alone]
+    assert all(re.fullmatch(TINY_REGEX, o.outputs[0].text) for o in mixed[4:])
+    # and the constrained ones are the same with or without the free neighbours
+    assert [o.outputs[0].token_ids for o in mixed[4:]] == [
+        o.outputs[0].token_ids for o in tiny.generate(PROMPTS, constrained(regex=TINY_REGEX))]
+
+
+def test_tiny_grammar_overrides_min_tokens_and_ignore_eos(tiny):
+    p = replace(constrained(choice=["b"]), min_tokens=5, ignore_eos=True)
+    out = tiny.generate([[3, 4]], p)[0].outputs[0]
+    assert out.text == "b" and out.finish_reason == "stop"
+
+
+def test_tiny_multi_step_falls_back_for_constrained_batches():
+    llm = tiny_llm(num_scheduler_steps=4)
+    single = tiny_llm()
+    multi_steps = []  # per step: (ran K steps at once, held a constrained row)
+    llm.engine.step_hooks.append(lambda sched, outs: multi_steps.append(
+        (outs["tokens"].ndim == 2, any(sc.seq.matcher is not None for sc in sched.scheduled))))
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS, free)]
+            == [o.outputs[0].token_ids for o in single.generate(PROMPTS, free)])
+    assert any(k for k, _ in multi_steps)  # free decode batches do run K steps at once
+    multi_steps.clear()
+    p = constrained(regex=TINY_REGEX)
+    got = llm.generate(PROMPTS, [p, free, p, free])
+    assert not any(k and c for k, c in multi_steps)  # a batch holding a constrained row never does
+    assert any(c for _, c in multi_steps) and any(k for k, _ in multi_steps)
+    want = single.generate(PROMPTS, [p, free, p, free])
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.stats().num_recompiles == 0
+
+
+def test_tiny_bad_grammar_is_a_request_error_and_the_engine_goes_on(tiny):
+    for so, what in (({"regex": "(unclosed"}, "regex"), ({"json": {"type": "nonsense"}}, "JSON schema"),
+                     ({"grammar": "start: @@@"}, "grammar")):
+        with pytest.raises(RequestError) as e:
+            tiny.generate([[5, 6]], SamplingParams(structured_outputs=so))
+        assert e.value.param == "structured_outputs" and what in e.value.message, e.value.message
+    assert not tiny.engine.has_unfinished_requests()
+    assert re.fullmatch(TINY_REGEX, tiny.generate([[5, 6]], constrained(regex=TINY_REGEX))[0].outputs[0].text)
+
+
+def test_tiny_refused_token_ends_only_that_sequence(tiny, monkeypatch):
+    from runtime.core.structured_output import GrammarMatcher
+
+    monkeypatch.setattr(GrammarMatcher, "accept_token", lambda self, t: False)
+    free = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    bad, good = tiny.generate([[5, 6], [7, 8]], [constrained(regex=TINY_REGEX), free])
+    assert bad.outputs[0].finish_reason == "error" and "not allowed by the grammar" in bad.error
+    assert good.error is None and len(good.outputs[0].token_ids) == 5
+    assert not tiny.engine.has_unfinished_requests() and tiny.engine.block_manager.num_used == 0
+
+
+def test_no_tokenizer_is_a_request_error():
+    from models.config import get_preset
+    from models.weights import random_weights
+
+    cfg = get_preset("tiny")
+    plan = compile_plan(None, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+                                           num_kv_blocks=16), weights=random_weights(cfg, seed=0), config=cfg)
+    llm = LLM.from_plan(plan, warmup=False)
+    with pytest.raises(RequestError, match="tokenizer") as e:
+        llm.engine.add_request(None, [5, 6], SamplingParams(structured_outputs={"regex": "a"}))
+    assert e.value.param == "structured_outputs"
