@@ -13,6 +13,7 @@ from runtime.plan import compile_plan
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 from runtime.workload import synthetic_workload
+from tolerances import GOLDEN_LOGITS
 
 TINY_ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
 
@@ -234,4 +235,4 @@ def test_smollm2_served_graph_logits_match_golden(smol_llm):
         finally:
             engine.step_hooks.clear()
         assert out.finished and len(seen) == 1
-        assert np.abs(seen[0] - g["last_logits"]).max() < 1e-3, p["name"]
+        assert np.abs(seen[0] - g["last_logits"]).max() < GOLDEN_LOGITS["atol"], p["name"]

@@ -10,6 +10,7 @@ from runtime import SamplingParams
 from runtime.plan import compile_plan
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
+from tolerances import BACKENDS_F32
 
 
 def tiny_llm(backend: str) -> LLM:
@@ -44,7 +45,7 @@ def test_interpret_kernels_match_xla_end_to_end():
     a, b = step_logits(xla, 6), step_logits(interp, 6)
     assert len(a) == len(b) == 6
     for x, y in zip(a, b):
-        np.testing.assert_allclose(y, x, atol=2e-4, rtol=2e-4)
+        np.testing.assert_allclose(y, x, **BACKENDS_F32)
 
 
 def test_interpret_generation_matches_xla_with_prefix_hits():

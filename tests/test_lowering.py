@@ -19,8 +19,8 @@ from models.weights import load_safetensors
 from passes.pipeline import PipelineOptions, run_pipeline
 from runtime.worker.executor import JNP_DTYPES, jit_step, state_names, to_device_params
 from runtime.worker.params import materialize
+from tolerances import GOLDEN_LOGITS, HF_LOGITS, ORDER_GAP
 
-HF_TOL = 1e-4
 BLOCK_SIZE = 4
 
 
@@ -127,9 +127,9 @@ def _check_against_hf(logits, expected):
     row = 0
     for i, prompt in enumerate(PROMPTS):
         n = len(prompt)
-        np.testing.assert_allclose(prefill[row:row + n], expected[i][:n], rtol=0, atol=HF_TOL,
+        np.testing.assert_allclose(prefill[row:row + n], expected[i][:n], **HF_LOGITS,
                                    err_msg=f"prefill of sequence {i}")
-        np.testing.assert_allclose(decode[i], expected[i][n], rtol=0, atol=HF_TOL,
+        np.testing.assert_allclose(decode[i], expected[i][n], **HF_LOGITS,
                                    err_msg=f"decode of sequence {i}")
         row += n
 
@@ -176,7 +176,7 @@ def test_rope_settings_read_from_hf(tmp_path):
     weights = load_safetensors(tmp_path, config)
     ids = list(range(3, 40))
     got = run_steps(lower(config), weights, [[(0, 0, ids)]], num_seqs=1, cache_len=40)[0]
-    np.testing.assert_allclose(got, _hf_logits(model, ids), rtol=0, atol=HF_TOL)
+    np.testing.assert_allclose(got, _hf_logits(model, ids), **HF_LOGITS)
 
 
 # ------------------------------------------------------------------------------ golden SmolLM2
@@ -227,15 +227,15 @@ def test_golden_last_logits(golden_run):
     prompts, arrays, prompt_logits, _, _ = golden_run
     for p, a, logits in zip(prompts, arrays, prompt_logits):
         diff = np.max(np.abs(logits[-1] - a["last_logits"]))
-        assert diff < 1e-3, f"{p['name']}: max abs diff {diff}"
+        assert diff < GOLDEN_LOGITS["atol"], f"{p['name']}: max abs diff {diff}"
 
 
-GAP = 2e-3  # logits closer than this may legitimately swap order between two f32 engines
+GAP = ORDER_GAP
 
 
 def _check_topk(ours: np.ndarray, ids: np.ndarray, vals: np.ndarray, where: str):
     # Our logits at their top-10 ids are their values.
-    np.testing.assert_allclose(ours[ids], vals, rtol=0, atol=1e-3, err_msg=where)
+    np.testing.assert_allclose(ours[ids], vals, **GOLDEN_LOGITS, err_msg=where)
     cand = np.argpartition(-ours, 11)[:11]
     order = cand[np.argsort(-ours[cand], kind="stable")]
     top = ours[order]

@@ -32,10 +32,9 @@ from passes.plan_memory import plan_memory
 from passes.quantize_int8 import quantize_int8
 from runtime.worker.executor import JNP_DTYPES, jit_step, state_names, to_device_params
 from runtime.worker.params import materialize
+from tolerances import BITWISE, QUANT_SCALE, SAME_MATH_F32
 
-# f32 tolerance for "logits unchanged": the passes reorder sums (fused softmax, concatenated
-# matmuls, paged gathers), which moves f32 results by a few ulps, nothing more.
-F32_TOL = dict(rtol=1e-5, atol=1e-5)
+F32_TOL = SAME_MATH_F32  # "logits unchanged" by a pass
 
 
 def run_pass(text: str, fn) -> str:
@@ -534,7 +533,7 @@ def test_fuse_matmuls_keeps_logits():
 
 
 def test_plan_memory_keeps_logits():
-    _assert_same_logits(_results("plan_memory")[0], _results("fuse_matmuls")[0], rtol=0, atol=0)
+    _assert_same_logits(_results("plan_memory")[0], _results("fuse_matmuls")[0], **BITWISE)
 
 
 def test_quantize_int8_logits_stay_close():
@@ -562,6 +561,6 @@ def test_quantize_int8_params_are_per_channel_int8():
         assert scale.dtype == np.float32 and scale.shape == (q.shape[1],)  # one per output column
         src = fused[w.attr("quantize_int8")]
         # Symmetric: each column's largest |w| maps to 127, and dequantizing is within half a step.
-        np.testing.assert_allclose(scale, np.abs(src).max(axis=0) / 127, rtol=1e-6)
+        np.testing.assert_allclose(scale, np.abs(src).max(axis=0) / 127, **QUANT_SCALE)
         assert np.abs(q).max(axis=0).min() == 127
         assert np.all(np.abs(q.astype(np.float32) * scale - src) <= scale / 2 + 1e-7)

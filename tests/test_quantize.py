@@ -17,6 +17,7 @@ from models.config import get_preset
 from models.llama import lower
 from passes.pipeline import PipelineOptions, run_pipeline
 from passes.plan_memory import weight_bytes
+from tolerances import SAME_MATH_F32
 
 # Engine shape for the accuracy test: the longest golden prompt (293 tokens) plus 32 generated.
 ACC_ARGS = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
@@ -121,7 +122,7 @@ def test_int8_with_tensor_parallel_on_one_device():
         outs, _ = jax.jit(build_step(g))(to_device_params(g, materialize(g, weights)), state, inputs)
         logits[tp] = np.asarray(outs["logits"])
     for tp in (2, 4):
-        np.testing.assert_allclose(logits[tp], logits[1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(logits[tp], logits[1], **SAME_MATH_F32)
 
 
 # ----------------------------------------------------------------------------- SmolLM2 accuracy

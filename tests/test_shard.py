@@ -30,6 +30,7 @@ from ir import parse_graph, print_graph, verify  # noqa: E402
 from models.config import get_preset  # noqa: E402
 from models.llama import lower  # noqa: E402
 from passes.pipeline import PipelineOptions, run_pipeline  # noqa: E402
+from tolerances import PROMPT_LOGPROBS_TP, SAME_MATH_F32
 
 SMALL_ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=48)
 HLO_BUCKET = (16, 4)
@@ -150,7 +151,7 @@ def test_sharded_graph_same_logits_on_one_device():
             outs, _ = jax.jit(build_step(g))(params, state, inputs)
             results[tp] = np.asarray(outs["logits"])
         for tp in tps:
-            np.testing.assert_allclose(results[tp], results[1], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(results[tp], results[1], **SAME_MATH_F32)
 
 
 def test_memory_plan_per_device_bytes():
@@ -234,7 +235,7 @@ def test_tiny_tp_engines_match_tp1():
         ref = cases["1"]
         for tp, out in cases.items():
             assert out["tokens"] == ref["tokens"], (name, tp)
-            np.testing.assert_allclose(out["prompt_lp"], ref["prompt_lp"], atol=1e-4)
+            np.testing.assert_allclose(out["prompt_lp"], ref["prompt_lp"], **PROMPT_LOGPROBS_TP)
             assert out["recompiles"] == 0
             if tp != "1":
                 check_collectives(out, attention_split=True, layers_in_hlo=1)  # scanned

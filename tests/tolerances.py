@@ -1,0 +1,30 @@
+"""Every numeric tolerance the tests compare with, in one table. A looser value says why.
+
+Kernel-vs-reference tolerances by dtype are pallas_kernels.testing.TOLERANCES (the self-check and
+the kernel benchmark use them too); KERNEL re-exports them here.
+"""
+
+from pallas_kernels.testing import TOLERANCES as KERNEL  # noqa: F401 (one table: the kernel rows)
+
+# The same math in another order (fused softmax, concatenated matmuls, paged gathers, a tp
+# all-reduce): f32 results move by a few ulps.
+SAME_MATH_F32 = dict(rtol=1e-5, atol=1e-5)
+# The same executable inputs and program: bit for bit.
+BITWISE = dict(rtol=0, atol=0)
+# Our f32 lowering against HF transformers' f32 forward on SmolLM2: 30 layers summed in another
+# order; 10x SAME_MATH_F32 because the error compounds over the depth.
+HF_LOGITS = dict(rtol=0, atol=1e-4)
+# Golden top-10 logits (from HF, stored in ../shared/golden with 4 decimals) and full-engine runs
+# (paged KV, chunked prefill, buckets) against them: the rounding of the stored values dominates.
+GOLDEN_LOGITS = dict(rtol=0, atol=1e-3)
+# Logits closer than this may legitimately swap order between two f32 engines.
+ORDER_GAP = 2e-3
+# XLA against the Pallas interpreter over several engine steps: the online softmax's chunk
+# boundaries differ (128 vs the kernel's tile), and the error compounds through the layers.
+BACKENDS_F32 = dict(rtol=2e-4, atol=2e-4)
+# Prompt logprobs under tp: a log-softmax over a vocab split across devices sums in another order.
+PROMPT_LOGPROBS_TP = dict(rtol=0, atol=1e-4)
+# Int8 scales recomputed in numpy from the source weights.
+QUANT_SCALE = dict(rtol=1e-6)
+# Sampling frequencies over a few thousand draws: about 4 sigma of a binomial at these counts.
+SAMPLING_FREQUENCY = dict(atol=0.06)
