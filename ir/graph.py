@@ -11,10 +11,9 @@ Shape = tuple[Dim, ...]
 DTYPES = ("f32", "bf16", "f16", "i32", "i8", "bool")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i8": 1, "bool": 1}
 
+from ir.attrs import ROLE
+
 LEAF_OPS = ("input", "param")
-# Attributes the shard pass adds to nodes for tensor parallelism. They are not part of any op's
-# semantics: the executor strips them before calling an op's implementation.
-SHARDING_ATTRS = ("sharding", "all_reduce", "all_gather")
 
 
 def freeze_attrs(attrs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
@@ -65,8 +64,10 @@ def input_node(name: str, shape: Iterable[Dim], dtype: str) -> Node:
     return Node("input", (), (("name", name),), tuple(shape), dtype)
 
 
-def param_node(name: str, shape: Iterable[Dim], dtype: str) -> Node:
-    return Node("param", (), (("name", name),), tuple(shape), dtype)
+def param_node(name: str, shape: Iterable[Dim], dtype: str, role: str | None = None) -> Node:
+    """A weight; `role` (one of ir.attrs.ROLES) says what it is, independent of its name."""
+    attrs = {"name": name} | ({ROLE: role} if role is not None else {})
+    return Node("param", (), freeze_attrs(attrs), tuple(shape), dtype)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ class Graph:
     @property
     def params(self) -> tuple[Node, ...]:
         return tuple(n for n in self.inputs if n.op == "param")
+
+    def params_with_role(self, role: str) -> tuple[Node, ...]:
+        return tuple(n for n in self.inputs if n.op == "param" and n.attr(ROLE) == role)
 
     def meta_value(self, key: str, default: Any = None) -> Any:
         for k, v in self.meta:

@@ -6,11 +6,13 @@ import json
 import re
 from typing import Any
 
+from ir.attrs import ROLE
 from ir.graph import Graph, Node, freeze_attrs
 
 _TYPE = re.compile(r"^([a-z0-9]+)\[(.*)\]$")
 _NODE = re.compile(r"^%(\d+) = ([a-z_0-9]+)\((.*?)\)(.*) : ([a-z0-9]+\[.*?\])$")
 _LEAF = re.compile(r"^(input|param) %([^\s]+) : ([a-z0-9]+\[.*?\])(.*)$")
+_ROLE = re.compile(r"\s+role=([A-Za-z_][A-Za-z0-9_]*)$")
 _OUT = re.compile(r"^output ([^\s]+) = %([^\s]+)$")
 
 
@@ -81,7 +83,10 @@ def parse_graph(text: str) -> Graph:
         if m := _LEAF.match(line):
             kind, name, ty, attrs = m.groups()
             shape, dtype = _parse_type(ty, lineno)
-            a = {"name": name, **_parse_attrs(attrs, lineno)}
+            role = _ROLE.search(attrs)
+            if role:
+                attrs = attrs[:role.start()]
+            a = {"name": name, **_parse_attrs(attrs, lineno)} | ({ROLE: role.group(1)} if role else {})
             node = Node(kind, (), freeze_attrs(a), shape, dtype)
             if name in env:
                 raise ParseError(f"line {lineno}: leaf %{name} declared twice")

@@ -1,7 +1,7 @@
 """Prints a Graph as deterministic SSA text that `ir.parser.parse_graph` reads back.
 
     input %tokens : i32[T]
-    param %layers.0.wq : f32[576, 576]
+    param %layers.0.wq : f32[576, 576] role=q
     %0 = embedding(%embed, %tokens) : f32[T, 576]
     %1 = rms_norm(%0, %layers.0.attn_norm) {eps=1e-05} : f32[T, 576]
     output logits = %57
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ir.attrs import ROLE
 from ir.graph import Graph, Node
 
 
@@ -49,7 +50,10 @@ def print_graph(graph: Graph, annotate: dict[int, str] | None = None) -> str:
     names: dict[int, str] = {}
     for leaf in graph.inputs:
         names[id(leaf)] = f"%{leaf.name}"
-        line = f"{leaf.op} %{leaf.name} : {format_type(leaf)}{format_attrs(leaf.attrs)}"
+        # A leaf's role is written after its attributes, outside the braces: `... {sharding=[..]} role=q`.
+        role = leaf.attr(ROLE)
+        line = (f"{leaf.op} %{leaf.name} : {format_type(leaf)}{format_attrs(leaf.attrs, skip=('name', ROLE))}"
+                + (f" {ROLE}={role}" if role is not None else ""))
         if annotate and id(leaf) in annotate:
             line += f"  # {annotate[id(leaf)]}"
         lines.append(line)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ir.attrs import ROLE, ROLES
 from ir.graph import DTYPES, LEAF_OPS, Graph
 from ir.ops import OPS, IRError, infer
 
@@ -23,6 +24,9 @@ def verify(graph: Graph) -> Graph:
             raise VerifyError(f"leaf %{leaf.name}: name declared twice")
         if leaf.dtype not in DTYPES:
             raise VerifyError(f"leaf %{leaf.name}: unknown dtype {leaf.dtype!r}")
+        role = leaf.attr(ROLE)
+        if role is not None and (leaf.op != "param" or role not in ROLES):
+            raise VerifyError(f"leaf %{leaf.name}: role {role!r} is not a param role; known: {sorted(ROLES)}")
         names.add(leaf.name)
         declared[id(leaf)] = leaf.name
     if not graph.outputs:

@@ -8,7 +8,7 @@ passes in `passes/` have something to find and rewrite.
 
 from __future__ import annotations
 
-from ir import Graph, input_node, make_node, param_node
+from ir import Graph, Role, input_node, make_node, param_node
 from models.config import ModelConfig
 
 # Symbolic dims, bound per bucket: tokens, sequences, logit rows, cache length.
@@ -40,11 +40,22 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The role of each canonical weight, by the last part of its name (see ir.attrs.Role).
+WEIGHT_ROLES = {
+    "embed": Role.EMBED, "lm_head": Role.LM_HEAD, "final_norm": Role.FINAL_NORM,
+    "attn_norm": Role.ATTN_NORM, "mlp_norm": Role.MLP_NORM,
+    "wq": Role.Q, "wk": Role.K, "wv": Role.V, "wo": Role.O,
+    "bq": Role.Q_BIAS, "bk": Role.K_BIAS, "bv": Role.V_BIAS,
+    "w_gate": Role.GATE, "w_up": Role.UP, "w_down": Role.DOWN,
+}
+
+
 def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
     """Lowers a config to the textbook step graph (no weights needed)."""
     c = config
     dt = dtype
-    params = {name: param_node(name, shape, dt) for name, shape in weight_shapes(c).items()}
+    params = {name: param_node(name, shape, dt, role=WEIGHT_ROLES[name.rsplit(".", 1)[-1]])
+              for name, shape in weight_shapes(c).items()}
     tokens = input_node("tokens", (T,), "i32")
     positions = input_node("positions", (T,), "i32")
     seq_ids = input_node("seq_ids", (T,), "i32")

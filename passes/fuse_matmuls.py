@@ -2,30 +2,33 @@
 
 from __future__ import annotations
 
-from ir import Graph, Node, make_node, param_node, rewrite
+from ir import Graph, Node, make_node, rewrite
+from ir.attrs import CONCAT, FUSED_ROLES, ROLE, Role
+from ir.graph import freeze_attrs
 
-# Fused weight names for the projections we know; anything else gets the parts joined by '_'.
-FUSED_NAMES = {("wq", "wk", "wv"): "wqkv", ("w_gate", "w_up"): "w_gate_up",
-               ("bq", "bk", "bv"): "bqkv"}
+# The fused param's name, by its role: `layers.0.` + `wqkv`. Names are only labels (the role is
+# what later passes read); a group with no known fused role joins its parts' names instead.
+FUSED_NAMES = {Role.QKV: "wqkv", Role.QKV_BIAS: "bqkv", Role.GATE_UP: "w_gate_up"}
 
 
-def _fused_name(names: list[str]) -> str:
+def _fused_name(names: list[str], role: str | None, taken: set[str]) -> str:
     prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
     if not all(n.startswith(prefix) for n in names):
         prefix = ""
-    parts = tuple(n[len(prefix):] for n in names)
-    return prefix + FUSED_NAMES.get(parts, "_".join(parts))
+    parts = [n[len(prefix):] for n in names]
+    name = prefix + FUSED_NAMES[role] if role in FUSED_NAMES else prefix + "_".join(parts)
+    return name if name not in taken else "_".join(names)
 
 
-def _concat_param(params: list[Node]) -> Node:
+def _concat_param(params: list[Node], taken: set[str]) -> Node:
     """A new param whose value is its sources concatenated on the last axis, at compile time."""
     names = [p.name for p in params]
+    role = FUSED_ROLES.get(tuple(p.attr(ROLE) for p in params))
     shape = tuple(params[0].shape[:-1]) + (sum(p.shape[-1] for p in params),)
-    node = param_node(_fused_name(names), shape, params[0].dtype)
-    attrs = dict(node.attrs) | {"concat": tuple(names)}
-    from ir.graph import freeze_attrs
-
-    return Node("param", (), freeze_attrs(attrs), node.shape, node.dtype)
+    name = _fused_name(names, role, taken)
+    taken.add(name)
+    attrs = {"name": name, CONCAT: tuple(names)} | ({ROLE: role} if role else {})
+    return Node("param", (), freeze_attrs(attrs), shape, params[0].dtype)
 
 
 def fuse_matmuls(graph: Graph) -> Graph:
@@ -42,10 +45,11 @@ def fuse_matmuls(graph: Graph) -> Graph:
 
     replace: dict[int, tuple[int, list[Node], Node | None]] = {}  # matmul id -> (index, group, bias)
     new_params: list[Node] = []
+    taken = {leaf.name for leaf in graph.inputs}
     fused_w: dict[int, Node] = {}
     fused_b: dict[int, Node | None] = {}
     for key, group in groups.items():
-        fused_w[key] = _concat_param([m.inputs[1] for m in group])
+        fused_w[key] = _concat_param([m.inputs[1] for m in group], taken)
         new_params.append(fused_w[key])
         # Fuse the biases too when every member feeds exactly one add(·, param bias).
         biases = []
@@ -55,7 +59,7 @@ def fuse_matmuls(graph: Graph) -> Graph:
                 biases.append(us[0])
         fused_b[key] = None
         if len(biases) == len(group):
-            fused_b[key] = _concat_param([a.inputs[1] for a in biases])
+            fused_b[key] = _concat_param([a.inputs[1] for a in biases], taken)
             new_params.append(fused_b[key])
         for i, m in enumerate(group):
             replace[id(m)] = (i, group, biases[i] if fused_b[key] is not None else None)
@@ -87,7 +91,7 @@ def fuse_matmuls(graph: Graph) -> Graph:
     # an 80-layer model has hundreds of each).
     after: dict[str, list[Node]] = {}
     for p in new_params:
-        after.setdefault(p.attr("concat")[-1], []).append(p)
+        after.setdefault(p.attr(CONCAT)[-1], []).append(p)
     leaves, placed = [], set()
     for leaf in graph.inputs:
         leaves.append(leaf)

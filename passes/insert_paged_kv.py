@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from ir import Graph, Node, input_node, make_node, rewrite
+from ir.attrs import NEW_KV_WRITTEN
 
 # Bucket-bound dims of the paged step: tokens, sequences, KV blocks, blocks per sequence.
 T, S, B, M = "T", "S", "B", "M"
 
 
 def insert_paged_kv(graph: Graph, block_size: int = 16) -> Graph:
-    """kv_cache_update/attention on [S, L, h, d] caches -> kv_write/paged_attention on [B, bs, h, d] pools."""
+    """kv_cache_update/attention on [S, L, h, d] caches -> kv_write/paged_attention on [B, bs, h, d] pools.
+
+    Each paged_attention records `new_kv_written=true`: the pools it reads are the kv_write results
+    of this step's own k/v, so a kernel may find the new tokens' keys and values in the pool.
+    """
     attn = [n for n in graph.nodes() if n.op == "attention"
             and n.inputs[1].op == "kv_cache_update" and n.inputs[2].op == "kv_cache_update"]
     if not attn:
@@ -39,7 +44,8 @@ def insert_paged_kv(graph: Graph, block_size: int = 16) -> Graph:
             return new
         if node.op == "attention" and id(node.inputs[1]) in written:
             attrs = {"scale": node.attr("scale"), "num_kv_heads": node.attr("num_kv_heads"),
-                     "block_size": block_size, "head_dim": node.attr("head_dim")}
+                     "block_size": block_size, "head_dim": node.attr("head_dim"),
+                     NEW_KV_WRITTEN: id(node.inputs[1]) in written and id(node.inputs[2]) in written}
             return make_node("paged_attention",
                              (ins[0], ins[1], ins[2], block_tables, context_lens, cu_q_lens), attrs)
         return None

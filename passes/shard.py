@@ -37,27 +37,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from ir import Graph, Node, input_node, make_node
-from ir.graph import SHARDING_ATTRS, freeze_attrs
+from ir import Graph, Node, Role, input_node, make_node
+from ir.attrs import (ALL_GATHER, ALL_REDUCE, CONCAT, SHARDING, SHARDING_ATTRS, TP_AXIS, TP_LAYOUT,
+                      is_int8_scale, role_of)
+from ir.graph import freeze_attrs
 
-AXIS = "tp"
+AXIS = TP_AXIS
 
-# Weight roles by the last component of the (source) name.
-QKV = ("wqkv", "bqkv")
-ATTN_COLUMN = ("wq", "wk", "wv", "bq", "bk", "bv")
-KV_COLUMN = ("wk", "wv", "bk", "bv")
-MLP_COLUMN = ("w_gate_up", "w_gate", "w_up")
-ATTN_ROW = ("wo",)
-MLP_ROW = ("w_down",)
-VOCAB_ROWS = ("embed",)  # [vocab, hidden]
-VOCAB_COLUMNS = ("lm_head",)  # [hidden, vocab]
+# Weights by role (ir.attrs.Role); an int8 weight and its scale keep their source's role.
+QKV = (Role.QKV, Role.QKV_BIAS)
+ATTN_COLUMN = (Role.Q, Role.K, Role.V, Role.Q_BIAS, Role.K_BIAS, Role.V_BIAS)
+KV_COLUMN = (Role.K, Role.V, Role.K_BIAS, Role.V_BIAS)
+MLP_COLUMN = (Role.GATE_UP, Role.GATE, Role.UP)
+ATTN_ROW = (Role.O,)
+MLP_ROW = (Role.DOWN,)
+VOCAB_ROWS = (Role.EMBED,)  # [vocab, hidden]
+VOCAB_COLUMNS = (Role.LM_HEAD,)  # [hidden, vocab]
 
 Spec = tuple[Any, ...]
-
-
-def _role(p: Node) -> str:
-    src = p.attr("quantize_int8") or p.attr("int8_scale") or p.name
-    return src.rsplit(".", 1)[-1]
 
 
 def _rep(rank: int) -> Spec:
@@ -79,8 +76,7 @@ class TPPlan:
         self.tp = tp
         self.notes: list[str] = []
         attn = [n for n in graph.nodes() if n.op in ("paged_attention", "attention")]
-        params = {_role(p): p for p in graph.params}
-        down = next((p for p in graph.params if _role(p) == "w_down"), None)
+        down = next((p for p in graph.params_with_role(Role.DOWN) if not is_int8_scale(p)), None)
         inter = down.shape[0] if down is not None else None
         if inter is not None and inter % tp:
             raise ValueError(
@@ -105,7 +101,7 @@ class TPPlan:
                 f"kv heads replicated: {kvh} kv heads < tp={tp}, so each kv head is stored on "
                 f"{self.kv_repeat} devices (the KV pools hold {kvh * self.kv_repeat} heads, one "
                 f"per device; KV memory per device is that of one head)")
-        embed = params.get("embed")
+        embed = next(iter(graph.params_with_role(Role.EMBED)), None)
         vocab = embed.shape[0] if embed is not None else None
         self.shard_vocab = vocab is not None and vocab % tp == 0
         if vocab is not None and not self.shard_vocab:
@@ -113,8 +109,8 @@ class TPPlan:
 
     def column_layout(self, p: Node) -> dict | None:
         """The compile-time column reorder of a column-split param (None: a plain split works)."""
-        role = _role(p)
-        concat = p.attr("concat")
+        role = role_of(p)
+        concat = p.attr(CONCAT)
         if role in QKV:
             if not self.shard_attention:
                 return None
@@ -132,22 +128,34 @@ class TPPlan:
         return None
 
     def param_spec(self, p: Node) -> Spec:
-        role, rank = _role(p), len(p.shape)
-        is_scale = p.attr("int8_scale") is not None
-        if role in QKV + ATTN_COLUMN:
-            return _split(rank, -1) if self.shard_attention else _rep(rank)
-        if role in MLP_COLUMN:
-            return _split(rank, -1)
-        if role in ATTN_ROW + MLP_ROW:
-            if role in ATTN_ROW and not self.shard_attention:
-                return _rep(rank)
-            # The scale of a row-split int8 weight is per output column: replicated.
-            return _rep(rank) if is_scale else _split(rank, 0)
-        if role in VOCAB_ROWS:
-            return _split(rank, 0) if self.shard_vocab else _rep(rank)
-        if role in VOCAB_COLUMNS:
-            return _split(rank, -1) if self.shard_vocab else _rep(rank)
+        rule = PARAM_RULES.get(role_of(p))
+        return rule(self, p, len(p.shape)) if rule else _rep(len(p.shape))
+
+
+def _attn_column(plan: TPPlan, p: Node, rank: int) -> Spec:
+    return _split(rank, -1) if plan.shard_attention else _rep(rank)
+
+
+def _mlp_column(plan: TPPlan, p: Node, rank: int) -> Spec:
+    return _split(rank, -1)
+
+
+def _row(plan: TPPlan, p: Node, rank: int) -> Spec:
+    if role_of(p) in ATTN_ROW and not plan.shard_attention:
         return _rep(rank)
+    # The scale of a row-split int8 weight is per output column: replicated.
+    return _rep(rank) if is_int8_scale(p) else _split(rank, 0)
+
+
+def _vocab(plan: TPPlan, p: Node, rank: int) -> Spec:
+    if not plan.shard_vocab:
+        return _rep(rank)
+    return _split(rank, 0) if role_of(p) in VOCAB_ROWS else _split(rank, -1)
+
+
+# role -> (plan, param, rank) -> its spec; a role not listed (norms) is replicated.
+PARAM_RULES = ({r: _attn_column for r in QKV + ATTN_COLUMN} | {r: _mlp_column for r in MLP_COLUMN}
+               | {r: _row for r in ATTN_ROW + MLP_ROW} | {r: _vocab for r in VOCAB_ROWS + VOCAB_COLUMNS})
 
 
 def _with_attrs(node: Node, **extra) -> Node:
@@ -192,6 +200,145 @@ def _same_extent(a, b) -> bool:
     return _extent(a) == _extent(b)
 
 
+class _Sharder:
+    """One shard() run: the spec of every new node, and which values hold fused column results."""
+
+    def __init__(self, tp: int, out_ids: set[int], layouts: dict[int, dict]):
+        self.tp = tp
+        self.out_ids = out_ids  # ids of the old graph's output nodes
+        self.layouts = layouts  # new param id -> its column layout
+        self.specs: dict[int, Spec] = {}
+        self.fused: dict[int, dict] = {}  # new node id -> layout of the fused column result it holds
+        self.interleaved: dict[int, Node] = {}  # fused result id -> its [.., tp, per_shard] view
+
+    def emit(self, op: str, ins: tuple[Node, ...], attrs: dict, spec: Spec, **coll) -> Node:
+        node = make_node(op, ins, {**attrs, **coll, SHARDING: spec})
+        self.specs[id(node)] = spec
+        return node
+
+    def split_fused_slice(self, y: Node, attrs: dict) -> Node:
+        """slice of [.., p0 | p1 | ...] stored per shard -> reshape [.., tp, per] -> slice -> reshape."""
+        tp, layout = self.tp, self.fused[id(y)]
+        parts, repeat = layout["parts"], layout["repeat"]
+        starts = [sum(parts[:i]) for i in range(len(parts))]
+        if attrs["start"] not in starts or attrs["stop"] - attrs["start"] != parts[starts.index(attrs["start"])]:
+            raise ValueError(f"shard: slice [{attrs['start']}:{attrs['stop']}] is not one part of "
+                             f"a fused weight with parts {list(parts)}")
+        i = starts.index(attrs["start"])
+        sizes = [n * r for n, r in zip(parts, repeat)]
+        per = [n // tp for n in sizes]
+        lead = tuple(y.shape[:-1])
+        if id(y) not in self.interleaved:
+            self.interleaved[id(y)] = self.emit("reshape", (y,), {"shape": lead + (tp, sum(per))},
+                                                _rep(len(lead)) + (AXIS, None))
+        view = self.interleaved[id(y)]
+        start = sum(per[:i])
+        part = self.emit("slice", (view,), {"start": start, "stop": start + per[i]},
+                         _rep(len(lead)) + (AXIS, None))
+        return self.emit("reshape", (part,), {"shape": lead + (sizes[i],)}, _rep(len(lead)) + (AXIS,))
+
+
+# ---- per-op rules: (sharder, old node, new inputs, attrs without sharding, input specs) -> new node
+
+def _matmul(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    w = ins[1]
+    tb = bool(attrs.get("transpose_b"))
+    wk, wn = (s[1][1], s[1][0]) if tb else (s[1][0], s[1][1])
+    xk = s[0][-1]
+    if xk == AXIS and wk == AXIS:
+        return sh.emit(node.op, ins, attrs, s[0][:-1] + (None,), **{ALL_REDUCE: AXIS})
+    if xk is not None or wk is not None:
+        raise ValueError(f"shard: matmul with x split {s[0]} and weight split {s[1]} "
+                         f"has no Megatron form")
+    out = sh.emit(node.op, ins, attrs, s[0][:-1] + (wn,),
+                  **({ALL_GATHER: AXIS} if wn == AXIS and id(node) in sh.out_ids else {}))
+    if id(w) in sh.layouts:
+        sh.fused[id(out)] = sh.layouts[id(w)]
+    return out
+
+
+def _embedding(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    coll = {ALL_REDUCE: AXIS} if s[0][0] == AXIS else {}
+    return sh.emit(node.op, ins, attrs, _rep(len(node.shape)), **coll)
+
+
+def _add(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    a, b = s
+    if tuple(a[len(a) - len(b):]) != tuple(b):
+        raise ValueError(f"shard: add of splits {a} and {b}")
+    out = sh.emit(node.op, ins, attrs, a)
+    if id(ins[0]) in sh.fused:
+        sh.fused[id(out)] = sh.fused[id(ins[0])]
+    return out
+
+
+def _whole_last_dim(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    if s[0][-1] is not None:
+        raise ValueError(f"shard: {node.op} over a split last dim {s[0]}")
+    return sh.emit(node.op, ins, attrs, s[0])
+
+
+def _slice(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    if id(ins[0]) in sh.fused:
+        return sh.split_fused_slice(ins[0], attrs)
+    return _whole_last_dim(sh, node, ins, attrs, s)
+
+
+def _reshape(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    shape = tuple(attrs["shape"])
+    old_in, new_in = node.inputs[0], ins[0]
+    if new_in.shape != old_in.shape:  # k/v heads repeated: grow the heads dim
+        ratio = new_in.shape[-1] // old_in.shape[-1]
+        shape = shape[:-2] + (shape[-2] * ratio, shape[-1])
+        attrs["shape"] = shape
+    return sh.emit(node.op, ins, attrs, _reshape_spec(new_in.shape, s[0], shape, sh.tp))
+
+
+def _elementwise(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    if any(x != s[0] for x in s):
+        raise ValueError(f"shard: {node.op} of different splits {s}")
+    return sh.emit(node.op, ins, attrs, s[0])
+
+
+def _gather_rows(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    if s[0][0] is not None:
+        raise ValueError(f"shard: gather_rows over a split dim 0 {s[0]}")
+    return sh.emit(node.op, ins, attrs, s[0])
+
+
+def _kv_write(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    if s[1][1] != s[0][2]:
+        raise ValueError(f"shard: {node.op} writes heads split {s[1]} into a cache split {s[0]}")
+    return sh.emit(node.op, ins, attrs, s[0])
+
+
+def _attention(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    if s[0][1] != s[1][2]:
+        raise ValueError(f"shard: {node.op} with q split {s[0]} and KV split {s[1]}")
+    attrs["num_kv_heads"] = ins[1].shape[2]
+    return sh.emit(node.op, ins, attrs, s[0])
+
+
+def _replicated(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    if any(_sharded(x) for x in s):
+        raise ValueError(f"shard: no sharding rule for op {node.op!r} with split inputs {s}")
+    return sh.emit(node.op, ins, attrs, _rep(len(node.shape)))
+
+
+# op -> rule; an op not listed must see only replicated inputs (_replicated).
+OP_RULES = {
+    "matmul": _matmul, "matmul_int8": _matmul,
+    "embedding": _embedding,
+    "add": _add,
+    "slice": _slice, "rope": _whole_last_dim, "rms_norm": _whole_last_dim,
+    "reshape": _reshape,
+    "mul": _elementwise, "silu": _elementwise, "scale": _elementwise,
+    "gather_rows": _gather_rows,
+    "kv_write": _kv_write, "kv_cache_update": _kv_write,
+    "paged_attention": _attention, "attention": _attention,
+}
+
+
 def shard(graph: Graph, tp: int = 1) -> Graph:
     """Megatron split over `tp` devices; a no-op at tp=1."""
     if tp == 1:
@@ -210,9 +357,9 @@ def shard(graph: Graph, tp: int = 1) -> Graph:
         if leaf.op == "param":
             layout = plan.column_layout(leaf)
             spec = plan.param_spec(leaf)
-            extra = {"sharding": spec}
+            extra = {SHARDING: spec}
             if layout:
-                extra["tp_layout"] = layout
+                extra[TP_LAYOUT] = layout
             new = _with_attrs(leaf, **extra)
             new = Node(new.op, (), new.attrs, _resized(leaf, layout), new.dtype)
             if layout:
@@ -223,121 +370,31 @@ def shard(graph: Graph, tp: int = 1) -> Graph:
                 shape = shape[:2] + (shape[2] * plan.kv_repeat,) + shape[3:]
             spec = _split(len(shape), 2) if plan.shard_attention else _rep(len(shape))
             new = input_node(leaf.name, shape, leaf.dtype)
-            new = _with_attrs(new, sharding=spec)
+            new = _with_attrs(new, **{SHARDING: spec})
         else:
             spec = _rep(len(leaf.shape))
-            new = _with_attrs(leaf, sharding=spec)
+            new = _with_attrs(leaf, **{SHARDING: spec})
         specs[id(new)] = spec
         old_to_new[id(leaf)] = new
         leaves.append(new)
 
-    out_ids = {id(n) for name, n in graph.outputs}
-    state_names = {leaf.name for leaf in graph.runtime_inputs}
-    fused: dict[int, dict] = {}  # new node id -> layout of the fused column result it holds
-    interleaved: dict[int, Node] = {}  # fused result id -> its [.., tp, per_shard] view
-
-    def emit(op: str, ins: tuple[Node, ...], attrs: dict, spec: Spec, **coll) -> Node:
-        node = make_node(op, ins, {**attrs, **coll, "sharding": spec})
-        specs[id(node)] = spec
-        return node
-
-    def rebuild(node: Node) -> Node:
+    # ---- computed values, each by its op's rule
+    sh = _Sharder(tp, {id(n) for _, n in graph.outputs}, layouts)
+    sh.specs.update(specs)
+    for node in graph.nodes():
         ins = tuple(old_to_new[id(i)] for i in node.inputs)
         attrs = {k: v for k, v in node.attrs if k not in SHARDING_ATTRS}
-        s = [specs[id(i)] for i in ins]
-        op = node.op
-        if op in ("matmul", "matmul_int8"):
-            x, w = ins[0], ins[1]
-            tb = bool(attrs.get("transpose_b"))
-            wk, wn = (s[1][1], s[1][0]) if tb else (s[1][0], s[1][1])
-            xk = s[0][-1]
-            if xk == AXIS and wk == AXIS:
-                return emit(op, ins, attrs, s[0][:-1] + (None,), all_reduce=AXIS)
-            if xk is not None or wk is not None:
-                raise ValueError(f"shard: matmul with x split {s[0]} and weight split {s[1]} "
-                                 f"has no Megatron form")
-            out = emit(op, ins, attrs, s[0][:-1] + (wn,),
-                       **({"all_gather": AXIS} if wn == AXIS and id(node) in out_ids else {}))
-            if id(w) in layouts:
-                fused[id(out)] = layouts[id(w)]
-            return out
-        if op == "embedding":
-            coll = {"all_reduce": AXIS} if s[0][0] == AXIS else {}
-            return emit(op, ins, attrs, _rep(len(node.shape)), **coll)
-        if op == "add":
-            a, b = s
-            if tuple(a[len(a) - len(b):]) != tuple(b):
-                raise ValueError(f"shard: add of splits {a} and {b}")
-            out = emit(op, ins, attrs, a)
-            if id(ins[0]) in fused:
-                fused[id(out)] = fused[id(ins[0])]
-            return out
-        if op == "slice" and id(ins[0]) in fused:
-            return split_fused_slice(ins[0], attrs)
-        if op in ("slice", "rope", "rms_norm"):
-            if s[0][-1] is not None:
-                raise ValueError(f"shard: {op} over a split last dim {s[0]}")
-            return emit(op, ins, attrs, s[0])
-        if op == "reshape":
-            shape = tuple(attrs["shape"])
-            old_in, new_in = node.inputs[0], ins[0]
-            if new_in.shape != old_in.shape:  # k/v heads repeated: grow the heads dim
-                ratio = new_in.shape[-1] // old_in.shape[-1]
-                shape = shape[:-2] + (shape[-2] * ratio, shape[-1])
-                attrs["shape"] = shape
-            return emit(op, ins, attrs, _reshape_spec(new_in.shape, s[0], shape, tp))
-        if op in ("mul", "silu", "scale"):
-            if any(x != s[0] for x in s):
-                raise ValueError(f"shard: {op} of different splits {s}")
-            return emit(op, ins, attrs, s[0])
-        if op == "gather_rows":
-            if s[0][0] is not None:
-                raise ValueError(f"shard: gather_rows over a split dim 0 {s[0]}")
-            return emit(op, ins, attrs, s[0])
-        if op in ("kv_write", "kv_cache_update"):
-            if s[1][1] != s[0][2]:
-                raise ValueError(f"shard: {op} writes heads split {s[1]} into a cache split {s[0]}")
-            return emit(op, ins, attrs, s[0])
-        if op in ("paged_attention", "attention"):
-            if s[0][1] != s[1][2]:
-                raise ValueError(f"shard: {op} with q split {s[0]} and KV split {s[1]}")
-            attrs["num_kv_heads"] = ins[1].shape[2]
-            return emit(op, ins, attrs, s[0])
-        if any(_sharded(x) for x in s):
-            raise ValueError(f"shard: no sharding rule for op {op!r} with split inputs {s}")
-        return emit(op, ins, attrs, _rep(len(node.shape)))
+        rule = OP_RULES.get(node.op, _replicated)
+        old_to_new[id(node)] = rule(sh, node, ins, attrs, [sh.specs[id(i)] for i in ins])
 
-    def split_fused_slice(y: Node, attrs: dict) -> Node:
-        """slice of [.., p0 | p1 | ...] stored per shard -> reshape [.., tp, per] -> slice -> reshape."""
-        layout = fused[id(y)]
-        parts, repeat = layout["parts"], layout["repeat"]
-        starts = [sum(parts[:i]) for i in range(len(parts))]
-        if attrs["start"] not in starts or attrs["stop"] - attrs["start"] != parts[starts.index(attrs["start"])]:
-            raise ValueError(f"shard: slice [{attrs['start']}:{attrs['stop']}] is not one part of "
-                             f"a fused weight with parts {list(parts)}")
-        i = starts.index(attrs["start"])
-        sizes = [n * r for n, r in zip(parts, repeat)]
-        per = [n // tp for n in sizes]
-        lead = tuple(y.shape[:-1])
-        if id(y) not in interleaved:
-            interleaved[id(y)] = emit("reshape", (y,), {"shape": lead + (tp, sum(per))},
-                                      _rep(len(lead)) + (AXIS, None))
-        view = interleaved[id(y)]
-        start = sum(per[:i])
-        part = emit("slice", (view,), {"start": start, "stop": start + per[i]},
-                    _rep(len(lead)) + (AXIS, None))
-        return emit("reshape", (part,), {"shape": lead + (sizes[i],)}, _rep(len(lead)) + (AXIS,))
-
-    for node in graph.nodes():
-        old_to_new[id(node)] = rebuild(node)
+    state_names = {leaf.name for leaf in graph.runtime_inputs}
     outputs = tuple((name, old_to_new[id(n)]) for name, n in graph.outputs)
     for name, n in outputs:
-        if name not in state_names and _sharded(specs[id(n)]) and n.attr("all_gather") is None:
-            raise ValueError(f"shard: output {name} would leave the step split {specs[id(n)]}")
+        if name not in state_names and _sharded(sh.specs[id(n)]) and n.attr(ALL_GATHER) is None:
+            raise ValueError(f"shard: output {name} would leave the step split {sh.specs[id(n)]}")
     meta = dict(graph.meta) | {"tp": tp, "tp_attention": "split" if plan.shard_attention else "replicated"}
     if plan.kv_repeat > 1:
         meta["tp_kv_repeat"] = plan.kv_repeat
     if plan.notes:
         meta["tp_notes"] = tuple(plan.notes)
     return Graph(tuple(leaves), outputs, freeze_attrs(meta))
-

@@ -120,7 +120,7 @@ input %k : f32[T, 2, 8]
 input %v : f32[T, 2, 8]
 %0 = kv_write(%k_pool.0, %k, %slot_mapping) : f32[B, 4, 2, 8]
 %1 = kv_write(%v_pool.0, %v, %slot_mapping) : f32[B, 4, 2, 8]
-%2 = paged_attention(%q, %0, %1, %block_tables, %context_lens, %cu_q_lens) {block_size=4, head_dim=8, num_kv_heads=2, scale=0.35355339059327373} : f32[T, 4, 8]
+%2 = paged_attention(%q, %0, %1, %block_tables, %context_lens, %cu_q_lens) {block_size=4, head_dim=8, new_kv_written=true, num_kv_heads=2, scale=0.35355339059327373} : f32[T, 4, 8]
 output o = %2
 output k_pool.0 = %0
 output v_pool.0 = %1
@@ -159,7 +159,7 @@ input %v : f32[T, 2, 8]
 %0 = rope(%q, %positions) {theta=10000.0} : f32[T, 4, 8]
 %1 = kv_write(%k_pool.0, %k, %slot_mapping) : f32[B, 16, 2, 8]
 %2 = kv_write(%v_pool.0, %v, %slot_mapping) : f32[B, 16, 2, 8]
-%3 = paged_attention(%0, %1, %2, %block_tables, %context_lens, %cu_q_lens) {block_size=16, head_dim=8, num_kv_heads=2, scale=0.35355339059327373} : f32[T, 4, 8]
+%3 = paged_attention(%0, %1, %2, %block_tables, %context_lens, %cu_q_lens) {block_size=16, head_dim=8, new_kv_written=true, num_kv_heads=2, scale=0.35355339059327373} : f32[T, 4, 8]
 output o = %3
 output k_pool.0 = %1
 output v_pool.0 = %2
@@ -168,12 +168,12 @@ output v_pool.0 = %2
 
 QKV_TEXT = """\
 input %x : f32[T, 8]
-param %layers.0.wq : f32[8, 8]
-param %layers.0.wk : f32[8, 4]
-param %layers.0.wv : f32[8, 4]
-param %layers.0.bq : f32[8]
-param %layers.0.bk : f32[4]
-param %layers.0.bv : f32[4]
+param %layers.0.wq : f32[8, 8] role=q
+param %layers.0.wk : f32[8, 4] role=k
+param %layers.0.wv : f32[8, 4] role=v
+param %layers.0.bq : f32[8] role=q_bias
+param %layers.0.bk : f32[4] role=k_bias
+param %layers.0.bv : f32[4] role=v_bias
 %0 = matmul(%x, %layers.0.wq) : f32[T, 8]
 %1 = add(%0, %layers.0.bq) : f32[T, 8]
 %2 = matmul(%x, %layers.0.wk) : f32[T, 4]
@@ -189,8 +189,8 @@ output v = %5
 def test_fuse_matmuls_text_qkv_with_bias():
     assert run_pass(QKV_TEXT, fuse_matmuls) == """\
 input %x : f32[T, 8]
-param %layers.0.wqkv : f32[8, 16] {concat=["layers.0.wq", "layers.0.wk", "layers.0.wv"]}
-param %layers.0.bqkv : f32[16] {concat=["layers.0.bq", "layers.0.bk", "layers.0.bv"]}
+param %layers.0.wqkv : f32[8, 16] {concat=["layers.0.wq", "layers.0.wk", "layers.0.wv"]} role=qkv
+param %layers.0.bqkv : f32[16] {concat=["layers.0.bq", "layers.0.bk", "layers.0.bv"]} role=qkv_bias
 %0 = matmul(%x, %layers.0.wqkv) : f32[T, 16]
 %1 = add(%0, %layers.0.bqkv) : f32[T, 16]
 %2 = slice(%1) {start=0, stop=8} : f32[T, 8]
@@ -204,9 +204,9 @@ output v = %4
 
 MLP_TEXT = """\
 input %x : f32[T, 8]
-param %w_gate : f32[8, 16]
-param %w_up : f32[8, 16]
-param %w_down : f32[16, 8]
+param %w_gate : f32[8, 16] role=gate
+param %w_up : f32[8, 16] role=up
+param %w_down : f32[16, 8] role=down
 %0 = matmul(%x, %w_gate) : f32[T, 16]
 %1 = silu(%0) : f32[T, 16]
 %2 = matmul(%x, %w_up) : f32[T, 16]
@@ -219,8 +219,8 @@ output y = %4
 def test_fuse_matmuls_text_gate_up():
     assert run_pass(MLP_TEXT, fuse_matmuls) == """\
 input %x : f32[T, 8]
-param %w_gate_up : f32[8, 32] {concat=["w_gate", "w_up"]}
-param %w_down : f32[16, 8]
+param %w_gate_up : f32[8, 32] {concat=["w_gate", "w_up"]} role=gate_up
+param %w_down : f32[16, 8] role=down
 %0 = matmul(%x, %w_gate_up) : f32[T, 32]
 %1 = slice(%0) {start=0, stop=16} : f32[T, 16]
 %2 = silu(%1) : f32[T, 16]
@@ -233,9 +233,9 @@ output y = %5
 
 QUANT_TEXT = """\
 input %x : f32[T, 8]
-param %embed : f32[32, 8]
-param %w_gate_up : f32[8, 32] {concat=["w_gate", "w_up"]}
-param %w_down : f32[16, 8]
+param %embed : f32[32, 8] role=embed
+param %w_gate_up : f32[8, 32] {concat=["w_gate", "w_up"]} role=gate_up
+param %w_down : f32[16, 8] role=down
 %0 = matmul(%x, %w_gate_up) : f32[T, 32]
 %1 = slice(%0) {start=0, stop=16} : f32[T, 16]
 %2 = silu(%1) : f32[T, 16]
@@ -252,11 +252,11 @@ def test_quantize_int8_text():
     # their source's recipe (the concat) so the runtime can rebuild them.
     assert run_pass(QUANT_TEXT, quantize_int8) == """\
 input %x : f32[T, 8]
-param %embed : f32[32, 8]
-param %w_gate_up.int8 : i8[8, 32] {concat=["w_gate", "w_up"], quantize_int8="w_gate_up"}
-param %w_gate_up.scale : f32[32] {concat=["w_gate", "w_up"], int8_scale="w_gate_up"}
-param %w_down.int8 : i8[16, 8] {quantize_int8="w_down"}
-param %w_down.scale : f32[8] {int8_scale="w_down"}
+param %embed : f32[32, 8] role=embed
+param %w_gate_up.int8 : i8[8, 32] {concat=["w_gate", "w_up"], quantize_int8="w_gate_up"} role=gate_up
+param %w_gate_up.scale : f32[32] {concat=["w_gate", "w_up"], int8_scale="w_gate_up"} role=gate_up
+param %w_down.int8 : i8[16, 8] {quantize_int8="w_down"} role=down
+param %w_down.scale : f32[8] {int8_scale="w_down"} role=down
 %0 = matmul_int8(%x, %w_gate_up.int8, %w_gate_up.scale) : f32[T, 32]
 %1 = slice(%0) {start=0, stop=16} : f32[T, 16]
 %2 = silu(%1) : f32[T, 16]
@@ -300,7 +300,7 @@ def test_passes_that_match_nothing_return_their_input():
                                .replace("%w_up : f32[8, 16]", "%w_up : f32[16, 16]")))
     no_int8 = verify(parse_graph("""\
 input %x : f32[T, 8]
-param %embed : f32[32, 8]
+param %embed : f32[32, 8] role=embed
 %0 = matmul(%x, %embed) {transpose_b=true} : f32[T, 32]
 output logits = %0
 """))

@@ -12,7 +12,7 @@ import numpy as np
 from ir import OPS, Graph
 from ir.layers import Layers, find_layers
 from runtime.config import KERNEL_BACKENDS
-from ir.graph import SHARDING_ATTRS
+from ir.attrs import ANNOTATION_ATTRS
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
               "i8": jnp.int8, "bool": jnp.bool_}
@@ -140,8 +140,9 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
 
     def run(nodes, env, fns):
         for node in nodes:
-            # Sharding annotations steer mesh_constraints; the op's implementation never sees them.
-            attrs = {k: v for k, v in node.attrs if k not in SHARDING_ATTRS}
+            # Annotations (sharding, which steers mesh_constraints; paged_attention's new_kv_written)
+            # are not op semantics: the op's implementation never sees them.
+            attrs = {k: v for k, v in node.attrs if k not in ANNOTATION_ATTRS}
             val = fns[node.op](*(env[id(i)] for i in node.inputs), **attrs)
             if mesh_constraints is not None:
                 val = mesh_constraints(node, val)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ir import bind_shape
+from ir import Role, bind_shape
+from ir.attrs import is_int8_scale
 from passes.plan_memory import MemoryPlan
 from runtime.worker.executor import JNP_DTYPES, build_step, state_names, step_layout
 from runtime.worker import sampler
@@ -346,14 +347,16 @@ class ModelRunner:
 
     def _lm_head_weights(self):
         """Final norm and LM head as f32 [H], [H, V], for the prompt-logprob helper."""
-        p = self.params
-        if "lm_head" in p:
-            head = p["lm_head"]
-        elif "lm_head.int8" in p:
-            head = p["lm_head.int8"].astype(jnp.float32) * p["lm_head.scale"][None, :]
+        p, g = self.params, self.graph
+        heads = {is_int8_scale(n): n for n in g.params_with_role(Role.LM_HEAD)}  # by role, not name
+        if False not in heads:  # tied: the LM head is the embedding table
+            head = p[g.params_with_role(Role.EMBED)[0].name].T
+        elif True in heads:  # int8 weight and its per-column scale
+            head = p[heads[False].name].astype(jnp.float32) * p[heads[True].name][None, :]
         else:
-            head = p["embed"].T
-        return p["final_norm"].astype(jnp.float32), head.astype(jnp.float32)
+            head = p[heads[False].name]
+        (norm,) = g.params_with_role(Role.FINAL_NORM)
+        return p[norm.name].astype(jnp.float32), head.astype(jnp.float32)
 
     def prompt_logprobs(self, hidden_rows: np.ndarray, targets: np.ndarray):
         """Logprobs of `targets` given each row's hidden state, in fixed-size chunks."""

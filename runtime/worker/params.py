@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir import Graph, Node
+from ir.attrs import CONCAT, INT8_SCALE, QUANTIZE_INT8, TP_LAYOUT
 
 
 def quantize_int8_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,9 +45,9 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
     int8_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def base(node: Node) -> np.ndarray:
-        src = node.attr("quantize_int8") or node.attr("int8_scale") or node.name
-        if node.attr("concat"):
-            return np.concatenate([weights[s] for s in node.attr("concat")], axis=-1)
+        src = node.attr(QUANTIZE_INT8) or node.attr(INT8_SCALE) or node.name
+        if node.attr(CONCAT):
+            return np.concatenate([weights[s] for s in node.attr(CONCAT)], axis=-1)
         if src not in weights:
             raise KeyError(f"weights have no tensor {src!r} for param %{node.name}")
         return weights[src]
@@ -54,15 +55,15 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
     out = {}
     params = list(graph.params)
     for p in (progress(params) if progress else params):
-        src = p.attr("quantize_int8") or p.attr("int8_scale")
+        src = p.attr(QUANTIZE_INT8) or p.attr(INT8_SCALE)
         if src:
             if src not in int8_cache:
                 int8_cache[src] = quantize_int8_weight(base(p))
-            v = int8_cache[src][0 if p.attr("quantize_int8") else 1]
+            v = int8_cache[src][0 if p.attr(QUANTIZE_INT8) else 1]
         else:
             v = base(p)
-        if p.attr("tp_layout"):
-            lay = dict(p.attr("tp_layout"))
+        if p.attr(TP_LAYOUT):
+            lay = dict(p.attr(TP_LAYOUT))
             v = tp_column_layout(v, lay["parts"], lay["repeat"], lay["head_dim"], lay["shards"])
         if tuple(v.shape) != tuple(p.shape):
             raise ValueError(f"param %{p.name}: materialized shape {v.shape} != declared {p.shape}")

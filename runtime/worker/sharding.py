@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ir import Graph, Node
-from passes.shard import AXIS
+from ir.attrs import ALL_GATHER, SHARDING, TP_AXIS as AXIS
 
 log = logging.getLogger("runtime.worker.sharding")
 
@@ -70,7 +70,7 @@ class TensorParallelMesh:
         return self._cache[key]
 
     def node_sharding(self, node: Node) -> NamedSharding:
-        return self.sharding(node.attr("sharding"))
+        return self.sharding(node.attr(SHARDING))
 
     def _put(self, node: Node, x, dtype=None):
         sharding = self.node_sharding(node)
@@ -85,7 +85,7 @@ class TensorParallelMesh:
     def put_param(self, node: Node, x, dtype=None, stacked: bool = False):
         """A weight; `stacked`: a [num_layers, ...] stack of this node's per-layer weights."""
         if stacked:
-            sharding = self.sharding((None,) + tuple(node.attr("sharding") or (None,) * len(node.shape)))
+            sharding = self.sharding((None,) + tuple(node.attr(SHARDING) or (None,) * len(node.shape)))
             host = np.asarray(x).astype(dtype, copy=False) if dtype is not None else np.asarray(x)
             return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
         return self._put(node, x, dtype)
@@ -94,11 +94,11 @@ class TensorParallelMesh:
         return self._put(node, x, dtype)
 
     def constrain(self, node: Node, value):
-        spec = node.attr("sharding")
+        spec = node.attr(SHARDING)
         if spec is None:
             return value
         value = jax.lax.with_sharding_constraint(value, self.sharding(spec))
-        if node.attr("all_gather") is not None:
+        if node.attr(ALL_GATHER) is not None:
             # Computed split (e.g. vocab-parallel logits), then gathered: the step's outputs are
             # replicated so the sampler sees whole rows.
             value = jax.lax.with_sharding_constraint(value, self.replicated)
