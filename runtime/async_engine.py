@@ -44,18 +44,19 @@ class EngineLoop:
         self._subs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._queued: set[str] = set()  # added, not yet scheduled: what --max-queue bounds
         self._last_token: dict[str, float] = {}
+        self._seq_end: dict[str, dict[int, float]] = {}  # when each finished sample of a running request ended
+        self._prompt_tokens_cached = 0  # prompt tokens of requests past prefill, found in the prefix cache
+        self._stepped = False  # set by the step hook: the engine ran a step
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.snapshot = Snapshot()
         self._take_snapshot()
-        ec, bm = engine.engine_config, engine.block_manager
-        self.metrics = Metrics(model_name, lambda: self.snapshot, max_model_len=ec.max_model_len,
-                               max_num_batched_tokens=ec.max_num_batched_tokens, cache_config={
-                                   "block_size": bm.block_size, "num_gpu_blocks": bm.num_blocks,
-                                   "enable_prefix_caching": bm.enable_prefix_caching})
+        self.metrics = Metrics(model_name, lambda: self.snapshot, max_model_len=engine.engine_config.max_model_len,
+                               cache_config=cache_config_info(engine))
         engine.finished_callbacks.append(self._on_finished)
+        engine.step_hooks.append(self._on_step)
         self._last_log = (time.monotonic(), self.snapshot.prompt_tokens_total, self.snapshot.generation_tokens_total)
 
     # ------------------------------------------------------------ lifecycle
@@ -75,6 +76,8 @@ class EngineLoop:
             self._thread = None
         with contextlib.suppress(ValueError):
             self.engine.finished_callbacks.remove(self._on_finished)
+        with contextlib.suppress(ValueError):
+            self.engine.step_hooks.remove(self._on_step)
 
     @property
     def alive(self) -> bool:
@@ -158,7 +161,8 @@ class EngineLoop:
                 self._wake.wait(0.5)
                 continue
             t0 = time.perf_counter()
-            scheduled = engine.scheduled_tokens_total
+            tokens = engine.prompt_tokens_total + engine.generation_tokens_total
+            self._stepped = False
             try:
                 outputs = engine.step()
             except Exception as e:  # a broken engine: fail every request, refuse new ones
@@ -166,8 +170,9 @@ class EngineLoop:
                 self.error = e
                 self._fail_all()
                 return
-            if engine.scheduled_tokens_total > scheduled:
-                self.metrics.iteration_tokens.observe(engine.scheduled_tokens_total - scheduled)
+            if self._stepped:  # vLLM's count: prompts whose prefill finished, plus the tokens generated
+                self.metrics.iteration_tokens.observe(engine.prompt_tokens_total + engine.generation_tokens_total
+                                                      - tokens)
             self._dispatch(outputs)
             now = time.perf_counter()
             if now - last_snap > 0.05:
@@ -194,9 +199,14 @@ class EngineLoop:
                     if prev is not None and m.last_token_time > prev:
                         self.metrics.itl.observe(m.last_token_time - prev)
                     self._last_token[rid] = m.last_token_time
+                    if not out.finished:  # a sample that stopped while others go on ended at this step
+                        for c in out.outputs:
+                            if c.finish_reason is not None:
+                                self._seq_end.setdefault(rid, {}).setdefault(c.index, m.last_token_time)
                 sub = self._subs.pop(rid, None) if out.finished else self._subs.get(rid)
                 if out.finished:
                     self._last_token.pop(rid, None)
+                    self._seq_end.pop(rid, None)
                 if sub is not None:
                     loop, q, idx = sub
                     per_loop.setdefault(loop, []).append((q, idx, out))
@@ -204,34 +214,58 @@ class EngineLoop:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
                 loop.call_soon_threadsafe(_deliver, batch)
 
+    def _on_step(self, sched, outs) -> None:
+        """Engine step hook (engine thread), after the step's launch: counts the prefix-cache share of
+        the prompts the engine counts in this step (a first sample's prompt, when its prefill ends)."""
+        self._stepped = True
+        for sc in sched.scheduled:
+            seq = sc.seq
+            if sc.samples and seq.index == 0 and seq.num_output_tokens == 0:
+                self._prompt_tokens_cached += seq.num_cached_tokens
+
     def _on_finished(self, req) -> None:
-        """Engine callback (engine thread): a request finished or was aborted."""
+        """Engine callback (engine thread): a request finished or was aborted. Observes vLLM's
+        per-request histograms once per sample (vLLM runs each of n samples as a child request) and
+        n and the longest sample once per request."""
         rid = req.request_id
         m = req.metrics
         now = time.monotonic()
         num_out = sum(s.num_output_tokens for s in req.seqs)
-        reasons = sorted({s.finish_reason or "abort" for s in req.seqs})
-        reason = "abort" if req.aborted else ",".join(reasons)
         end = m.finished_time or now
         ttft = (m.first_token_time - m.arrival_time) if m.first_token_time is not None else None
-        if not req.aborted:
-            if ttft is not None:
-                self.metrics.ttft.observe(ttft)
-            self.metrics.e2e.observe(end - m.arrival_time)
-            if m.first_scheduled_time is not None:
-                self.metrics.queue.observe(m.first_scheduled_time - m.arrival_time)
-                self.metrics.inference_time.observe(end - m.first_scheduled_time)
+        ends = self._seq_end.pop(rid, {})
+        met, model = self.metrics, self.metrics.model_name
+        if req.aborted:
+            reasons = ["abort"] * max(req.params.n, len(req.seqs))
+        else:
+            reasons = []
+            for s in req.seqs:
+                reasons.append(s.finish_reason or "abort")
+                seq_end = ends.get(s.index, end)
+                met.e2e.observe(seq_end - m.arrival_time)
+                if ttft is not None:
+                    met.ttft.observe(ttft)
+                if m.first_scheduled_time is not None:
+                    met.queue.observe(m.first_scheduled_time - m.arrival_time)
+                    met.inference_time.observe(seq_end - m.first_scheduled_time)
+                    if m.first_token_time is not None:
+                        met.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
                 if m.first_token_time is not None:
-                    self.metrics.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
-            if m.first_token_time is not None:
-                self.metrics.decode_time.observe(end - m.first_token_time)
-            self.metrics.req_prompt_tokens.observe(len(req.prompt_token_ids))
-            self.metrics.req_generation_tokens.observe(num_out)
-            self.metrics.req_params_n.observe(req.params.n)
-            if req.params.max_tokens is not None:
-                self.metrics.req_params_max_tokens.observe(req.params.max_tokens)
-        for r in reasons if not req.aborted else ["abort"]:
-            self.metrics.success.labels(self.metrics.model_name, r).inc()
+                    decode = seq_end - m.first_token_time
+                    met.decode_time.observe(decode)
+                    met.tpot.observe(decode / (s.num_output_tokens - 1) if s.num_output_tokens > 1 else 0.0)
+                met.req_prompt_tokens.observe(len(req.prompt_token_ids))
+                met.req_generation_tokens.observe(s.num_output_tokens)
+                # The first sample computed the prompt's KV; the others share its blocks.
+                met.req_prefill_kv_computed.observe(len(req.prompt_token_ids) - s.num_cached_tokens
+                                                    if s.index == 0 else 0)
+                if req.params.max_tokens is not None:
+                    met.req_params_max_tokens.observe(req.params.max_tokens)
+            met.req_params_n.observe(req.params.n)
+            met.req_max_num_generation_tokens.observe(max(s.num_output_tokens for s in req.seqs))
+        for r in reasons:
+            met.success.labels(model, r).inc()
+        reason = "abort" if req.aborted else ",".join(sorted(set(reasons)))
         log.info("request %s finished: prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
                  rid, len(req.prompt_token_ids), num_out, f"{ttft:.3f}s" if ttft is not None else "-",
                  end - m.arrival_time, reason)
@@ -258,13 +292,15 @@ class EngineLoop:
         e = self.engine
         st = e.stats()
         sched = e.scheduler
+        capacity, deferred = _waiting_by_reason(sched)
         self.snapshot = Snapshot(
             time=time.monotonic(),
             num_running=len({id(s.request) for s in list(sched.running)}),
-            num_waiting=len({id(s.request) for s in list(sched.waiting)}),
+            num_waiting=capacity + deferred, num_waiting_capacity=capacity, num_waiting_deferred=deferred,
             kv_cache_usage=st.kv_cache_usage, prefix_cache_queries=st.prefix_cache_queries,
             prefix_cache_hits=st.prefix_cache_hits, num_preemptions=st.num_preemptions,
             num_recompiles=st.num_recompiles, prompt_tokens_total=st.prompt_tokens_total,
+            prompt_tokens_cached=self._prompt_tokens_cached,
             generation_tokens_total=st.generation_tokens_total, padding_waste_ratio=st.padding_waste_ratio,
             num_kv_blocks=st.num_kv_blocks, num_cached_blocks=st.num_cached_blocks)
 
@@ -286,6 +322,30 @@ class EngineLoop:
                  "Preemptions: %d, Recompiles: %d",
                  (s.prompt_tokens_total - p) / dt, (s.generation_tokens_total - g) / dt, s.num_running,
                  s.num_waiting, 100 * s.kv_cache_usage, 100 * hit, s.num_preemptions, s.num_recompiles)
+
+
+def cache_config_info(engine) -> dict:
+    """vllm:cache_config_info's labels: the KV cache's settings, from the engine's plan."""
+    ec, bm = engine.engine_config, engine.block_manager
+    pools = sorted({x.dtype for x in engine.plan.graph.runtime_inputs if "_pool." in x.name})
+    return {"block_size": bm.block_size, "num_gpu_blocks": bm.num_blocks,
+            "enable_prefix_caching": bm.enable_prefix_caching, "cache_dtype": ",".join(pools) or "auto",
+            "gpu_memory_utilization": ec.memory_utilization}
+
+
+def _waiting_by_reason(sched) -> tuple[int, int]:
+    """(capacity, deferred) waiting requests. Under continuous batching every waiting request waits
+    for capacity. Static and dynamic batching admit only the members of a forming batch (the
+    scheduler's remaining quota, in queue order); the rest wait for the policy: deferred."""
+    waiting = list(sched.waiting)
+    if sched.config.scheduling == "continuous":
+        quota = len(waiting)
+    else:
+        quota = getattr(sched, "_batch_quota", 0)
+        waiting.sort(key=lambda s: (s.request.priority, s.request.metrics.arrival_time, s.seq_id))
+    capacity = {id(s.request) for s in waiting[:quota]}
+    deferred = {id(s.request) for s in waiting[quota:]} - capacity
+    return len(capacity), len(deferred)
 
 
 def _deliver(batch) -> None:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from conftest import SMOL_ARGS
 
+from models.engine_config import resolve_dtype
 from runtime.core.sampling_params import SamplingParams
 from runtime.serve import VLLM_UNSUPPORTED, ServerThread, build_app
 
@@ -248,15 +249,17 @@ class TestVLLMCompat:
                                                "temperature": 1.0, "seed": 1, "ignore_eos": True}).json()
         assert r["usage"]["completion_tokens"] == 6
         text = http.get("/metrics").text
-        for name, value in (("vllm:request_prompt_tokens", 5), ("vllm:request_generation_tokens", 6),
-                            ("vllm:request_params_n", 2), ("vllm:request_params_max_tokens", 3)):
+        # vLLM counts each of the n samples as a request (a parallel-sampling child); n once per request
+        for name, value in (("vllm:request_prompt_tokens", (2, 10)), ("vllm:request_generation_tokens", (2, 6)),
+                            ("vllm:request_params_n", (1, 2)), ("vllm:request_params_max_tokens", (2, 6)),
+                            ("vllm:request_max_num_generation_tokens", (1, 3))):
             count, total = histogram(text, name)
             b_count, b_total = histogram(before, name)
-            assert (count - b_count, total - b_total) == (1, value), name
+            assert (count - b_count, total - b_total) == value, name
         for name in ("vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
                      "vllm:request_inference_time_seconds"):
             count, total = histogram(text, name)
-            assert count == n0 + 1 and total > histogram(before, name)[1], name
+            assert count == n0 + 2 and total > histogram(before, name)[1], name
         prefill = histogram(text, "vllm:request_prefill_time_seconds")[1] - histogram(
             before, "vllm:request_prefill_time_seconds")[1]
         decode = histogram(text, "vllm:request_decode_time_seconds")[1] - histogram(
@@ -264,15 +267,17 @@ class TestVLLMCompat:
         inference = histogram(text, "vllm:request_inference_time_seconds")[1] - histogram(
             before, "vllm:request_inference_time_seconds")[1]
         assert abs(prefill + decode - inference) < 1e-6
-        # iteration tokens: the 5-token prefill (2 sequences share it) and decode steps; at least 5 + 4 tokens
+        # iteration tokens (vLLM's count): the 5-token prompt (2 samples share its prefill) and 6 generated
         it = histogram(text, "vllm:iteration_tokens_total")
-        assert it[0] > it0[0] and it[1] - it0[1] >= 9
+        assert it[0] > it0[0] and it[1] - it0[1] == 5 + 6
         bm = smol_llm.engine.block_manager
         info = re.search(r"^vllm:cache_config_info\{([^}]*)\} 1\.0$", text, re.M)
         assert info, "vllm:cache_config_info not in /metrics"
         labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
         assert labels == {"block_size": str(bm.block_size), "num_gpu_blocks": str(bm.num_blocks),
-                          "enable_prefix_caching": str(bm.enable_prefix_caching)}
+                          "enable_prefix_caching": str(bm.enable_prefix_caching),
+                          "cache_dtype": resolve_dtype(smol_llm.engine.engine_config.dtype),
+                          "gpu_memory_utilization": str(smol_llm.engine.engine_config.memory_utilization)}
 
 
 def test_cached_tokens_with_prompt_tokens_details(smol_llm):
