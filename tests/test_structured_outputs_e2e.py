@@ -145,3 +145,160 @@ def test_no_tokenizer_is_a_request_error():
     with pytest.raises(RequestError, match="tokenizer") as e:
         llm.engine.add_request(None, [5, 6], SamplingParams(structured_outputs={"regex": "a"}))
     assert e.value.param == "structured_outputs"
+
+
+# ====================================================================== the real SmolLM2 (slow)
+
+def _obj(properties: dict, required=None) -> dict:
+    return {"type": "object", "properties": properties, "required": required or list(properties),
+            "additionalProperties": False}
+
+
+SHORT = {"type": "string", "maxLength": 24}
+SCHEMAS = {
+    "nested objects": (
+        "Give the name and the address (city and 5-digit zip code) of a fictional person as JSON.",
+        _obj({"name": SHORT, "address": _obj({"city": SHORT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})})),
+    "bounded arrays": (
+        "List a few colours of the rainbow as JSON.",
+        _obj({"colors": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2,
+                         "maxItems": 4}})),
+    "enums": (
+        "Classify the sentiment of 'I love this film!' as JSON.",
+        _obj({"sentiment": {"enum": ["positive", "negative", "neutral"]}, "confidence": {"enum": ["low", "high"]}})),
+    "bounded numbers": (
+        "Give the age in years and the height in metres of a typical adult as JSON.",
+        _obj({"age": {"type": "integer", "minimum": 0, "maximum": 120},
+              "height_m": {"type": "number", "minimum": 0.5, "maximum": 2.5}})),
+    "required fields": (
+        "Describe a famous book (title, year, optional tags) as JSON.",
+        _obj({"title": SHORT, "year": {"type": "integer", "minimum": 1000, "maximum": 2030},
+              "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}},
+             required=["title", "year"])),
+}
+JSON_MAX_TOKENS = 160
+
+
+def test_smollm2_five_schemas(smol_llm):
+    convs = [[{"role": "user", "content": prompt}] for prompt, _ in SCHEMAS.values()]
+    params = [SamplingParams(temperature=0, max_tokens=JSON_MAX_TOKENS, structured_outputs={"json": schema})
+              for _, schema in SCHEMAS.values()]
+    outs = smol_llm.chat(convs, params)
+    for name, (_, schema), out in zip(SCHEMAS, SCHEMAS.values(), outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (name, c.text)
+        jsonschema.validate(json.loads(c.text), schema)
+    assert smol_llm.engine.stats().num_recompiles == 0
+
+
+def test_smollm2_regex_and_choice(smol_llm):
+    tok = smol_llm.get_tokenizer()
+    prompts = ["The date of the first moon landing, as YYYY-MM-DD:", "Is the sky blue? Answer:"]
+    regex = r"\d{4}-\d{2}-\d{2}"
+    outs = smol_llm.generate(prompts, [
+        SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": regex}),
+        SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": ["yes", "no", "maybe"]})])
+    assert re.fullmatch(regex, outs[0].outputs[0].text) and outs[0].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].text in ("yes", "no", "maybe") and outs[1].outputs[0].finish_reason == "stop"
+    assert tok is not None
+
+
+def test_smollm2_free_requests_unchanged_in_a_mixed_batch(smol_llm):
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there", "Water boils at"]
+    alone = smol_llm.generate(prompts, free)
+    # Compact JSON: with free whitespace, a 135M model given a bare prompt loops on newlines.
+    so = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": SCHEMAS["enums"][1],
+                                                                         "disable_any_whitespace": True})
+    mixed = smol_llm.generate([p for pair in zip(prompts, prompts) for p in pair], [free, so] * len(prompts))
+    assert [o.outputs[0].token_ids for o in mixed[0::2]] == [o.outputs[0].token_ids for o in alone]
+    for o in mixed[1::2]:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS["enums"][1])
+
+
+@pytest.fixture(scope="class")
+def http(smol_llm):
+    """A server over the shared engine, up only while TestHTTP runs (after the offline tests)."""
+    from runtime.serve import ServerThread, build_app
+
+    app = build_app(smol_llm.engine, served_model_names=["smollm2-135m"], log_stats_interval=0)
+    with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=120) as client:
+        yield client
+    assert not smol_llm.engine.has_unfinished_requests()
+
+
+class TestHTTP:
+    def chat(self, http, content, **body):
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                    "temperature": 0, "max_tokens": JSON_MAX_TOKENS, **body})
+        return r
+
+    def test_chat_response_format_json_schema(self, http):
+        prompt, schema = SCHEMAS["nested objects"]
+        rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+        r = self.chat(http, prompt, response_format=rf)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        # any object: its strings are unbounded, so max_tokens may cut it ("length")
+        r = self.chat(http, "Reply with a JSON object about cats.", response_format={"type": "json_object"})
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["message"]["content"]), dict)
+        else:
+            assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("{")
+
+    def test_completions_structured_outputs_regex_and_n(self, http):
+        regex = r"(red|green|blue)( and (red|green|blue))?"
+        r = http.post("/v1/completions", json={"prompt": "My favourite colours are", "max_tokens": 12,
+                                               "temperature": 1.0, "seed": 3, "n": 3,
+                                               "structured_outputs": {"regex": regex}})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert len(choices) == 3
+        for c in choices:
+            assert re.fullmatch(regex, c["text"]) and c["finish_reason"] == "stop", c
+        # chat, n > 1, JSON: every choice validates
+        prompt, schema = SCHEMAS["enums"]
+        r = self.chat(http, prompt, n=3, temperature=1.0, seed=5,
+                      response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        for c in r.json()["choices"]:
+            jsonschema.validate(json.loads(c["message"]["content"]), schema)
+
+    def test_streaming_text_validates(self, http):
+        prompt, schema = SCHEMAS["bounded numbers"]
+        body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "stream": True,
+                "max_tokens": JSON_MAX_TOKENS, "structured_outputs": {"json": schema}}
+        text, reasons = "", []
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for ch in json.loads(line[6:])["choices"]:
+                        text += ch["delta"].get("content") or ""
+                        reasons.append(ch["finish_reason"])
+        jsonschema.validate(json.loads(text), schema)
+        assert reasons[-1] == "stop"
+
+    @pytest.mark.parametrize("path,extra,param,words", [
+        ("/v1/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+         "response_format", "JSON schema"),
+        ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+        ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+         "exactly one"),
+        ("/v1/completions", {"structured_outputs": {"jsn": {}}}, "structured_outputs", "jsn"),
+        ("/v1/chat/completions", {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+         "structured_outputs", "both"),
+        ("/v1/completions", {"structured_outputs": {"grammar": "start: @@"}}, "structured_outputs", "grammar"),
+    ])
+    def test_bad_constraint_is_400_and_the_server_goes_on(self, http, path, extra, param, words):
+        body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+        r = http.post(path, json={**body, "max_tokens": 4, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], err
+        ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200 and http.get("/health").status_code == 200

@@ -96,7 +96,7 @@ class StreamOptions(BaseModel):
 VLLM_UNSUPPORTED = {
     "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "prompt_embeds": None, "logits_processors": None, "mm_processor_kwargs": None, "cache_salt": None,
     "kv_transfer_params": None, "vllm_xargs": None, "spaces_between_special_tokens": True,
     "chat_template": None, "documents": None, "reasoning_effort": None,
@@ -137,6 +137,10 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False  # logprob tokens named "token_id:<id>"
     truncate_prompt_tokens: Optional[int] = None  # keep only this many prompt tokens (-1: max_model_len)
     truncation_side: Optional[str] = None  # "left" (default: keep the last ones) or "right"
+    # Structured outputs: OpenAI's {"type": "text" | "json_object" | "json_schema", ...}, or vLLM's
+    # {"json" | "regex" | "choice" | "grammar": ...}; not both.
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -152,7 +156,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[dict] = None
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
     add_generation_prompt: bool = True

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from runtime.async_engine import ABORTED, DEFAULT_MAX_QUEUE, EngineLoop, QueueFull
-from runtime.core.sampling_params import RequestError, SamplingParams
+from runtime.core.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
 from runtime.entrypoints.openai.protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, ChoiceState,
                                                  CompletionRequest, Detok, DetokenizeRequest, Prepared,
                                                  SamplingFields, TokenIdNames, TokenizeRequest, bad_request,
@@ -167,6 +167,10 @@ class Server(CompletionServing, ChatServing):
                 except ValueError:
                     raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
         try:
+            so = StructuredOutputsParams.from_response_format(r.response_format)
+            if so is not None and r.structured_outputs is not None:
+                raise RequestError("response_format and structured_outputs cannot both constrain the output; "
+                                   "give one", "structured_outputs")
             return SamplingParams(
                 n=r.n, temperature=1.0 if r.temperature is None else r.temperature,
                 top_p=1.0 if r.top_p is None else r.top_p, top_k=0 if r.top_k is None else r.top_k,
@@ -175,7 +179,8 @@ class Server(CompletionServing, ChatServing):
                 max_tokens=max_tokens, min_tokens=r.min_tokens, stop=r.stop, stop_token_ids=r.stop_token_ids,
                 ignore_eos=r.ignore_eos, include_stop_str_in_output=r.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
-                skip_special_tokens=r.skip_special_tokens, priority=r.priority, trace=r.trace)
+                skip_special_tokens=r.skip_special_tokens, priority=r.priority, trace=r.trace,
+                structured_outputs=so if so is not None else r.structured_outputs)
         except RequestError as e:
             raise bad_request(e.message, e.param, e.code) from None
 

@@ -24,9 +24,6 @@ class ChatServing:
         model = self.check_model(r.model)
         if r.tools:
             raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-        if r.response_format and r.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
-                              "unsupported_parameter")
         messages = self._messages(r.messages)
         ids = self.truncate(self._chat_ids(messages, r.add_generation_prompt, r.chat_template_kwargs,
                                            r.continue_final_message), r)
