@@ -141,6 +141,9 @@ _ENGINE_FLAGS = (
           "compiles (default: on GPU/TPU, off on CPU, where the steps run 5-13%% slower)")),
     ("num_scheduler_steps", ("--num-scheduler-steps",),
      dict(type=int, help="decode steps per executable for all-decode batches (vLLM's multi-step)")),
+    ("speculative_config", ("--speculative-config",),
+     dict(metavar="JSON", help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+          '"prompt_lookup_max": 4}\' (n-gram prompt lookup; drafts are verified in the decode buckets)')),
 )
 
 # EngineConfig fields with no flag: set through LLM(...) or a saved plan only.

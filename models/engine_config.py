@@ -7,8 +7,9 @@ flags from them, and `ir.dump` uses that layer while DESIGN lets it import only 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,92 @@ KERNEL_BACKENDS = ("auto", "xla", "pallas", "interpret")  # auto: Pallas on GPU,
 CPU_DEVICE_MEMORY = 4 << 30
 
 
+MAX_NUM_SPECULATIVE_TOKENS = 16  # every step verifies k+1 positions per row; more is rarely accepted
+MAX_PROMPT_LOOKUP = 64  # the n-gram search costs O(sequence length x n) per row per step
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default when neither bound is given
+SUPPORTED_METHODS = ("ngram",)
+PLANNED_METHODS = ("draft_model",)  # a small model of the same vocabulary proposes; its q_probs feed the sampler
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` (`--speculative-config '{"method": "ngram", ...}'`).
+
+    method: how drafts are proposed; "ngram" (prompt lookup) is the one supported now.
+    num_speculative_tokens: k, the drafts proposed and verified per row per step (1..16).
+    prompt_lookup_max / prompt_lookup_min: the longest / shortest suffix n-gram searched for. As
+    in vLLM: both unset -> 5 and 5; one unset -> it takes the other's value.
+
+    Constructing one validates every field; `from_dict` also rejects unknown keys.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self):
+        m = self.method
+        if not isinstance(m, str):
+            _bad("method", f"must be a string, got {m!r}")
+        if m not in SUPPORTED_METHODS:
+            planned = f" ({m!r} is planned)" if m in PLANNED_METHODS else ""
+            _bad("method", f"{m!r} is not supported{planned}; supported: {', '.join(map(repr, SUPPORTED_METHODS))}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_NUM_SPECULATIVE_TOKENS)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+            if value is not None:
+                _check_int(name, value, 1, MAX_PROMPT_LOOKUP)
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        if lo > hi:
+            _bad("prompt_lookup_min", f"{lo} must be <= prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, d: "dict | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From a dict or a JSON object string (the CLI's form); None (or "") means no speculation."""
+        if d is None or isinstance(d, cls):
+            return d
+        if isinstance(d, str):
+            if not d.strip():
+                return None
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config: must be a JSON object, got {type(d).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = [k for k in d if k not in known]
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(known)}")
+        for required in ("method", "num_speculative_tokens"):
+            if required not in d:
+                _bad(required, "is required")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _bad(name: str, why: str):
+    raise ValueError(f"speculative_config.{name}: {why}")
+
+
+def _check_int(name: str, v, lo: int, hi: int):
+    if isinstance(v, bool) or not isinstance(v, int):
+        _bad(name, f"must be an integer, got {v!r}")
+    if not lo <= v <= hi:
+        _bad(name, f"must be in [{lo}, {hi}], got {v}")
+
+
 @dataclass
 class EngineConfig:
     max_model_len: int = 2048
@@ -67,10 +154,14 @@ class EngineConfig:
     # vLLM's multi-step decode: an all-decode batch runs this many steps in one executable, the
     # host checking stops after them (amortizes the host's share of a step; 1 = off).
     num_scheduler_steps: int = 1
+    # vLLM's speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}: drafts are
+    # verified in the decode buckets (runtime/step_inputs.py). A dict or JSON string; None = off.
+    speculative_config: SpeculativeConfig | None = None
     reserve_bytes: int = 64 << 20
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "tensor_parallel_size", "num_scheduler_steps"):
             v = getattr(self, f)

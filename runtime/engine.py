@@ -8,7 +8,6 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -18,91 +17,16 @@ from runtime.core.block_manager import BlockManager
 from runtime.plan import Plan
 from runtime.worker.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
 from runtime.worker.sampler import build_inputs
+from runtime.core.spec_decode import make_proposer
+from runtime.step_inputs import Row, build_step, grammar_bitmask, pick_bucket
+from models.engine_config import SpeculativeConfig
 from runtime.core.sampling_params import STRUCTURED_PARAM, RequestError, SamplingParams
-from runtime.core.structured_output import CompiledGrammar, GrammarCompiler, allocate_bitmask
+from runtime.core.structured_output import CompiledGrammar, GrammarCompiler
 from runtime.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from runtime.core.sequence import Request, Sequence, SeqStatus
+from runtime.outputs import CompletionOutput, EngineStats, RequestOutput, StepTrace
 
 log = logging.getLogger("runtime.engine")
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, float] | None] | None
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: object = None
-    num_cached_tokens: int = 0
-    error: str | None = None  # set when a failed step ended this request
-    trace: dict | None = None  # SamplingParams(trace=True): RequestTrace.to_dict()
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_recompiles: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prompt_throughput: float  # tok/s, averaged since the engine started
-    generation_throughput: float
-    padded_tokens_total: int
-    scheduled_tokens_total: int
-    num_kv_blocks: int
-    num_cached_blocks: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    @property
-    def padding_waste_ratio(self) -> float:
-        total = self.padded_tokens_total
-        return (total - self.scheduled_tokens_total) / total if total else 0.0
-
-
-@dataclass
-class StepTrace:
-    """Per-step timing and occupancy, for the benchmark's plots and profiles."""
-
-    time: float
-    bucket: tuple[int, int]
-    num_tokens: int
-    num_seqs: int
-    num_sampled: int  # tokens sampled (one per sequence that reached its end this step)
-    kv_used_slots: int  # slots that hold real tokens
-    kv_allocated_slots: int  # slots of allocated blocks
-    # Where the step's wall time went, in order:
-    schedule_s: float  # drain adds/aborts, schedule (host)
-    prepare_s: float  # build the step's and the sampler's input arrays (host)
-    dispatch_s: float  # copy-on-write and the step call, until it returns (async: host side of the launch)
-    device_s: float  # waiting for the sampled tokens: the device's share not hidden by the host work
-    postprocess_s: float  # prompt logprobs, append tokens, stops, detokenize, outputs (host)
-
-    @property
-    def host_s(self) -> float:
-        return self.schedule_s + self.prepare_s + self.dispatch_s + self.postprocess_s
 
 
 class LLMEngine:
@@ -146,6 +70,11 @@ class LLMEngine:
         self.num_recompiles = 0
         self._step_requests: dict[str, Request] | None = None  # what the running step touches
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
+        self.speculative = SpeculativeConfig.from_dict(e.speculative_config)
+        self.proposer = make_proposer(self.speculative) if self.speculative is not None else None
+        k = self.speculative.num_speculative_tokens if self.speculative is not None else 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * k
         self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------ requests
@@ -298,25 +227,28 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self._step_requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}
-        multi = self._multi_step_ready(sched)  # takes its KV blocks before the tables are built
+        drafts = self._propose(sched)  # takes KV blocks for the drafts it keeps
+        bucket = pick_bucket(sched, drafts, self.plan.buckets) if drafts else sched.bucket
+        multi = not drafts and self._multi_step_ready(sched)  # takes its KV blocks before the tables are built
         for sc in sched.scheduled:
             req = sc.seq.request
             if req.trace is not None:
-                req.trace.step(req, sc.seq, sched.bucket, sc.num_new_tokens,
+                req.trace.step(req, sc.seq, bucket, sc.num_new_tokens + len(drafts.get(sc.seq.seq_id, ())),
                                self.runner.num_scheduler_steps if multi else 1)
         t_sched = time.perf_counter()
-        inputs, rows = self._prepare(sched)
-        row_params = [(s.request.params, _seq_seed(s, fork_index), s.num_output_tokens if fork_index is None else 0,
-                       s.token_ids, s.prompt_len) for s, fork_index in rows]
-        si = build_inputs(row_params, sched.bucket[1], self.engine_config.max_model_len, self._stop_ids,
-                          vocab_size=self.config.vocab_size, bitmask=self._grammar_bitmask(rows, sched.bucket[1]))
+        batch = build_step(sched, bucket, block_size=self.engine_config.block_size,
+                           max_blocks_per_seq=self.runner.max_blocks_per_seq, drafts=drafts)
+        rows = batch.rows
+        si = build_inputs([self._row_params(r, drafts) for r in rows], bucket[1], self.engine_config.max_model_len,
+                          self._stop_ids, vocab_size=self.config.vocab_size,
+                          bitmask=grammar_bitmask(rows, bucket[1], self.config.vocab_size))
         t_prep = time.perf_counter()
         if sched.copies:
             self.runner.copy_blocks(sched.copies)
         if multi:
-            outs = self.runner.execute_multi_step(sched.bucket, inputs, si.arrays())
+            outs = self.runner.execute_multi_step(bucket, batch.inputs, si.arrays())
         else:
-            outs = self.runner.execute(sched.bucket, inputs, si.arrays())
+            outs = self.runner.execute(bucket, batch.inputs, si.arrays())
         t_dispatch = time.perf_counter()
         for hook in self.step_hooks:
             hook(sched, outs)
@@ -325,9 +257,11 @@ class LLMEngine:
         plp_seqs = [s for s in sched.scheduled if s.seq.request.params.prompt_logprobs is not None
                     and s.seq.num_computed_tokens < s.seq.prompt_len]
         if plp_seqs:
-            self._prompt_logprobs(plp_seqs, sched, outs["hidden"])
+            self._prompt_logprobs(plp_seqs, batch.offsets, outs["hidden"])
         self.scheduler.update(sched)
-        if not multi:
+        if drafts:
+            touched = self._verify(rows, drafts, sampled)
+        elif not multi:
             touched = self._postprocess(rows, *sampled)
         else:
             # Step k's tokens, in order, as if each were its own step: a sequence that stops at k
@@ -335,20 +269,17 @@ class LLMEngine:
             touched = {}
             for k in range(self.runner.num_scheduler_steps):
                 if k:
-                    for sc in sched.scheduled:
-                        if not sc.seq.is_finished:
-                            sc.seq.num_computed_tokens += 1
-                            self.block_manager.mark_computed(sc.seq)
+                    self._advance([r.seq for r in rows])
                 touched.update(self._postprocess(rows, *(x[k] for x in sampled)))
         for s in sched.preempted:
             touched.setdefault(s.request.request_id, s.request)
         t3 = time.perf_counter()
-        self.padded_tokens_total += sched.bucket[0]
-        self.scheduled_tokens_total += sched.num_tokens
+        self.padded_tokens_total += bucket[0]
+        self.scheduled_tokens_total += sched.num_tokens + sum(len(d) for d in drafts.values())
         if self.trace is not None:
             used = sum(s.num_computed_tokens for s in self.scheduler.running)
             alloc = sum(len(s.block_table) for s in self.scheduler.running) * self.engine_config.block_size
-            self.trace.append(StepTrace(time.monotonic(), sched.bucket, sched.num_tokens,
+            self.trace.append(StepTrace(time.monotonic(), bucket, sched.num_tokens,
                                         len(sched.scheduled), len(rows), used, alloc, t_sched - t0,
                                         t_prep - t_sched, t_dispatch - t_prep, t2 - t_dispatch, t3 - t2))
         if self.check_invariants:
@@ -381,68 +312,106 @@ class LLMEngine:
             self.block_manager.may_append(sc.seq, k)
         return True
 
+    def _propose(self, sched: ScheduleOutput) -> dict[int, list[int]]:
+        """Speculative decoding: draft tokens for the decoding sequences of this step (seq_id ->
+        drafts), trimmed to what a compiled bucket, the KV pool and each request's limits allow.
+        Takes the KV blocks the drafts write into. Constrained sequences (a grammar) and first
+        samples of n > 1 are not speculated."""
+        if self.proposer is None:
+            return {}
+        k = self.speculative.num_speculative_tokens
+        limit = self.engine_config.max_model_len
+        drafts: dict[int, list[int]] = {}
+        for sc in sched.scheduled:
+            seq, p = sc.seq, sc.seq.request.params
+            if (sc.num_new_tokens != 1 or not sc.samples or not seq.request.forked or seq.num_output_tokens == 0
+                    or seq.matcher is not None):
+                continue
+            # Each verify row emits a token: no more rows than tokens the request may still take.
+            room = min(k, p.max_tokens - seq.num_output_tokens - 1, limit - len(seq))
+            d = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+            if d:
+                drafts[seq.seq_id] = d
+        while drafts and pick_bucket(sched, drafts, self.plan.buckets) is None:
+            drafts.pop(max(drafts, key=lambda sid: len(drafts[sid])))  # the longest first
+        bm = self.block_manager
+        for sc in sched.scheduled:
+            d = drafts.get(sc.seq.seq_id)
+            if d is None:
+                continue
+            if bm.can_append(sc.seq, 1 + len(d)):
+                bm.may_append(sc.seq, 1 + len(d))
+            else:
+                del drafts[sc.seq.seq_id]
+        return drafts
+
+    def _verify(self, rows: list[Row], drafts: dict[int, list[int]], sampled) -> dict[str, Request]:
+        """Keeps each sequence's drafts up to the first one its verify row did not sample, then that
+        row's token: sampling token j from the target's distribution and accepting draft j when they
+        agree is speculative sampling for a draft that is one token (vLLM's n-gram case), so the
+        output distribution is the target model's. Rejected drafts' KV blocks are released."""
+        tokens = sampled[0]
+        plain = [i for i, r in enumerate(rows) if r.seq.seq_id not in drafts]
+        touched = self._postprocess([rows[i] for i in plain], *(x[plain] for x in sampled)) if plain else {}
+        by_seq: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            if r.seq.seq_id in drafts:
+                by_seq.setdefault(r.seq.seq_id, []).append(i)
+        rounds: list[list[int]] = []  # rounds[j]: rows emitting their sequence's j-th token of the step
+        for sid, idx in by_seq.items():
+            d = drafts[sid]
+            a = 0
+            while a < len(d) and int(tokens[idx[a]]) == d[a]:
+                a += 1
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += len(d)
+            self.spec_num_accepted_tokens += a
+            for j in range(a):
+                self.spec_accepted_per_pos[j] += 1
+            seq = rows[idx[0]].seq
+            if seq.request.trace is not None:
+                seq.request.trace.speculated(seq, len(d), a)
+            for j in range(a + 1):
+                if len(rounds) <= j:
+                    rounds.append([])
+                rounds[j].append(idx[j])
+        for j, round_rows in enumerate(rounds):
+            if j:
+                self._advance([rows[i].seq for i in round_rows])
+            touched.update(self._postprocess([rows[i] for i in round_rows], *(x[round_rows] for x in sampled)))
+        for idx in by_seq.values():
+            seq = rows[idx[0]].seq
+            if not seq.is_finished:
+                self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+        return touched
+
+    def _advance(self, seqs: list[Sequence]) -> None:
+        """One more token of each unfinished sequence has its KV written (multi-step and verified
+        drafts): count it computed, and cache its block once full."""
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.num_computed_tokens += 1
+                self.block_manager.mark_computed(seq)
+
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             ids += sorted(self.eos_ids)
         return ids
 
-    def _prepare(self, sched: ScheduleOutput):
-        """Host arrays for the step, padded to the bucket; and which seq each sampling row feeds."""
-        T, S = sched.bucket
-        bs = self.engine_config.block_size
-        M = self.runner.max_blocks_per_seq
-        tokens = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slots = np.full(T, -1, np.int32)
-        tables = np.zeros((S, M), np.int32)
-        ctx = np.zeros(S, np.int32)
-        cu = np.zeros(S + 1, np.int32)
-        logits_idx = np.zeros(S, np.int32)
-        rows: list[tuple[Sequence, int | None]] = []  # (seq, fork index for n > 1 first samples)
-        off = 0
-        for i, sc in enumerate(sched.scheduled):
-            seq, n = sc.seq, sc.num_new_tokens
-            start = seq.num_computed_tokens
-            pos = np.arange(start, start + n)
-            tokens[off:off + n] = seq.token_ids[start:start + n]
-            positions[off:off + n] = pos
-            table = np.asarray(seq.block_table, np.int32)
-            slots[off:off + n] = table[pos // bs] * bs + pos % bs
-            tables[i, :len(table)] = table
-            ctx[i] = start + n
-            cu[i + 1] = off + n
-            if sc.samples:
-                req = seq.request
-                forks = range(req.params.n) if not req.forked else [None]
-                for f in forks:
-                    logits_idx[len(rows)] = off + n - 1
-                    rows.append((seq, f))
-            off += n
-        cu[len(sched.scheduled) + 1:] = off
-        inputs = {"tokens": tokens, "positions": positions, "slot_mapping": slots, "block_tables": tables,
-                  "context_lens": ctx, "cu_q_lens": cu, "logits_indices": logits_idx}
-        return inputs, rows
+    def _row_params(self, r: Row, drafts: dict[int, list[int]]):
+        """A sampler row's (params, seed, counter, history, prompt length). A verify row j samples
+        output token n+j with the key a plain step would use for it, so speculation changes no
+        sampled token: with a fixed seed, outputs are the same with and without it."""
+        seq = r.seq
+        if r.fork_index is not None:
+            return seq.request.params, _seq_seed(seq, r.fork_index), 0, seq.token_ids, seq.prompt_len
+        history = seq.token_ids + drafts[seq.seq_id][:r.draft_pos] if r.draft_pos else seq.token_ids
+        return (seq.request.params, _seq_seed(seq, None), seq.num_output_tokens + r.draft_pos, history,
+                seq.prompt_len)
 
-    def _grammar_bitmask(self, rows, num_rows: int) -> np.ndarray | None:
-        """The step's allowed-token masks, written on the host before dispatch (overlapping this with
-        the previous step on the device is left for later); None when no row is constrained. The n
-        first-sample rows of a request all read the parent's matcher: none has a token yet."""
-        if all(seq.matcher is None for seq, _ in rows):
-            return None
-        bitmask = allocate_bitmask(num_rows, self.config.vocab_size)
-        for r, (seq, _) in enumerate(rows):
-            if seq.matcher is not None:
-                seq.matcher.fill_bitmask(bitmask, r)
-        return bitmask
-
-    def _prompt_logprobs(self, scheduled, sched: ScheduleOutput, hidden) -> None:
+    def _prompt_logprobs(self, scheduled, offsets: dict[int, int], hidden) -> None:
         hidden = np.asarray(jax.device_get(hidden))
-        off = 0
-        offsets = {}
-        for sc in sched.scheduled:
-            offsets[sc.seq.seq_id] = off
-            off += sc.num_new_tokens
         for sc in scheduled:
             seq, req = sc.seq, sc.seq.request
             start = seq.num_computed_tokens
@@ -470,8 +439,8 @@ class LLMEngine:
         now = time.monotonic()
         # n > 1: fork every child from the prompt before any row appends, so a parent that
         # finishes on its first token (and frees its blocks) still has forks to share them.
-        targets = [self._fork(seq, f) if f else seq for seq, f in rows]
-        for r, (seq, fork_index) in enumerate(rows):
+        targets = [self._fork(seq, f) if f else seq for seq, f, _ in rows]
+        for r, (seq, fork_index, _) in enumerate(rows):
             req = seq.request
             target = targets[r]
             if req.aborted or target.is_finished:
@@ -584,7 +553,9 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total, prompt_throughput=ptp,
             generation_throughput=gtp, padded_tokens_total=self.padded_tokens_total,
             scheduled_tokens_total=self.scheduled_tokens_total, num_kv_blocks=bm.num_blocks,
-            num_cached_blocks=len(bm.cached))
+            num_cached_blocks=len(bm.cached), spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens, spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos))
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

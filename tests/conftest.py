@@ -37,6 +37,19 @@ def golden_arrays(name: str) -> dict[str, np.ndarray]:
     return dict(np.load(GOLDEN_DIR / f"{name}.npz"))
 
 
+def tiny_llm(seed: int = 2, check_invariants: bool = True, **engine):
+    """LLM over the tiny preset with random weights (`seed`) and these EngineConfig fields."""
+    from models.config import get_preset
+    from models.weights import random_weights
+    from runtime.config import EngineConfig
+    from runtime.entrypoints.llm import LLM
+    from runtime.plan import compile_plan
+
+    cfg = get_preset("tiny")
+    plan = compile_plan(None, EngineConfig(**engine), weights=random_weights(cfg, seed=seed), config=cfg)
+    return LLM.from_plan(plan, check_invariants=check_invariants)
+
+
 def tiny_bpe_tokenizer():
     """A byte-level BPE of 262 tokens (the 256 bytes, 5 merges, <eos> = 261): a real tokenizer for
     fast tests of structured outputs."""

@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from models.config import get_preset
-from models.weights import random_weights
+from conftest import tiny_llm
 from runtime import SamplingParams
-from runtime.plan import compile_plan
-from runtime.config import EngineConfig
-from runtime.entrypoints.llm import LLM
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64)
 
 
-def tiny_llm(steps: int) -> LLM:
-    cfg = get_preset("tiny")
-    plan = compile_plan(None, EngineConfig(**ENGINE, num_scheduler_steps=steps),
-                        weights=random_weights(cfg, seed=2), config=cfg)
-    return LLM.from_plan(plan, check_invariants=True)
-
-
 @pytest.fixture(scope="module")
 def llms():
-    return {k: tiny_llm(k) for k in (1, 4)}
+    return {k: tiny_llm(**ENGINE, num_scheduler_steps=k) for k in (1, 4)}
 
 
 def outputs(llm, prompts, params):

@@ -13,8 +13,8 @@ import scipy.stats
 import jax
 import jax.numpy as jnp
 
-from runtime.core.spec_decode import (MAX_NUM_SPECULATIVE_TOKENS, NgramProposer, SpeculativeConfig,
-                                      make_proposer)
+from models.engine_config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
+from runtime.core.spec_decode import NgramProposer, make_proposer
 from runtime.worker.rejection_sampler import rejection_sample
 
 _rs = jax.jit(rejection_sample)

@@ -174,6 +174,14 @@ class BlockManager:
         while len(seq.block_table) < self.blocks_needed(seq.num_computed_tokens + num_new_tokens):
             seq.block_table.append(self._take_block())
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Releases the blocks past the first `blocks_needed(num_tokens)`: room reserved for tokens
+        that never came (speculative drafts the target model rejected). Their slots hold no
+        computed token, so the blocks were never hashed and go back to the free list."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (n > 1); writes copy on demand."""
         for bid in parent.block_table:

@@ -91,6 +91,13 @@ class RequestTrace:
             "bucket": list(bucket), "tokens": num_tokens, "decode_steps": decode_steps,
             "context": seq.num_computed_tokens, "cached_tokens": seq.num_cached_tokens})
 
+    def speculated(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Speculative decoding: the drafts the last step of `seq` verified, and how many it kept."""
+        for s in reversed(self.steps):
+            if s["seq"] == seq.index:
+                s["drafts"], s["accepted"] = num_drafts, num_accepted
+                return
+
     def token(self, request: "Request", seq: Sequence, now: float) -> None:
         while len(self.token_times) <= seq.index:
             self.token_times.append([])
@@ -106,6 +113,8 @@ class RequestTrace:
                 "prefill_chunks": sum(1 for s in self.steps if s["phase"] == "prefill"),
                 "preemptions": sum(s.num_preemptions for s in request.seqs),
                 "buckets": sorted({tuple(s["bucket"]) for s in self.steps}),
+                "spec_draft_tokens": sum(s.get("drafts", 0) for s in self.steps),
+                "spec_accepted_tokens": sum(s.get("accepted", 0) for s in self.steps),
                 "steps": list(self.steps), "token_times_s": [list(t) for t in self.token_times]}
 
 

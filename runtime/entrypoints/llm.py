@@ -7,7 +7,7 @@ from typing import Sequence
 
 from runtime.build import build_engine
 from runtime.plan import Plan, load_plan
-from runtime.engine import RequestOutput
+from runtime.outputs import RequestOutput
 from runtime.core.sampling_params import SamplingParams
 
 class LLM:
