@@ -302,7 +302,10 @@ class EngineLoop:
             num_recompiles=st.num_recompiles, prompt_tokens_total=st.prompt_tokens_total,
             prompt_tokens_cached=self._prompt_tokens_cached,
             generation_tokens_total=st.generation_tokens_total, padding_waste_ratio=st.padding_waste_ratio,
-            num_kv_blocks=st.num_kv_blocks, num_cached_blocks=st.num_cached_blocks)
+            num_kv_blocks=st.num_kv_blocks, num_cached_blocks=st.num_cached_blocks,
+            spec_num_drafts=st.spec_num_drafts if e.speculative is not None else None,
+            spec_num_draft_tokens=st.spec_num_draft_tokens, spec_num_accepted_tokens=st.spec_num_accepted_tokens,
+            spec_accepted_per_pos=st.spec_accepted_per_pos)
 
     def _maybe_log_stats(self) -> None:
         if not self.log_stats_interval:

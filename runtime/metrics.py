@@ -52,6 +52,11 @@ class Snapshot:
     padding_waste_ratio: float = 0.0
     num_kv_blocks: int = 0
     num_cached_blocks: int = 0
+    # Speculative decoding (None when the engine has no speculative_config: vLLM exports these only then).
+    spec_num_drafts: int | None = None
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class Metrics:
@@ -156,4 +161,15 @@ class Metrics:
         yield gauge("padding_waste_ratio", "Fraction of bucket token slots that were padding.",
                     s.padding_waste_ratio)
         yield gauge("kv_cached_blocks", "KV blocks holding prefix-cache content only.", s.num_cached_blocks)
+        if s.spec_num_drafts is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Verify steps of a sequence that had drafts.",
+                          s.spec_num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, "
+                                          "by draft position.", labels=["model_name", "position"])
+            for pos, value in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([m, str(pos)], value)
+            yield per_pos
 

@@ -75,3 +75,28 @@ def test_bad_speculative_configs_are_named():
         EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "ngram_size": 3}')
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+
+
+def test_acceptance_metrics_over_http(llms):
+    """vLLM's spec_decode counters on /metrics carry the engine's counts, and the request trace
+    reports the drafts each step verified."""
+    import httpx
+
+    from test_metrics import scrape
+    from runtime.serve import ServerThread, build_app
+
+    engine = llms["spec"].engine
+    app = build_app(engine, served_model_names=["tiny"], log_stats_interval=0)
+    with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 24,
+                                               "temperature": 0, "ignore_eos": True, "trace": True}).json()
+        m = scrape(http)
+    s = engine.stats()
+    assert m["vllm:spec_decode_num_drafts_total"] == s.spec_num_drafts > 0
+    assert m["vllm:spec_decode_num_draft_tokens_total"] == s.spec_num_draft_tokens
+    assert m["vllm:spec_decode_num_accepted_tokens_total"] == s.spec_num_accepted_tokens
+    per_pos = [m[f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] for i in range(4)]
+    assert sum(per_pos) == s.spec_num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
+    trace = r["trace"][0]
+    assert trace["spec_draft_tokens"] >= trace["spec_accepted_tokens"] >= 0
+    assert sum(st.get("drafts", 0) for st in trace["steps"]) == trace["spec_draft_tokens"]
