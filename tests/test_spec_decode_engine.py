@@ -100,3 +100,42 @@ def test_acceptance_metrics_over_http(llms):
     trace = r["trace"][0]
     assert trace["spec_draft_tokens"] >= trace["spec_accepted_tokens"] >= 0
     assert sum(st.get("drafts", 0) for st in trace["steps"]) == trace["spec_draft_tokens"]
+
+
+@pytest.fixture(scope="module")
+def smol_spec_llm(smollm2):
+    """SmolLM2 with n-gram speculation, the shared engine's settings otherwise."""
+    from conftest import SMOL_ARGS
+    from runtime.entrypoints.llm import LLM
+    from runtime.plan import compile_plan
+
+    config, weights, tok = smollm2
+    plan = compile_plan(None, EngineConfig(**SMOL_ARGS, speculative_config=NGRAM), weights=weights, config=config,
+                        tokenizer=tok)
+    return LLM.from_plan(plan, check_invariants=True)
+
+
+def test_smollm2_greedy_outputs_equal_plain_decoding(smol_llm, smol_spec_llm):
+    """The golden prompts, and 16 mixed prompts in one batch (chat questions, a list to repeat, code),
+    give the same greedy tokens with and without speculation on the real model."""
+    import json
+
+    from conftest import golden_prompts
+
+    tok = smol_llm.get_tokenizer()
+    chat = lambda q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))  # noqa: E731
+    golden = [tok.encode(p["rendered_text"]) for p in golden_prompts()]
+    questions = ["Repeat this list exactly: red, green, blue, red, green, blue, cyan, magenta",
+                 "What is the capital of France?", "Write a Python function that adds two numbers.",
+                 "Count from 1 to 20, separated by commas.", "Name three planets.", "Why is the sky blue?",
+                 "Spell the word 'banana' letter by letter.", "Give me a JSON object with keys a and b.",
+                 "Write the alphabet in capitals.", "What is 12 times 12?", "Say 'hello' five times.",
+                 "List the days of the week."]
+    prompts = (golden + [chat(q) for q in questions])[:16]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = outputs(smol_llm, prompts, params)
+    spec = outputs(smol_spec_llm, prompts, params)
+    assert spec == plain, json.dumps([i for i, (a, b) in enumerate(zip(spec, plain)) if a != b])
+    s = smol_spec_llm.engine.stats()
+    assert s.spec_num_accepted_tokens > 0 and s.num_recompiles == 0
+    assert smol_spec_llm.engine.block_manager.num_used == 0
