@@ -355,7 +355,11 @@ class ModelRunner:
             head = p[heads[False].name].astype(jnp.float32) * p[heads[True].name][None, :]
         else:
             head = p[heads[False].name]
-        (norm,) = g.params_with_role(Role.FINAL_NORM)
+        norms = g.params_with_role(Role.FINAL_NORM)
+        if len(norms) != 1:
+            raise ValueError(f"the plan's graph has {len(norms)} params with role {Role.FINAL_NORM!r}, "
+                             f"not 1 (a plan compiled before params had roles?); recompile the plan")
+        norm = norms[0]
         return p[norm.name].astype(jnp.float32), head.astype(jnp.float32)
 
     def prompt_logprobs(self, hidden_rows: np.ndarray, targets: np.ndarray):
