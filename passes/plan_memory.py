@@ -24,9 +24,14 @@ _IN_PLACE = {"kv_write", "kv_cache_update", "copy_blocks"}
 #   "gather":  ir.ops.paged_attention_reference, the jnp reference, which gathers every token's
 #              whole context at once.
 PAGED_ATTENTION_LOWERINGS = ("chunked", "gather")
-# Mirror runtime.worker.kernels' XLA_CHUNK_BLOCKS and XLA_DENSE_MAX_SEQS (passes may not import
-# runtime; a test checks they agree).
+# The chunked lowering's tiling, defined here once: the memory plan sizes its workspace from them,
+# and runtime.worker.kernels lowers with them (runtime may import passes; not the other way).
+# Blocks of context per loop iteration: 8 x 16 = 128 tokens.
 XLA_CHUNK_BLOCKS = 8
+# Buckets with at most this many sequences (and more tokens than sequences) gather each
+# sequence's chunk once and score every token against all of them, masking other sequences:
+# S times the score flops, but far less memory traffic than a per-token gather. Past ~4
+# sequences the wasted flops cost more than the gather saves (1.5 S flops per gathered byte).
 XLA_DENSE_MAX_SEQS = 4
 F32 = 4
 

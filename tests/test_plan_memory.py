@@ -12,7 +12,7 @@ from ir import parse_graph, verify
 from models.config import get_preset
 from models.llama import lower
 from passes.pipeline import PipelineOptions, run_pipeline
-from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS, MemoryPlan, activation_peak_bytes,
+from passes.plan_memory import (MemoryPlan, activation_peak_bytes,
                                 kv_bytes_per_block, plan_memory_report, step_io_bytes, weight_bytes)
 
 MiB = 1 << 20
@@ -198,13 +198,6 @@ def test_attention_workspace_scales_with_chunk_not_context():
     assert chunked[0] == chunked[1]           # the loop walks 8 blocks at a time
     assert gather[1] > 6 * gather[0]          # the reference gathers the whole context
     assert chunked[0] < gather[0]
-
-
-def test_chunk_size_mirrors_the_kernel():
-    from runtime.worker import kernels
-
-    assert XLA_CHUNK_BLOCKS == kernels.XLA_CHUNK_BLOCKS
-    assert XLA_DENSE_MAX_SEQS == kernels.XLA_DENSE_MAX_SEQS
 
 
 # ------------------------------------------------------------------------------ against XLA

@@ -10,13 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Blocks of context per loop iteration on the XLA path: 8 x 16 = 128 tokens.
-XLA_CHUNK_BLOCKS = 8
-# Buckets with at most this many sequences (and more tokens than sequences) gather each
-# sequence's chunk once and score every token against all of them, masking other sequences:
-# S times the score flops, but far less memory traffic than a per-token gather. Past ~4
-# sequences the wasted flops cost more than the gather saves (1.5 S flops per gathered byte).
-XLA_DENSE_MAX_SEQS = 4
+from passes.plan_memory import XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS  # the tiling the memory plan sizes
 
 
 def _token_layout(cu_q_lens, context_lens, num_tokens):
