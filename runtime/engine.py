@@ -32,14 +32,14 @@ log = logging.getLogger("runtime.engine")
 class LLMEngine:
     """Continuous-batching engine over a compiled plan. Thread-safe add/abort; `step` from one thread."""
 
-    def __init__(self, plan: Plan, tokenizer=None, *, runner: ModelRunner | None = None,
-                 warmup: bool = True, progress: bool = False, check_invariants: bool = False,
-                 warm_execute: bool = False):
+    def __init__(self, plan: Plan, tokenizer=None, *, runner: ModelRunner, warmup: bool = True,
+                 progress: bool = False, check_invariants: bool = False, warm_execute: bool = False):
+        """Over a plan and the runner holding it on the device; runtime.build.build_engine assembles them."""
         self.plan = plan
         self.config = plan.config
         self.engine_config = e = plan.engine
         self.tokenizer = tokenizer if tokenizer is not None else plan.tokenizer
-        self.runner = runner or ModelRunner(plan)
+        self.runner = runner
         if warmup:
             self.warmup_s = self.runner.warmup(progress=progress, execute=warm_execute)
         self.block_manager = BlockManager(plan.num_kv_blocks, e.block_size, e.enable_prefix_caching)
