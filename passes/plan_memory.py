@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from ir import DTYPE_BYTES, Graph, Node, bind_shape
+from ir.attrs import ALL_GATHER, SHARDING, TP_AXIS
 from ir.graph import freeze_attrs
 from ir.layers import find_layers
 
@@ -39,7 +40,7 @@ F32 = 4
 def _ways(node: Node, env: dict[str, int]) -> int:
     """How many devices share a value: the size of mesh axis `tp` (bound in env like a dim) when
     the `shard` pass split it, 1 when it is replicated (a gathered output is replicated)."""
-    split = "tp" in (node.attr("sharding") or ()) and node.attr("all_gather") is None
+    split = TP_AXIS in (node.attr(SHARDING) or ()) and node.attr(ALL_GATHER) is None
     return env.get("tp", 1) if split else 1
 
 

@@ -27,7 +27,7 @@ from passes.pipeline import PipelineOptions, memory_report, run_pipeline
 from runtime.core.buckets import BucketTable
 from runtime.config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: params carry IR roles (ir/attrs.py)
 
 
 def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
