@@ -85,6 +85,13 @@ class TestVLLMCompat:
         asked = http.post("/v1/completions", json={**body, "prompt_logprobs": 1}).json()
         plps = asked["choices"][0]["prompt_logprobs"]
         assert plps[0] is None and len(plps) == asked["usage"]["prompt_tokens"]
+        # Streaming: each choice's first chunk carries them, later chunks null (n=2: both choices).
+        events = sse(http, "/v1/completions", {**body, "prompt_logprobs": 1, "stream": True, "n": 2, "seed": 1,
+                                               "temperature": 1.0})
+        chunks = [c for e in events for c in e["choices"]]
+        for i in (0, 1):
+            mine = [c for c in chunks if c["index"] == i]
+            assert mine[0]["prompt_logprobs"] == plps and all(c["prompt_logprobs"] is None for c in mine[1:])
 
     def test_chat_return_token_ids_top_level(self, http, offline):
         want = offline["chat"]

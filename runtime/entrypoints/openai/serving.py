@@ -401,7 +401,7 @@ class Server(CompletionServing, ChatServing):
                 st.finish_reason = c.finish_reason
                 stream_choice = self._stream_chat_choice if chat else self._stream_completion_choice
                 for b in stream_choice(prep, idx, ci, c, st, first, delta_text, new_ids, new_lps, chunk,
-                                       num_out):
+                                       num_out, out):
                     yield b
         if prep.include_usage:
             yield chunk([], usage=True)

@@ -116,7 +116,7 @@ class ChatServing:
                 "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
 
     def _stream_chat_choice(self, prep: Prepared, idx: int, ci: int, c, st: ChoiceState, first: bool,
-                            delta_text: str, new_ids, new_lps, chunk, num_out: dict):
+                            delta_text: str, new_ids, new_lps, chunk, num_out: dict, out=None):
         """The SSE chunks for one new output of choice `ci` (see `_stream`)."""
         want_ids = prep.extra.get("return_token_ids", False)
         lp = ({"content": chat_logprobs(self._names(prep), new_ids, new_lps, prep.extra["top_logprobs"])}

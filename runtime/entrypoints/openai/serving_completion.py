@@ -99,8 +99,9 @@ class CompletionServing:
                 "stop_reason": stop_reason, "prompt_logprobs": self._prompt_logprobs(plps)}
 
     def _stream_completion_choice(self, prep: Prepared, idx: int, ci: int, c, st: ChoiceState, first: bool,
-                                 delta_text: str, new_ids, new_lps, chunk, num_out: dict):
-        """The SSE chunks for one new output of choice `ci` (see `_stream`)."""
+                                 delta_text: str, new_ids, new_lps, chunk, num_out: dict, out=None):
+        """The SSE chunks for one new output of choice `ci` (see `_stream`). As in vLLM, a choice's
+        first chunk carries the prompt's logprobs when they were asked for (null otherwise)."""
         want_ids = prep.extra.get("return_token_ids", False)
         num_out[ci] = len(c.token_ids)
         text = delta_text
@@ -112,7 +113,9 @@ class CompletionServing:
             lp, st.text_offset = completion_logprobs(self._names(prep), new_ids, new_lps or [],
                                                      st.text_offset)
         ch = {"index": ci, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-              "stop_reason": c.stop_reason}
+              "stop_reason": c.stop_reason, "prompt_logprobs": None}
+        if first and prep.extra.get("prompt_logprobs") is not None and out is not None:
+            ch["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
         if want_ids:
             ch["token_ids"] = list(new_ids)
         yield chunk([ch])
