@@ -30,7 +30,9 @@ from runtime.plan import compile_plan  # noqa: E402
 
 ITEMS = ("apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango, nectarine, "
          "orange, papaya, quince, raspberry, strawberry, tangerine, ugli fruit, vanilla bean, watermelon")
-REPEAT = [{"role": "user", "content": f"Repeat this list exactly, twice, one item per line: {ITEMS}"}]
+# SmolLM2-135M copies a numbered list it is asked to copy (asked to repeat a comma list, it chats instead).
+REPEAT = [{"role": "user", "content": "Copy the following text exactly:\n" + "\n".join(
+    f"{i}. {w}" for i, w in enumerate(ITEMS.split(", "), 1))}]
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
              "List five prime numbers.", "How do I reverse a list in Python?", "What is 17 times 23?",
              "Name three planets.", "Give me a tip for better sleep.", "What does HTTP stand for?",
@@ -70,8 +72,8 @@ def main() -> int:
     mixed = ([tok.encode(g) for g in golden] + [chat([{"role": "user", "content": q}]) for q in QUESTIONS])[:16]
     cases = {"batch 1, repetitive prompt": [chat(REPEAT)], "16 mixed prompts": mixed}
     for name, prompts in cases.items():
-        for llm in llms.values():  # warm: every bucket this case touches
-            run(llm, prompts, 8)
+        for llm in llms.values():  # warm: every bucket this case touches has run once
+            run(llm, prompts, args.max_tokens)
         rates = {k: [] for k in llms}
         outputs = {}
         spec = llms["ngram"].engine
