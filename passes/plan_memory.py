@@ -34,6 +34,17 @@ XLA_CHUNK_BLOCKS = 8
 # S times the score flops, but far less memory traffic than a per-token gather. Past ~4
 # sequences the wasted flops cost more than the gather saves (1.5 S flops per gathered byte).
 XLA_DENSE_MAX_SEQS = 4
+# Prefill-shaped buckets up to this many tokens attend over the step's own new K/V directly (one
+# [T, heads, T] score block), and walk the pool only for context from earlier steps; a fresh
+# prompt then reads no KV from the pool at all. Larger buckets use the chunked walk alone (the
+# score block would be T^2: 151 MB at 2048 tokens with 9 heads).
+XLA_SELF_MAX_TOKENS = 2048
+
+
+def uses_new_kv(t: int, s: int) -> bool:
+    """Whether the chunked lowering of a (t tokens, s sequences) bucket attends over the step's new
+    K/V first (runtime.worker.kernels.paged_attention_xla)."""
+    return s < t <= XLA_SELF_MAX_TOKENS
 F32 = 4
 
 
@@ -74,11 +85,14 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
             # [T, hq, chunk]. The loop carry is counted by the caller (it lives longer).
             c = _chunk_tokens(node, env, chunk_blocks)
             s = env["S"]
+            # Before the loop, prefill-shaped buckets score the step's tokens against each other:
+            # scores and their exponentials [T, hq, T] in f32, and the mask [T, T].
+            own = 2 * t * hq * t * F32 + t * t if uses_new_kv(t, s) else 0
             if s <= XLA_DENSE_MAX_SEQS and t > s:
                 # Dense few-sequence form: K/V gathered once per sequence [S, chunk, kvh, d],
                 # scores over every (sequence, slot) [T, hq, S x chunk], plus their mask.
-                return 2 * s * c * kvh * d * F32 + t * hq * s * c * F32 + t * s * c
-            return 2 * t * c * kvh * d * F32 + t * hq * c * F32
+                return max(own, 2 * s * c * kvh * d * F32 + t * hq * s * c * F32 + t * s * c)
+            return max(own, 2 * t * c * kvh * d * F32 + t * hq * c * F32)
         ctx = env["M"] * kp.shape[1]
         gathered = 2 * t * ctx * kvh * d * DTYPE_BYTES[kp.dtype]
         scores = 2 * t * hq * ctx * F32

@@ -12,7 +12,7 @@ import numpy as np
 from ir import OPS, Graph
 from ir.layers import Layers, find_layers
 from runtime.config import KERNEL_BACKENDS
-from ir.attrs import ANNOTATION_ATTRS
+from ir.attrs import ANNOTATION_ATTRS, NEW_KV_WRITTEN
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
               "i8": jnp.int8, "bool": jnp.bool_}
@@ -128,6 +128,7 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
     """
     backend = resolve_backend(backend)
     overrides = _kernel_impls(backend)
+    new_kv = backend == "xla"  # the XLA lowering takes the step's new K/V (kernels.paged_attention_xla)
     layout = layout or step_layout(graph, scan_layers=False)
     layers = layout.layers
     state = set(state_names(graph))
@@ -143,6 +144,10 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
             # Annotations (sharding, which steers mesh_constraints; paged_attention's new_kv_written)
             # are not op semantics: the op's implementation never sees them.
             attrs = {k: v for k, v in node.attrs if k not in ANNOTATION_ATTRS}
+            if new_kv and node.op == "paged_attention" and node.attr(NEW_KV_WRITTEN):
+                # The pools arrive written by this step's kv_write nodes; their new K/V go to the
+                # lowering too, so a prefill attends over its own tokens without reading them back.
+                attrs["k_new"], attrs["v_new"] = (env[id(w.inputs[1])] for w in node.inputs[1:3])
             val = fns[node.op](*(env[id(i)] for i in node.inputs), **attrs)
             if mesh_constraints is not None:
                 val = mesh_constraints(node, val)

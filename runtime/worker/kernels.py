@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from passes.plan_memory import XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS  # the tiling the memory plan sizes
+from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
+                                uses_new_kv)
 
 
 def _token_layout(cu_q_lens, context_lens, num_tokens):
@@ -25,8 +26,14 @@ def _token_layout(cu_q_lens, context_lens, num_tokens):
 
 
 def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale,
-                        num_kv_heads, block_size, head_dim, chunk_blocks: int = XLA_CHUNK_BLOCKS):
-    """Ragged paged attention as an XLA while-loop over context chunks (online softmax, f32)."""
+                        num_kv_heads, block_size, head_dim, chunk_blocks: int = XLA_CHUNK_BLOCKS,
+                        k_new=None, v_new=None):
+    """Ragged paged attention as an XLA while-loop over context chunks (online softmax, f32).
+
+    With `k_new`/`v_new` (this step's K/V [T, kv_heads, d], already written to the pools) in a
+    prefill-shaped bucket: the step's tokens first attend over each other (block-diagonal causal),
+    and the loop then covers only the context written by earlier steps (prefix hits, earlier
+    chunks), merged into the same online softmax."""
     t = q.shape[0]
     s, m = block_tables.shape
     c = min(chunk_blocks, m)
@@ -36,8 +43,18 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     seq, pos = _token_layout(cu_q_lens, context_lens, t)
     qf = q.astype(jnp.float32).reshape(t, num_kv_heads, n_rep, head_dim) * scale
     chunk_tokens = c * block_size
-    num_chunks = (jnp.max(context_lens) + chunk_tokens - 1) // chunk_tokens
     dense = s <= XLA_DENSE_MAX_SEQS and t > s
+    if k_new is not None and uses_new_kv(t, s):
+        init = _self_attention(qf, k_new, v_new, seq, pos)
+        start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
+        limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
+        num_chunks = (jnp.max(start) + chunk_tokens - 1) // chunk_tokens
+    else:
+        init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
+                jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
+                jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
+        limit = pos + 1
+        num_chunks = (jnp.max(context_lens) + chunk_tokens - 1) // chunk_tokens
 
     def scores(i):
         """Scores [T, kvh, rep, L] of this chunk, the matching V [T or 1, L, kvh, d], and a mask."""
@@ -49,13 +66,13 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
             v = jnp.take(v_pool, cols, axis=0, mode="clip").reshape(s * chunk_tokens, num_kv_heads, head_dim)
             sc = jnp.einsum("tgrd,mgd->tgrm", qf, k.astype(jnp.float32))
             same_seq = jnp.repeat(jnp.arange(s), chunk_tokens)[None, :] == seq[:, None]
-            visible = same_seq & (jnp.tile(kpos, s)[None, :] <= pos[:, None])
+            visible = same_seq & (jnp.tile(kpos, s)[None, :] < limit[:, None])
             return sc, v[None], visible[:, None, None, :]
         blocks = jnp.take(cols, seq, axis=0)  # [T, C]
         k = jnp.take(k_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
         v = jnp.take(v_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
         sc = jnp.einsum("tgrd,tlgd->tgrl", qf, k.astype(jnp.float32))
-        visible = (kpos[None, :] <= pos[:, None])[:, None, None, :]
+        visible = (kpos[None, :] < limit[:, None])[:, None, None, :]
         return sc, v, visible
 
     def body(i, carry):
@@ -71,12 +88,21 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
         acc = acc * corr[..., None] + pv
         return new_mx, den, acc
 
-    init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
-            jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
-            jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
     _, den, acc = jax.lax.fori_loop(0, num_chunks, body, init)
     out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     return out.reshape(q.shape).astype(q.dtype)
+
+
+def _self_attention(qf, k_new, v_new, seq, pos):
+    """The online-softmax state (max, denominator, accumulator) of every token attending over this
+    step's tokens of its own sequence up to itself: one [T, kvh, rep, T] score block."""
+    sc = jnp.einsum("tgrd,ugd->tgru", qf, k_new.astype(jnp.float32))
+    valid = pos >= 0
+    visible = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[None, :] & valid[:, None]
+    sc = jnp.where(visible[:, None, None, :], sc, -jnp.inf)
+    mx = jnp.maximum(jnp.max(sc, axis=-1), -1e30)
+    p = jnp.exp(sc - mx[..., None])
+    return mx, jnp.sum(p, axis=-1), jnp.einsum("tgru,ugd->tgrd", p, v_new.astype(jnp.float32))
 
 
 def _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, block_size: int):
