@@ -114,8 +114,8 @@ def step_breakdown(trace) -> dict:
     return out
 
 
-def run_hf(config, weights, work, batch_size: int) -> RunResult:
-    """HF transformers `generate()` with static left-padded batches: the usual baseline."""
+def hf_model(config, weights):
+    """The same weights as an HF transformers LlamaForCausalLM in f32 (the baseline's model)."""
     import tempfile
 
     import torch
@@ -134,7 +134,14 @@ def run_hf(config, weights, work, batch_size: int) -> RunResult:
             attention_bias=config.qkv_bias)
         hf_cfg.save_pretrained(d)
         save_safetensors(weights, f"{d}/model.safetensors")
-        model = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+        return LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+
+
+def run_hf(config, weights, work, batch_size: int) -> RunResult:
+    """HF transformers `generate()` with static left-padded batches: the usual baseline."""
+    import torch
+
+    model = hf_model(config, weights)
     pad = 0
     t0 = time.monotonic()
     out_tokens = 0
