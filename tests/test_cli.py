@@ -238,7 +238,9 @@ def test_bench_serve_without_a_server(capsys, free_port):
 
 
 def test_bench_wants_a_model_not_a_plan(capsys, tmp_path):
-    (tmp_path / "plan.json").write_text('{"version": 1}')
+    from runtime.plan import PLAN_VERSION
+
+    (tmp_path / "plan.json").write_text(f'{{"version": {PLAN_VERSION}}}')
     line = _one_line_error(*_cli(capsys, "bench", "--model", str(tmp_path))[::2])
     assert "is a plan directory" in line
 

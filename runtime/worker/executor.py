@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -128,7 +129,8 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
     """
     backend = resolve_backend(backend)
     overrides = _kernel_impls(backend)
-    new_kv = backend == "xla"  # the XLA lowering takes the step's new K/V (kernels.paged_attention_xla)
+    # Whether paged_attention's implementation takes the step's new K/V (kernels.paged_attention_xla).
+    new_kv = "k_new" in inspect.signature(overrides.get("paged_attention", OPS["paged_attention"].impl)).parameters
     layout = layout or step_layout(graph, scan_layers=False)
     layers = layout.layers
     state = set(state_names(graph))
