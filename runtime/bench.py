@@ -39,6 +39,7 @@ class RunResult:
     # Medians per step, ms (engine.StepTrace): schedule, prepare inputs, dispatch, device wait, post.
     breakdown_ms: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # (t, output tok/s, kv pool occupancy)
+    spec: tuple[int, int, int] | None = None  # speculative decoding: (drafts, draft tokens, accepted tokens)
 
     @property
     def output_tps(self) -> float:
@@ -96,7 +97,14 @@ def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list 
                      float(np.mean(fill)) if fill else 0.0, max(fill, default=0.0),
                      float(np.mean(occ)) if occ else 0.0, max(occ, default=0.0),
                      engine.num_recompiles, len(tr), dict(padding),
-                     step_breakdown(tr), timeline)
+                     step_breakdown(tr), timeline, _spec_counts(engine))
+
+
+def _spec_counts(engine) -> tuple[int, int, int] | None:
+    if engine.speculative is None:
+        return None
+    st = engine.stats()
+    return st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens
 
 
 STEP_PARTS = ("schedule", "prepare", "dispatch", "device", "postprocess")
@@ -177,6 +185,14 @@ def report(results: list[RunResult], out=sys.stdout) -> None:
             b = r.breakdown_ms
             print(f"step breakdown ({r.name}, median ms): " + ", ".join(f"{p} {b[p]:.2f}" for p in STEP_PARTS)
                   + f"; host {b['host']:.2f} = {b['host_share']:.0%} of the step", file=out)
+    for r in results:
+        if r.spec is not None:
+            drafts, drafted, accepted = r.spec
+            rate = f"{accepted / drafted:.1%}" if drafted else "-"
+            mean = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+            print(f"speculative decoding ({r.name}): {drafts} drafts of {drafted} tokens, {accepted} accepted "
+                  f"({rate}); mean acceptance length {mean} tokens per verified sequence step "
+                  f"(the speed-up against plain decoding: scripts/bench_spec_decode.py)", file=out)
     for r in results:
         if not r.padding:
             continue
