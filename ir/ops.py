@@ -225,16 +225,19 @@ def _mul_impl(a, b):
     return a * b
 
 
-@op("silu", 1)
-def _silu(inputs, attrs):
-    (x,) = inputs
-    _need(_float(x.dtype), f"silu input must be floating point, got {x.dtype}")
-    return x.shape, x.dtype
+def _elementwise_f32(name: str, fn) -> None:
+    """A one-input op on floating point values that keeps the shape and dtype, computed in f32."""
+
+    def shape_rule(inputs, attrs):
+        (x,) = inputs
+        _need(_float(x.dtype), f"{name} input must be floating point, got {x.dtype}")
+        return x.shape, x.dtype
+
+    op(name, 1)(shape_rule)
+    impl(name)(lambda x: fn(x.astype(jnp.float32)).astype(x.dtype))
 
 
-@impl("silu")
-def _silu_impl(x):
-    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+_elementwise_f32("silu", jax.nn.silu)
 
 
 @op("scale", 1, ("value",))
@@ -424,16 +427,7 @@ def _causal_mask_impl(s, pos):
     return jnp.where(keep, s, jnp.asarray(-jnp.inf, s.dtype))
 
 
-@op("softmax", 1)
-def _softmax(inputs, attrs):
-    (x,) = inputs
-    _need(_float(x.dtype), f"softmax input must be floating point, got {x.dtype}")
-    return x.shape, x.dtype
-
-
-@impl("softmax")
-def _softmax_impl(x):
-    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+_elementwise_f32("softmax", lambda x: jax.nn.softmax(x, axis=-1))
 
 
 @op("attention", 5, ("scale", "causal", "num_kv_heads", "head_dim"))
