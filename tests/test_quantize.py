@@ -156,10 +156,7 @@ def _hidden_states(runner, ids: list[int], bucket: tuple[int, int]) -> np.ndarra
 
 
 def _logits(runner, hidden: np.ndarray, eps: float) -> np.ndarray:
-    norm_w, head = (np.asarray(x) for x in runner._lm_head_weights())
-    h = hidden.astype(np.float32)
-    h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * norm_w
-    return h @ head
+    return runner.lm_head(hidden)  # the graph's own head, int8 and all (eps is the graph's)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from ir.graph import freeze_attrs
 from models.config import get_preset
 from models.llama import lower
 from passes.pipeline import PipelineOptions, run_pipeline
+from tolerances import SAME_MATH_F32
 
 TINY = get_preset("tiny")
 CONFIGS = {
@@ -158,24 +158,33 @@ def test_renamed_params_fuse_and_shard_the_same(name, tp, quantization):
 
 
 @pytest.mark.parametrize("name,quantization", [("tiny", None), ("tiny", "int8"), ("smollm2", None)])
-def test_runner_finds_the_lm_head_by_role(name, quantization):
-    """ModelRunner._lm_head_weights on a graph whose params are all renamed."""
-    from runtime.worker.model_runner import ModelRunner
+def test_the_lm_head_cut_from_a_renamed_graph(name, quantization):
+    """ir.head.head_graph on a graph whose params are all renamed: its params are the final norm and
+    the LM head (or the tied embedding) by role, and running it gives the final norm then the head,
+    computed here from the params found by role."""
+    import jax.numpy as jnp
+
+    from ir.head import HEAD_INPUT, head_graph
+    from runtime.worker.executor import build_step
 
     cfg = CONFIGS[name].replace(vocab_size=64) if name == "smollm2" else CONFIGS[name]
-    g = run_pipeline(renamed(lower(cfg))[0], options(1, quantization), stop_after="quantize_int8")
+    g = run_pipeline(renamed(lower(cfg))[0], options(1, quantization))
+    head = head_graph(g)
+    assert {p.attr(ROLE) for p in head.params} <= {Role.FINAL_NORM, Role.LM_HEAD, Role.EMBED}
     rng = np.random.default_rng(0)
     params = {p.name: (rng.integers(-127, 128, p.shape).astype(np.int8) if p.dtype == "i8"
-                       else rng.standard_normal(p.shape).astype(np.float32)) for p in g.params}
-    norm_w, head = ModelRunner._lm_head_weights(SimpleNamespace(params=params, graph=g))
-    (norm,) = g.params_with_role(Role.FINAL_NORM)
-    np.testing.assert_array_equal(np.asarray(norm_w), params[norm.name])
-    heads = g.params_with_role(Role.LM_HEAD)
+                       else (rng.random(p.shape) / 127).astype(np.float32) if p.attr(INT8_SCALE) is not None
+                       else rng.standard_normal(p.shape).astype(np.float32)) for p in head.params}
+    rows = rng.standard_normal((5, cfg.hidden_size)).astype(np.float32)
+    outs, _ = build_step(head, "xla")({k: jnp.asarray(v) for k, v in params.items()}, {}, {HEAD_INPUT: rows})
+    (norm,) = head.params_with_role(Role.FINAL_NORM)
+    heads = head.params_with_role(Role.LM_HEAD)
     if not heads:
-        want = params[g.params_with_role(Role.EMBED)[0].name].T
+        w = params[head.params_with_role(Role.EMBED)[0].name].T
     elif quantization:
-        w, s = sorted(heads, key=lambda p: p.attr(INT8_SCALE) is not None)
-        want = params[w.name].astype(np.float32) * params[s.name][None, :]
+        q, s_ = sorted(heads, key=lambda p: p.attr(INT8_SCALE) is not None)
+        w = params[q.name].astype(np.float32) * params[s_.name][None, :]
     else:
-        want = params[heads[0].name]
-    np.testing.assert_allclose(np.asarray(head), want, rtol=0, atol=0)
+        w = params[heads[0].name]
+    h = rows / np.sqrt(np.mean(rows * rows, axis=-1, keepdims=True) + cfg.rms_eps) * params[norm.name]
+    np.testing.assert_allclose(np.asarray(outs["logits"]), h @ w, **SAME_MATH_F32)

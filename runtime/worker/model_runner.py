@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ir import Role, bind_shape
-from ir.attrs import is_int8_scale
+from ir import bind_shape
+from ir.head import HEAD_INPUT, head_graph
 from passes.plan_memory import MemoryPlan
 from runtime.worker.executor import JNP_DTYPES, build_step, state_names, step_layout
 from runtime.worker import sampler
@@ -61,12 +61,9 @@ def enable_compilation_cache(cache_dir: str | Path) -> None:
 PROMPT_LOGPROB_CHUNK = 64
 
 
-@jax.jit
-def _prompt_logprobs(hidden, norm_w, lm_head, targets, eps):
-    """hidden [C, H] (pre final norm), lm_head [H, V] -> (target logprob [C], top ids, top logprobs)."""
-    h = hidden.astype(jnp.float32)
-    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps) * norm_w.astype(jnp.float32)
-    lp = jax.nn.log_softmax(h @ lm_head.astype(jnp.float32), axis=-1)
+def _log_probs(logits, targets):
+    """logits [C, V] -> (target logprob [C], top-20 ids, top-20 logprobs), in f32."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_lp, top_ids = jax.lax.top_k(lp, 20)
     return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0], top_ids, top_lp
 
@@ -183,6 +180,19 @@ class ModelRunner:
         self.compiled_multi: dict[tuple[int, int], object] = {}
         self._copy = jax.jit(partial(_copy_blocks, num_layers=self.layout.num_layers), donate_argnums=(0,))
         self._copy_compiled = None
+        # Prompt logprobs run the step graph's own LM head (ir.head: final norm + LM head as the
+        # passes left them: int8, sharded), cut out as a graph over rows of hidden states.
+        self.head = head_graph(self.graph)
+        head_step = build_step(self.head, self.backend, mesh_constraints=getattr(mesh, "constrain", None))
+        self._head_dtype = JNP_DTYPES[self.head.inputs[0].dtype]
+
+        def head_logprobs(params, rows, targets):
+            outs, _ = head_step(params, {}, {HEAD_INPUT: rows})
+            return _log_probs(outs["logits"], targets)
+
+        self._head_logprobs = jax.jit(head_logprobs)
+        self._head_logits = jax.jit(lambda params, rows: head_step(params, {}, {HEAD_INPUT: rows})[0]["logits"])
+        self._head_params = {p.name: self.params[p.name] for p in self.head.params}
 
     # ------------------------------------------------------------ device state
 
@@ -285,12 +295,10 @@ class ModelRunner:
         self._copy_compiled = self._copy.lower(
             self._abstract(self.state), jax.ShapeDtypeStruct((n,), jnp.int32),
             jax.ShapeDtypeStruct((n,), jnp.int32)).compile()
-        norm_w, lm_head = self._lm_head = self._lm_head_weights()
-        self._plp_compiled = _prompt_logprobs.lower(
-            jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK, self.plan.config.hidden_size), jnp.float32),
-            self._abstract(norm_w), self._abstract(lm_head),
-            jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.float32)).compile()
+        self._plp_compiled = self._head_logprobs.lower(
+            self._abstract(self._head_params),
+            jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK, self.plan.config.hidden_size), self._head_dtype),
+            jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK,), jnp.int32)).compile()
         return time.perf_counter() - t0
 
     def check_measured_fit(self) -> None:
@@ -345,27 +353,15 @@ class ModelRunner:
             outs = {k: self.mesh.local_copy(v) for k, v in outs.items()}
         return outs
 
-    def _lm_head_weights(self):
-        """Final norm and LM head as f32 [H], [H, V], for the prompt-logprob helper."""
-        p, g = self.params, self.graph
-        heads = {is_int8_scale(n): n for n in g.params_with_role(Role.LM_HEAD)}  # by role, not name
-        if False not in heads:  # tied: the LM head is the embedding table
-            head = p[g.params_with_role(Role.EMBED)[0].name].T
-        elif True in heads:  # int8 weight and its per-column scale
-            head = p[heads[False].name].astype(jnp.float32) * p[heads[True].name][None, :]
-        else:
-            head = p[heads[False].name]
-        norms = g.params_with_role(Role.FINAL_NORM)
-        if len(norms) != 1:
-            raise ValueError(f"the plan's graph has {len(norms)} params with role {Role.FINAL_NORM!r}, "
-                             f"not 1 (a plan compiled before params had roles?); recompile the plan")
-        norm = norms[0]
-        return p[norm.name].astype(jnp.float32), head.astype(jnp.float32)
+    def lm_head(self, hidden_rows: np.ndarray) -> np.ndarray:
+        """f32 logits [R, vocab] of final hidden states (the step's `hidden` output), through the
+        graph's own head: what the step computes at `logits_indices`, for any rows."""
+        return np.asarray(jax.device_get(self._head_logits(self._head_params,
+                                                           np.asarray(hidden_rows).astype(self._head_dtype))))
 
     def prompt_logprobs(self, hidden_rows: np.ndarray, targets: np.ndarray):
-        """Logprobs of `targets` given each row's hidden state, in fixed-size chunks."""
-        norm_w, lm_head = self._lm_head
-        eps = np.float32(self.plan.config.rms_eps)
+        """Logprobs of `targets` given each row's hidden state, in fixed-size chunks, through the
+        graph's own LM head."""
         out_lp, out_ids, out_top = [], [], []
         c = PROMPT_LOGPROB_CHUNK
         for i in range(0, len(targets), c):
@@ -373,6 +369,6 @@ class ModelRunner:
             t = np.zeros(c, np.int32)
             n = min(c, len(targets) - i)
             h[:n], t[:n] = hidden_rows[i:i + n], targets[i:i + n]
-            lp, ids, top = jax.device_get(self._plp_compiled(h, norm_w, lm_head, t, eps))
+            lp, ids, top = jax.device_get(self._plp_compiled(self._head_params, h.astype(self._head_dtype), t))
             out_lp.append(lp[:n]); out_ids.append(ids[:n]); out_top.append(top[:n])
         return np.concatenate(out_lp), np.concatenate(out_ids), np.concatenate(out_top)

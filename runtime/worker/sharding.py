@@ -107,8 +107,8 @@ class TensorParallelMesh:
     def local_copy(self, value):
         """A replicated step output as a single-device array on this process's first device.
 
-        The sampler and the prompt-logprob helper are compiled for one device; a replicated
-        value already has a full copy there, so this moves nothing.
+        The host reads step outputs from one device; a replicated value already has a full copy
+        there, so this moves nothing.
         """
         device = jax.local_devices()[0]
         for shard in value.addressable_shards:
