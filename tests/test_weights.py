@@ -7,6 +7,7 @@ import pytest
 
 from models.config import ModelConfig, get_preset
 from models.weights import (
+from tolerances import SAME_MATH_F64
     WEIGHT_MAP,
     decode_gguf_fields,
     expected_shapes,
@@ -115,7 +116,7 @@ def test_unpermuted_weights_give_rotate_half_rope():
     q_interleaved = _rope((x @ w_gguf.T).reshape(t, heads, d), pos, 1e4, interleaved=True)
     q_half = _rope((x @ unpermute_qk_rows(w_gguf, heads).T).reshape(t, heads, d), pos, 1e4, interleaved=False)
     back = unpermute_qk_rows(q_interleaved.reshape(t, heads * d).T, heads).T.reshape(t, heads, d)
-    np.testing.assert_allclose(back, q_half, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(back, q_half, **SAME_MATH_F64)
     # Attention scores are invariant to a shared permutation of q and k's head dim.
     assert np.allclose(np.einsum("thd,shd->hts", q_interleaved, q_interleaved),
                        np.einsum("thd,shd->hts", q_half, q_half))

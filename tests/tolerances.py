@@ -28,3 +28,5 @@ PROMPT_LOGPROBS_TP = dict(rtol=0, atol=1e-4)
 QUANT_SCALE = dict(rtol=1e-6)
 # Sampling frequencies over a few thousand draws: about 4 sigma of a binomial at these counts.
 SAMPLING_FREQUENCY = dict(atol=0.06)
+# A permutation of float64 values computed two ways (numpy, f64): only rounding of the last bits.
+SAME_MATH_F64 = dict(rtol=1e-12, atol=1e-12)
