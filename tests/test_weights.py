@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from models.config import ModelConfig, get_preset
-from models.weights import (
 from tolerances import SAME_MATH_F64
+from models.weights import (
     WEIGHT_MAP,
     decode_gguf_fields,
     expected_shapes,
