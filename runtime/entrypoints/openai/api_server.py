@@ -279,6 +279,24 @@ def _explicit_engine_kwargs(ap: argparse.ArgumentParser, args) -> dict:
     return {k: v for k, v in kw.items() if v is not None and v != ap.get_default(k)}
 
 
+# The server's limits: (flag, type, default, help).
+SERVER_LIMIT_FLAGS = (
+    ("--max-queue", int, DEFAULT_MAX_QUEUE,
+     "requests allowed to wait for a batch slot; beyond it: 503 + Retry-After (-1: no limit)"),
+    ("--max-body-bytes", int, DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413"),
+    ("--shutdown-grace-s", float, DEFAULT_SHUTDOWN_GRACE_S,
+     "on SIGTERM, how long in-flight requests may run before they are aborted"),
+    ("--max-prompt-chars", int, None,
+     f"longer prompts get 413 before tokenizing (default: max_model_len x {PROMPT_CHARS_PER_TOKEN})"),
+    ("--header-timeout-s", float, DEFAULT_HEADER_TIMEOUT_S,
+     "close a connection that has not sent a request head within this"),
+    ("--body-timeout-s", float, DEFAULT_BODY_TIMEOUT_S,
+     "answer 408 when a request body takes longer than this to arrive"),
+    ("--keep-alive-timeout-s", int, DEFAULT_KEEP_ALIVE_TIMEOUT_S, "close an idle keep-alive connection after this"),
+    ("--max-connections", int, DEFAULT_MAX_CONNECTIONS, "open connections allowed; more are closed at accept"),
+)
+
+
 def parse_args(argv=None):
     from runtime.args import add_engine_args
 
@@ -294,23 +312,8 @@ def parse_args(argv=None):
                          "(default: $JAXSERVE_API_KEY)")
     ap.add_argument("--served-model-name", nargs="+", default=None,
                     help="model name(s) clients use; the first is reported in responses")
-    ap.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                    help="requests allowed to wait for a batch slot; beyond it: 503 + Retry-After (-1: no limit)")
-    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                    help="larger request bodies get 413")
-    ap.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
-                    help="on SIGTERM, how long in-flight requests may run before they are aborted")
-    ap.add_argument("--max-prompt-chars", type=int, default=None,
-                    help="longer prompts get 413 before tokenizing (default: max_model_len x "
-                         f"{PROMPT_CHARS_PER_TOKEN})")
-    ap.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                    help="close a connection that has not sent a request head within this")
-    ap.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                    help="answer 408 when a request body takes longer than this to arrive")
-    ap.add_argument("--keep-alive-timeout-s", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-                    help="close an idle keep-alive connection after this")
-    ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                    help="open connections allowed; more are closed at accept")
+    for flag, kind, default, doc in SERVER_LIMIT_FLAGS:
+        ap.add_argument(flag, type=kind, default=default, help=doc)
     ap.add_argument("--log-stats-interval", type=float, default=10.0,
                     help="seconds between stats log lines (0: off)")
     ap.add_argument("--compilation-cache-dir", default=None,
