@@ -91,7 +91,7 @@ def smol_llm(smollm2):
 
 
 # Tests that touch the real SmolLM2 (its GGUF weights or tokenizer) are `slow`: the fast loop is
-# `bash scripts/test.sh -m "not slow"`. Anything using the shared fixtures is marked here, in
+# `bash scripts/test.sh -m "not slow" -n 2` (two processes). Anything using the shared fixtures is marked here, in
 # one place; tests that load the model another way carry the mark themselves.
 REAL_MODEL_FIXTURES = {"smollm2", "smol_llm", "smol_plan", "gguf_fields", "gguf_reader", "tok"}
 
