@@ -340,12 +340,7 @@ def _waiting_by_reason(sched) -> tuple[int, int]:
     """(capacity, deferred) waiting requests. Under continuous batching every waiting request waits
     for capacity. Static and dynamic batching admit only the members of a forming batch (the
     scheduler's remaining quota, in queue order); the rest wait for the policy: deferred."""
-    waiting = list(sched.waiting)
-    if sched.config.scheduling == "continuous":
-        quota = len(waiting)
-    else:
-        quota = getattr(sched, "_batch_quota", 0)
-        waiting.sort(key=lambda s: (s.request.priority, s.request.metrics.arrival_time, s.seq_id))
+    waiting, quota = sched.queue_order(), sched.num_admissible
     capacity = {id(s.request) for s in waiting[:quota]}
     deferred = {id(s.request) for s in waiting[quota:]} - capacity
     return len(capacity), len(deferred)

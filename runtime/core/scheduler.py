@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from runtime.core.block_manager import BlockManager
 from runtime.core.buckets import BucketTable
-from runtime.core.sequence import Request, Sequence, SeqStatus
+from runtime.core.sequence import Sequence, SeqStatus
 
 POLICIES = ("continuous", "dynamic", "static")
 
@@ -97,6 +97,16 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def num_admissible(self) -> int:
+        """Waiting sequences the batching policy would admit now if capacity allowed: all of them
+        under continuous batching; under static/dynamic, what is left of the forming batch."""
+        return len(self.waiting) if self.config.scheduling == "continuous" else self._batch_quota
+
+    def queue_order(self) -> list[Sequence]:
+        """The waiting sequences in the order they are admitted (priority, then arrival)."""
+        return sorted(self.waiting, key=self._queue_key)
 
     # ------------------------------------------------------------------ policy gates
 
