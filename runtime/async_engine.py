@@ -340,6 +340,8 @@ def _waiting_by_reason(sched) -> tuple[int, int]:
     """(capacity, deferred) waiting requests. Under continuous batching every waiting request waits
     for capacity. Static and dynamic batching admit only the members of a forming batch (the
     scheduler's remaining quota, in queue order); the rest wait for the policy: deferred."""
+    if sched.config.scheduling == "continuous":  # every waiting request waits for capacity: no sort
+        return len({id(s.request) for s in sched.waiting}), 0
     waiting, quota = sched.queue_order(), sched.num_admissible
     capacity = {id(s.request) for s in waiting[:quota]}
     deferred = {id(s.request) for s in waiting[quota:]} - capacity

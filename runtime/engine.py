@@ -403,12 +403,13 @@ class LLMEngine:
         """A sampler row's (params, seed, counter, history, prompt length). A verify row j samples
         output token n+j with the key a plain step would use for it, so speculation changes no
         sampled token: with a fixed seed, outputs are the same with and without it."""
-        seq = r.seq
+        seq, params = r.seq, r.seq.request.params
         if r.fork_index is not None:
-            return seq.request.params, _seq_seed(seq, r.fork_index), 0, seq.token_ids, seq.prompt_len
-        history = seq.token_ids + drafts[seq.seq_id][:r.draft_pos] if r.draft_pos else seq.token_ids
-        return (seq.request.params, _seq_seed(seq, None), seq.num_output_tokens + r.draft_pos, history,
-                seq.prompt_len)
+            return params, _seq_seed(seq, r.fork_index), 0, seq.token_ids, seq.prompt_len
+        history = seq.token_ids
+        if r.draft_pos and params.needs_penalties:  # the history is only read for penalties
+            history = history + drafts[seq.seq_id][:r.draft_pos]
+        return params, _seq_seed(seq, None), seq.num_output_tokens + r.draft_pos, history, seq.prompt_len
 
     def _prompt_logprobs(self, scheduled, offsets: dict[int, int], hidden) -> None:
         hidden = np.asarray(jax.device_get(hidden))
