@@ -37,16 +37,18 @@ def golden_arrays(name: str) -> dict[str, np.ndarray]:
     return dict(np.load(GOLDEN_DIR / f"{name}.npz"))
 
 
-def tiny_llm(seed: int = 2, check_invariants: bool = True, **engine):
-    """LLM over the tiny preset with random weights (`seed`) and these EngineConfig fields."""
+def tiny_llm(seed: int = 2, check_invariants: bool = True, config=None, tokenizer=None, **engine):
+    """LLM over `config` (the tiny preset by default) with random weights (`seed`), `tokenizer`
+    if given, and these EngineConfig fields: the tests' one way to build a small engine."""
     from models.config import get_preset
     from models.weights import random_weights
     from runtime.config import EngineConfig
     from runtime.entrypoints.llm import LLM
     from runtime.plan import compile_plan
 
-    cfg = get_preset("tiny")
-    plan = compile_plan(None, EngineConfig(**engine), weights=random_weights(cfg, seed=seed), config=cfg)
+    cfg = config or get_preset("tiny")
+    plan = compile_plan(None, EngineConfig(**engine), weights=random_weights(cfg, seed=seed), config=cfg,
+                        tokenizer=tokenizer)
     return LLM.from_plan(plan, check_invariants=check_invariants)
 
 

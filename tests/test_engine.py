@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import conftest
 import random
 
 import numpy as np
@@ -9,8 +10,6 @@ import pytest
 
 from conftest import SMOL_ARGS, golden_arrays, golden_prompts
 from runtime import SamplingParams
-from runtime.plan import compile_plan
-from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 from runtime.workload import synthetic_workload
 from tolerances import GOLDEN_LOGITS
@@ -19,13 +18,7 @@ TINY_ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
 
 
 def tiny_llm(**overrides) -> LLM:
-    from models.config import get_preset
-    from models.weights import random_weights
-
-    cfg = get_preset("tiny")
-    args = dict(TINY_ARGS, num_kv_blocks=128) | overrides
-    plan = compile_plan(None, EngineConfig(**args), weights=random_weights(cfg, seed=0), config=cfg)
-    return LLM.from_plan(plan, check_invariants=True)
+    return conftest.tiny_llm(seed=0, **(dict(TINY_ARGS, num_kv_blocks=128) | overrides))
 
 
 def ids_of(outs):

@@ -3,6 +3,7 @@ the kernels lowering through Triton, and a plan that does not fit refused at sta
 
 from __future__ import annotations
 
+import conftest
 import math
 import re
 
@@ -13,7 +14,6 @@ import pytest
 
 from ir import bind_shape
 from models.config import get_preset
-from models.weights import random_weights
 from runtime import SamplingParams
 from runtime.core.buckets import BucketTable
 from runtime.plan import build_graph, compile_plan
@@ -25,10 +25,7 @@ TINY = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
 
 
 def tiny_llm(**engine) -> LLM:
-    cfg = get_preset("tiny")
-    plan = compile_plan(None, EngineConfig(**(TINY | dict(num_kv_blocks=48) | engine)),
-                        weights=random_weights(cfg, seed=0), config=cfg)
-    return LLM.from_plan(plan, check_invariants=True)
+    return conftest.tiny_llm(seed=0, **(TINY | dict(num_kv_blocks=48) | engine))
 
 
 # ---------------------------------------------------------------- bf16 and dtype auto

@@ -3,6 +3,7 @@ weights and flat multi-layer KV pools; outputs identical to the unrolled step.""
 
 from __future__ import annotations
 
+import conftest
 import math
 import re
 
@@ -13,10 +14,9 @@ from ir import bind_shape
 from ir.graph import Graph
 from ir.layers import find_layers
 from models.config import get_preset
-from models.weights import random_weights
 from runtime import SamplingParams
 from runtime.core.buckets import BucketTable
-from runtime.plan import build_graph, compile_plan
+from runtime.plan import build_graph
 from runtime.config import EngineConfig
 from runtime.worker.executor import JNP_DTYPES, build_step, step_layout
 from runtime.entrypoints.llm import LLM
@@ -63,10 +63,7 @@ def test_irregular_layers_are_not_scanned():
 
 
 def tiny_llm(scan: bool, **engine) -> LLM:
-    cfg = get_preset("tiny")
-    plan = compile_plan(None, EngineConfig(**(ENGINE | dict(num_kv_blocks=40, scan_layers=scan) | engine)),
-                        weights=random_weights(cfg, seed=1), config=cfg)
-    return LLM.from_plan(plan, check_invariants=True)
+    return conftest.tiny_llm(seed=1, **(ENGINE | dict(num_kv_blocks=40, scan_layers=scan) | engine))
 
 
 def test_scanned_engine_equals_unrolled():

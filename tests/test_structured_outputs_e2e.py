@@ -5,6 +5,7 @@ schemas)."""
 
 from __future__ import annotations
 
+import conftest
 import json
 import re
 from dataclasses import replace
@@ -14,7 +15,7 @@ import jsonschema
 import pytest
 from conftest import tiny_bpe_tokenizer
 
-from runtime.compile import compile_plan
+from runtime.plan import compile_plan
 from runtime.config import EngineConfig
 from runtime.core.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
 from runtime.entrypoints.llm import LLM
@@ -28,14 +29,11 @@ TINY_SCHEMA = {"type": "object", "properties": {"ab": {"enum": [12, 21]}}, "requ
 def tiny_llm(**engine_args) -> LLM:
     """The tiny random model over the tiny BPE (its vocabulary padded to 300 rows, EOS emittable)."""
     from models.config import get_preset
-    from models.weights import random_weights
 
     tok = tiny_bpe_tokenizer()
     cfg = replace(get_preset("tiny"), name="tiny-bpe", vocab_size=300, eos_token_id=tok.eos_token_id)
     args = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64) | engine_args
-    plan = compile_plan(None, EngineConfig(**args), weights=random_weights(cfg, seed=0), config=cfg,
-                        tokenizer=tok)
-    return LLM.from_plan(plan, check_invariants=True)
+    return conftest.tiny_llm(seed=0, config=cfg, tokenizer=tok, **args)
 
 
 @pytest.fixture(scope="module")
