@@ -266,6 +266,8 @@ async def serve(app, host: str, port: int, *, shutdown_grace_s: float = DEFAULT_
         asyncio.ensure_future(drain(signame))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
+        # asyncio cannot install handlers off the main thread (RuntimeError) or on Windows
+        # (NotImplementedError); there the default signal behaviour stays, without the drain.
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig.name)
     await uv.serve()
