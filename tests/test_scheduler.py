@@ -92,13 +92,27 @@ def test_preemption_picks_youngest_and_requeues():
 
 def test_buckets_pick_smallest_fit():
     bt = BucketTable.build(512, 64)
-    assert bt.pick(1, 1) == (8, 4)
+    assert bt.pick(1, 1) == (1, 1)  # a lone decoding sequence: the matrix-vector bucket
+    assert bt.pick(2, 1) == (8, 4)
+    assert bt.pick(1, 3) == (8, 4)  # a one-token prompt forking into 3 samples
+    assert bt.pick(5, 5) == (8, 8)  # seq sizes cap at the token size
     assert bt.pick(9, 9) == (16, 16)
     assert bt.pick(100, 3) == (128, 4)
     assert bt.pick(512, 64) == (512, 64)
-    assert all(bt.pick(t, s) in bt.pairs() for t in range(1, 513, 7) for s in range(1, min(t, 64) + 1, 5))
+    assert bt.pick(16, 64) == (64, 64)  # rows past the token size take a larger token size
+    pairs = bt.pairs()
+    assert pairs == sorted(pairs) and len(set(pairs)) == len(pairs)
+    assert all(s <= t for t, s in pairs)
+    for t in range(1, 513, 7):
+        for s in range(1, 65, 5):
+            got = bt.pick(t, s)
+            assert got in pairs and got[0] >= t and got[1] >= s
+            # the smallest fit: no compiled bucket with fewer tokens, or as many tokens and fewer seqs
+            assert not any(b < got and b[0] >= t and b[1] >= s for b in pairs)
     with pytest.raises(ValueError):
         bt.pick(513, 1)
+    with pytest.raises(ValueError):
+        bt.pick(8, 65)
 
 
 def test_priority_orders_admission():

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
-# A few small powers of two, then even steps (nano-vllm style). Sequence counts step by 4x:
-# each extra bucket is a compile at start, and padding a decode batch to the next size wastes less
-# than a compile costs.
-TOKEN_STEPS = (8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+# One token (a lone decoding sequence), a few small powers of two, then even steps (nano-vllm
+# style). Sequence counts step by 4x: each extra bucket is a compile at start, and padding a decode
+# batch to the next size wastes less than a compile costs. The one-token bucket earns its compile:
+# XLA:CPU multiplies one row by a weight matrix at about twice the bytes per second of 2-8 rows
+# (a matrix-vector kernel), and batch-1 decode is bound by reading the weights.
+TOKEN_STEPS = (1, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 SEQ_STEPS = (4, 16, 64, 256)
 
 
@@ -39,27 +42,35 @@ class BucketTable:
         return self.seq_sizes[-1]
 
     def pairs(self) -> list[tuple[int, int]]:
-        """Every (tokens, seqs) bucket that `pick` can return.
+        """Every (tokens, seqs) bucket that `pick` can return, by tokens then seqs.
 
-        A step never has more sequences than tokens, so for t tokens only seq sizes up to the
-        first one >= t are reachable.
+        Attention sequences never outnumber tokens, so for t tokens the seq sizes below t are
+        kept, then the first one >= t capped at t (t tokens, 16 seq sizes -> 8x8, and 1 token ->
+        1x1). A step whose sampler rows outnumber its tokens (a short prompt forking into n
+        samples) takes a larger token size; the largest holds every seq size.
         """
         out = []
         for t in self.token_sizes:
             for s in self.seq_sizes:
-                out.append((t, s))
-                if s >= t:
+                if s >= t and t < self.max_tokens:
+                    out.append((t, t))
                     break
+                out.append((t, s))
         return out
 
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The smallest bucket that holds the step, by one bisect on each axis."""
-        j = bisect.bisect_left(self.seq_sizes, num_seqs)
+        """The smallest bucket that holds the step: fewest tokens, then fewest seqs."""
         i = bisect.bisect_left(self.token_sizes, num_tokens)
-        if i == len(self.token_sizes) or j == len(self.seq_sizes):
-            raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds the largest "
-                             f"bucket ({self.max_tokens} tokens / {self.max_seqs} seqs)")
-        return self.token_sizes[i], self.seq_sizes[j]
+        if i < len(self.token_sizes) and num_seqs <= self.max_seqs:
+            for t, s in self._pairs[bisect.bisect_left(self._pairs, (self.token_sizes[i], 0)):]:
+                if s >= num_seqs:
+                    return t, s
+        raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds the largest "
+                         f"bucket ({self.max_tokens} tokens / {self.max_seqs} seqs)")
+
+    @functools.cached_property
+    def _pairs(self) -> list[tuple[int, int]]:
+        return self.pairs()
 
     def to_dict(self) -> dict:
         return {"token_sizes": list(self.token_sizes), "seq_sizes": list(self.seq_sizes)}
