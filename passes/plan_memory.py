@@ -39,6 +39,10 @@ XLA_DENSE_MAX_SEQS = 4
 # prompt then reads no KV from the pool at all. Larger buckets use the chunked walk alone (the
 # score block would be T^2: 151 MB at 2048 tokens with 9 heads).
 XLA_SELF_MAX_TOKENS = 2048
+# Those buckets then walk the pool in tiles of this many tokens, only up to the last token with
+# earlier context: a step of decode rows plus a fresh prompt gathers K/V for one tile, not for
+# every prompt token.
+XLA_POOL_TILE = 64
 
 
 def uses_new_kv(t: int, s: int) -> bool:
@@ -92,12 +96,14 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
                 # Dense few-sequence form: K/V gathered once per sequence [S, chunk, kvh, d],
                 # scores over every (sequence, slot) [T, hq, S x chunk], plus their mask.
                 return max(own, 2 * s * c * kvh * d * F32 + t * hq * s * c * F32 + t * s * c)
-            if own and not scan_layers:
-                # Measured: unrolled, XLA fuses the per-token K/V gather of this walk (context from
-                # earlier steps only) into its contractions (SmolLM2 128x16: 24.7 MiB of temp with
-                # the own-K/V block, 33.1 MiB without); inside a scan it still materializes it.
-                return max(own, 2 * t * hq * c * F32)
-            return max(own, 2 * t * c * kvh * d * F32 + t * hq * c * F32)
+            if own:
+                # The walk over earlier context goes tile by tile (XLA_POOL_TILE tokens). Measured:
+                # unrolled, XLA fuses a tile's per-token K/V gather into its contractions; inside a
+                # scan it still materializes it.
+                tq = min(t, XLA_POOL_TILE)
+                walk = 2 * tq * hq * c * F32 if not scan_layers else 2 * tq * c * kvh * d * F32 + tq * hq * c * F32
+                return max(own, walk)
+            return 2 * t * c * kvh * d * F32 + t * hq * c * F32
         ctx = env["M"] * kp.shape[1]
         gathered = 2 * t * ctx * kvh * d * DTYPE_BYTES[kp.dtype]
         scores = 2 * t * hq * ctx * F32

@@ -12,7 +12,7 @@ import pytest
 
 from ir.ops import paged_attention_reference
 from pallas_kernels.testing import cu_from_lens, random_paged_cache
-from passes.plan_memory import uses_new_kv
+from passes.plan_memory import XLA_POOL_TILE, uses_new_kv
 from runtime.worker.kernels import paged_attention_xla
 from tolerances import KERNEL
 
@@ -52,6 +52,10 @@ CASES = [  # (q_lens, prior, bucket tokens, bucket seqs)
     ([9, 1, 1, 12, 7, 1], [0, 33, 70, 16, 0, 5], 40, 8),  # mixed prefill + decode, per-token form
     ([64], [0], 64, 16),                       # a full bucket, no padding
     ([1, 1, 1], [10, 0, 47], 4, 4),            # decode-shaped: the new K/V are not used
+    # Past one pool tile (XLA_POOL_TILE tokens): decode rows, a fresh prompt, then a continuation
+    # and a decode row in the last tile (off the tile boundary, bucket not a multiple of a tile).
+    ([1, 1, 1, 1, 1, 90, 40, 1], [20, 3, 70, 150, 5, 0, 37, 12], 160, 16),
+    ([1] * 6 + [120], [9, 30, 2, 17, 64, 100, 0], 128, 16),  # context only in the first tile
 ]
 
 
@@ -78,3 +82,23 @@ def test_new_kv_path_reads_no_pool_for_a_fresh_prompt():
     clean = f(q, kp, vp, tables, ctx, cu)
     nan = f(q, jnp.full_like(kp, jnp.nan), jnp.full_like(vp, jnp.nan), tables, ctx, cu)
     np.testing.assert_array_equal(np.asarray(clean)[:n], np.asarray(nan)[:n])
+
+
+def test_pool_walk_stops_at_the_last_token_with_context():
+    """Decode rows, then fresh prompts: the walk over earlier context covers only the tile of the
+    decode rows. Pool blocks of a fresh prompt past that tile set to NaN change nothing (a walk
+    over every token would gather them: 0 x NaN)."""
+    rng = np.random.default_rng(11)
+    q_lens, prior = [1] * 6 + [58, 120], [9, 30, 2, 17, 64, 100, 0, 0]
+    q, kp, vp, tables, ctx, cu, k_new, v_new, n = _case(rng, q_lens, prior, 192, 16)
+    assert uses_new_kv(192, 16) and sum(q_lens[:7]) == XLA_POOL_TILE
+    attrs = dict(scale=D ** -0.5, num_kv_heads=KVH, block_size=BS, head_dim=D, k_new=k_new, v_new=v_new)
+    f = jax.jit(lambda *a: paged_attention_xla(*a, **attrs))
+    clean = f(q, kp, vp, tables, ctx, cu)
+    fresh_blocks = np.asarray(tables)[7, :-(-120 // BS)]
+    kp_nan, vp_nan = (x.at[fresh_blocks].set(jnp.nan) for x in (kp, vp))
+    poisoned = f(q, kp_nan, vp_nan, tables, ctx, cu)
+    np.testing.assert_array_equal(np.asarray(clean)[:n], np.asarray(poisoned)[:n])
+    ref = paged_attention_reference(q, kp, vp, tables, ctx, cu, scale=D ** -0.5, num_kv_heads=KVH,
+                                    block_size=BS, head_dim=D)
+    np.testing.assert_allclose(np.asarray(clean)[:n], np.asarray(ref)[:n], **KERNEL[jnp.dtype(jnp.float32)])

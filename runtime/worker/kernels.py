@@ -7,11 +7,13 @@ blocks with an online softmax, stopping at the longest context in the batch.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
-                                uses_new_kv)
+                                XLA_POOL_TILE, uses_new_kv)
 
 
 def _token_layout(cu_q_lens, context_lens, num_tokens):
@@ -33,7 +35,9 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     With `k_new`/`v_new` (this step's K/V [T, kv_heads, d], already written to the pools) in a
     prefill-shaped bucket: the step's tokens first attend over each other (block-diagonal causal),
     and the loop then covers only the context written by earlier steps (prefix hits, earlier
-    chunks), merged into the same online softmax."""
+    chunks), merged into the same online softmax. That walk goes over tiles of XLA_POOL_TILE
+    tokens, up to the last token with such context: in a step that mixes decode rows with a fresh
+    prompt, only the decode rows' tile gathers K/V, not every prompt token."""
     t = q.shape[0]
     s, m = block_tables.shape
     c = min(chunk_blocks, m)
@@ -42,19 +46,34 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     n_rep = q.shape[1] // num_kv_heads
     seq, pos = _token_layout(cu_q_lens, context_lens, t)
     qf = q.astype(jnp.float32).reshape(t, num_kv_heads, n_rep, head_dim) * scale
-    chunk_tokens = c * block_size
-    dense = s <= XLA_DENSE_MAX_SEQS and t > s
+    walk = functools.partial(_pool_walk, tables=tables, k_pool=k_pool, v_pool=v_pool, chunk_blocks=c,
+                             block_size=block_size, dense=s <= XLA_DENSE_MAX_SEQS and t > s)
     if k_new is not None and uses_new_kv(t, s):
-        init = _self_attention(qf, k_new, v_new, seq, pos)
+        mx, den, acc = _self_attention(qf, k_new, v_new, seq, pos)
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
         limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
-        num_chunks = (jnp.max(start) + chunk_tokens - 1) // chunk_tokens
+        if not walk.keywords["dense"]:
+            den, acc = _tiled_walk(walk, qf, seq, limit, (mx, den, acc))
+        else:
+            den, acc = walk(qf, seq, limit, (mx, den, acc))
     else:
         init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
-        limit = pos + 1
-        num_chunks = (jnp.max(context_lens) + chunk_tokens - 1) // chunk_tokens
+        den, acc = walk(qf, seq, pos + 1, init)
+    out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense, full=False):
+    """Online softmax of tokens `qf` [T, kvh, rep, d] (of sequences `seq`) over the pool positions
+    below `limit` [T], merged into `init` (max, denominator, accumulator); a fori_loop over chunks
+    of `chunk_blocks` blocks up to the largest limit. Returns (denominator, accumulator), or the
+    whole state with `full`."""
+    t, num_kv_heads, _, head_dim = qf.shape
+    s = tables.shape[0]
+    c = chunk_blocks
+    chunk_tokens = c * block_size
 
     def scores(i):
         """Scores [T, kvh, rep, L] of this chunk, the matching V [T or 1, L, kvh, d], and a mask."""
@@ -88,9 +107,31 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
         acc = acc * corr[..., None] + pv
         return new_mx, den, acc
 
-    _, den, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    return out.reshape(q.shape).astype(q.dtype)
+    num_chunks = (jnp.max(limit) + chunk_tokens - 1) // chunk_tokens
+    state = jax.lax.fori_loop(0, num_chunks, body, init)
+    return state if full else state[1:]
+
+
+def _tiled_walk(walk, qf, seq, limit, init):
+    """`walk` over tiles of XLA_POOL_TILE tokens, from the first token to the last one with pool
+    context (limit > 0); tiles past it are skipped, each tile's chunk loop stops at its own
+    largest limit. Returns (denominator, accumulator) for every token."""
+    t = qf.shape[0]
+    tile = min(XLA_POOL_TILE, t)
+    pad = (-t) % tile
+    padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    qf, seq, limit = padded(qf), padded(seq), padded(limit)
+    state = tuple(padded(x) for x in init)
+    last = jnp.max(jnp.where(limit > 0, jnp.arange(t + pad), -1)) + 1  # tokens up to the last with context
+    num_tiles = (last + tile - 1) // tile
+
+    def body(j, state):
+        at = lambda x: jax.lax.dynamic_slice_in_dim(x, j * tile, tile, axis=0)  # noqa: E731
+        part = walk(at(qf), at(seq), at(limit), tuple(at(x) for x in state), full=True)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, p, j * tile, axis=0) for x, p in zip(state, part))
+
+    state = jax.lax.fori_loop(0, num_tiles, body, state)
+    return tuple(x[:t] for x in state[1:])
 
 
 def _self_attention(qf, k_new, v_new, seq, pos):
