@@ -37,12 +37,32 @@ def rand_logits(n, seed=0):
 
 def test_greedy_is_argmax_and_logprobs_are_raw():
     lg = rand_logits(4)
-    tokens, chosen, top_ids, top_lp = draw(lg, [SamplingParams(temperature=0)] * 4)
+    # One row asking for top logprobs computes them for the step; the others ignore theirs.
+    params = [SamplingParams(temperature=0, logprobs=5)] + [SamplingParams(temperature=0)] * 3
+    tokens, chosen, top_ids, top_lp = draw(lg, params)
     assert (tokens == lg.argmax(-1)).all()
     ref = lg - np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lg.max(-1, keepdims=True)
     np.testing.assert_allclose(chosen, ref[np.arange(4), tokens], **SAME_MATH_F32)
     np.testing.assert_array_equal(top_ids[:, 0], tokens)
     np.testing.assert_allclose(top_lp[:, :5], -np.sort(-ref, axis=-1)[:, :5], **SAME_MATH_F32)
+    # No row asks: the top-20 search is skipped (zeros); the chosen logprobs are still reported.
+    tokens2, chosen2, top_ids2, top_lp2 = draw(lg, [SamplingParams(temperature=0, logprobs=0)] * 4)
+    np.testing.assert_array_equal(tokens2, tokens)
+    np.testing.assert_allclose(chosen2, chosen, **SAME_MATH_F32)
+    assert not top_ids2.any() and not top_lp2.any()
+
+
+@pytest.mark.parametrize("vocab", [32, 128, 300, 49152])
+def test_two_stage_argmax_matches_numpy(vocab):
+    """Greedy's argmax goes through tiles of 128 logits: first index of the maximum, also for ties
+    across tiles, a vocabulary off the tile size (padded with -inf), and all -inf but one."""
+    rng = np.random.default_rng(vocab)
+    lg = rng.integers(-3, 4, size=(6, vocab)).astype(np.float32)  # many ties
+    lg[1] = -np.inf
+    lg[1, vocab - 1] = 0.0
+    lg[2, :] = 1.0
+    tokens = draw(lg, [SamplingParams(temperature=0)] * 6)[0]
+    np.testing.assert_array_equal(tokens, lg.argmax(-1))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1),

@@ -37,6 +37,7 @@ class SamplerInputs:
     # with no constrained row, one cached all-allowed array already on the device.
     bitmask: np.ndarray | jax.Array
     constrained: bool
+    top_logprobs: bool = False  # some row asks for its top logprobs (SamplingParams.logprobs > 0)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The step executable's sampling inputs."""
@@ -46,7 +47,7 @@ class SamplerInputs:
                 "pres_penalty": self.pres_penalty, "freq_penalty": self.freq_penalty,
                 "history": self.history, "prompt_lens": self.prompt_lens,
                 "penalize": np.asarray(self.penalties), "bitmask": self.bitmask,
-                "constrained": np.asarray(self.constrained)}
+                "constrained": np.asarray(self.constrained), "top_logprobs": np.asarray(self.top_logprobs)}
 
 
 def input_specs(num_rows: int, max_model_len: int, vocab_size: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -96,14 +97,29 @@ def _filter(logits, top_k, top_p, min_p):
     return jnp.where(p < min_p[:, None] * pmax, -jnp.inf, logits)
 
 
+def _argmax(logits, tile: int = 128):
+    """jnp.argmax over rows (the first index of the maximum), in two stages: the maximum of each
+    tile of 128 logits, the first tile holding the row's maximum, then the first index in it.
+    XLA:CPU runs argmax's (value, index) reduction over a whole row 2.7x slower (64 x 49,152:
+    7.7 against 2.9 ms)."""
+    n, v = logits.shape
+    pad = (-v) % tile
+    if pad:
+        logits = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    tiles = logits.reshape(n, (v + pad) // tile, tile)
+    best = jnp.argmax(jnp.max(tiles, axis=-1), axis=-1)
+    within = jnp.argmax(jnp.take_along_axis(tiles, best[:, None, None], axis=1)[:, 0], axis=-1)
+    return (best * tile + within).astype(jnp.int32)
+
+
 def sample_rows(logits, s: dict):
     """The sampler, traced into the step executable (one dispatch per step).
 
     logits [S, V]; `s` holds SamplerInputs' arrays (see `SamplerInputs.arrays`). Returns
     (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]). The grammar mask,
-    the penalty scatter and the top-k/top-p/min-p sort run under `lax.cond`, so a greedy batch
-    without constraints or penalties pays for none of them, and one executable serves every mix of
-    requests.
+    the logit bias and penalty scatters, the top-20 logprobs and the top-k/top-p/min-p sort run
+    under `lax.cond`, so a greedy batch that asks for none of them pays for none, and one
+    executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros.
 
     Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
     reports them by default; on a constrained row, after the grammar mask, as in vLLM (whose
@@ -112,15 +128,23 @@ def sample_rows(logits, s: dict):
     """
     logits = logits.astype(jnp.float32)
     logits = jax.lax.cond(s["constrained"], lambda l: _apply_bitmask(l, s["bitmask"]), lambda l: l, logits)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(raw_logprobs, NUM_TOP_LOGPROBS)
-    rows = jnp.arange(logits.shape[0])[:, None]
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    n = logits.shape[0]
+    top_lp, top_ids = jax.lax.cond(
+        s["top_logprobs"], lambda l: tuple(jax.lax.top_k(l - lse, NUM_TOP_LOGPROBS)),
+        lambda l: (jnp.zeros((n, NUM_TOP_LOGPROBS), jnp.float32), jnp.zeros((n, NUM_TOP_LOGPROBS), jnp.int32)),
+        logits)
+    rows = jnp.arange(n)[:, None]
     bias_ids, temperature = s["bias_ids"], s["temperature"]
-    l = logits.at[rows, jnp.where(bias_ids >= 0, bias_ids, 0)].add(jnp.where(bias_ids >= 0, s["bias_vals"], 0.0))
-    l = jax.lax.cond(s["penalize"], lambda l: _apply_penalties(l, s["history"], s["prompt_lens"], s["rep_penalty"],
-                                                               s["pres_penalty"], s["freq_penalty"]),
-                     lambda l: l, l)
-    argmax = jnp.argmax(l, axis=-1).astype(jnp.int32)
+
+    def adjust(l):
+        l = l.at[rows, jnp.where(bias_ids >= 0, bias_ids, 0)].add(jnp.where(bias_ids >= 0, s["bias_vals"], 0.0))
+        return jax.lax.cond(s["penalize"], lambda l: _apply_penalties(
+            l, s["history"], s["prompt_lens"], s["rep_penalty"], s["pres_penalty"], s["freq_penalty"]),
+            lambda l: l, l)
+
+    l = jax.lax.cond(s["penalize"] | jnp.any(bias_ids >= 0), adjust, lambda l: l, logits)
+    argmax = _argmax(l)
 
     def draw(l):
         t = jnp.where(temperature > 0, temperature, 1.0)
@@ -130,7 +154,7 @@ def sample_rows(logits, s: dict):
         return jnp.where(temperature > 0, drawn, argmax)
 
     tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda l: argmax, l)
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp
 
 
@@ -179,7 +203,8 @@ def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], nu
     constrained = bitmask is not None
     return SamplerInputs(temp, top_k, top_p, min_p, seeds, counters, bias_ids, bias_vals, rep,
                          pres, freq, history, prompt_lens, penalties,
-                         bitmask if constrained else _all_allowed(S, words), constrained)
+                         bitmask if constrained else _all_allowed(S, words), constrained,
+                         any((p.logprobs or 0) > 0 for p, *_ in rows))
 
 
 @functools.lru_cache(maxsize=None)
