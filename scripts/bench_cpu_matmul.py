@@ -1,0 +1,70 @@
+"""What XLA:CPU's matmuls do on this machine at SmolLM2-135M's shapes: the numbers behind the
+one-token bucket (runtime/core/buckets.py) and the compute limit of batched decode (BENCHMARKS.md).
+
+    .venv/bin/python scripts/bench_cpu_matmul.py
+
+- Weight streaming at M rows: 30 MLP-like layers (576 -> 1536 -> 576, f32) and the tied LM head
+  (576 x 49,152), as GB/s of weights read; one row takes XLA:CPU's matrix-vector path.
+- GEMM throughput, f32 and bf16 (f32 accumulation), in GFLOP/s at M = 1, 64 and 512.
+Medians; run on a quiet machine (uptime < 1). Prints one JSON line per measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+HIDDEN, FFN, VOCAB, LAYERS = 576, 1536, 49152, 30
+
+
+def median_s(fn, *args, n: int = 20) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    ups = [jnp.asarray(rng.standard_normal((HIDDEN, FFN)) * 0.02, jnp.float32) for _ in range(LAYERS)]
+    downs = [jnp.asarray(rng.standard_normal((FFN, HIDDEN)) * 0.02, jnp.float32) for _ in range(LAYERS)]
+    head = jnp.asarray(rng.standard_normal((HIDDEN, VOCAB)) * 0.02, jnp.float32)
+
+    @jax.jit
+    def layers(x, ups, downs):
+        for up, down in zip(ups, downs):
+            x = x + jnp.dot(jax.nn.silu(jnp.dot(x, up)), down)
+        return x
+
+    logits = jax.jit(lambda x, w: jnp.dot(x, w))
+    layer_bytes = sum(w.nbytes for w in ups + downs)
+    for m in (1, 2, 4, 8, 16, 64):
+        x = jnp.ones((m, HIDDEN), jnp.float32)
+        t_layers, t_head = median_s(layers, x, ups, downs), median_s(logits, x, head)
+        print(json.dumps({"case": "weight streaming", "rows": m, "layers_ms": round(t_layers * 1e3, 2),
+                          "layers_GBps": round(layer_bytes / t_layers / 1e9, 1), "head_ms": round(t_head * 1e3, 2),
+                          "head_GBps": round(head.nbytes / t_head / 1e9, 1)}), flush=True)
+    for m in (1, 64, 512):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            x = jnp.asarray(rng.standard_normal((m, HIDDEN)), dtype)
+            w = jnp.asarray(rng.standard_normal((HIDDEN, VOCAB)), dtype)
+            f = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+            t = median_s(f, x, w, n=10)
+            print(json.dumps({"case": "gemm", "rows": m, "dtype": jnp.dtype(dtype).name, "ms": round(t * 1e3, 2),
+                              "GFLOPs": round(2 * m * HIDDEN * VOCAB / t / 1e9, 1)}), flush=True)
+    print(json.dumps({"load_avg_1m": round(os.getloadavg()[0], 2), "jax": jax.__version__}))
+
+
+if __name__ == "__main__":
+    main()
