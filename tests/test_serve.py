@@ -527,9 +527,12 @@ def start_cli_server(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, "os.
 @pytest.mark.slow  # a `python -m runtime.serve` subprocess on the real SmolLM2
 def test_cli_sigterm_drains(tmp_path):
     """`python -m runtime.serve`: a long stream survives SIGTERM, new requests are refused, exit 0."""
-    proc, url, log_path = start_cli_server(tmp_path, "--shutdown-grace-s", "60", "--log-stats-interval", "1")
+    # The stats line is logged once per interval while tokens flow, and a drain stops the server as
+    # soon as its last stream ends: 96 tokens take about 2.5 s on a CPU, well past 0.2 s (24 tokens
+    # at a 1 s interval finished before the first line once batch-1 decode got faster).
+    proc, url, log_path = start_cli_server(tmp_path, "--shutdown-grace-s", "60", "--log-stats-interval", "0.2")
     try:
-        n_tokens = 24
+        n_tokens = 96
         with httpx.Client(base_url=url, timeout=120) as c, c.stream(
                 "POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": n_tokens,
                                                  "ignore_eos": True, "temperature": 0, "stream": True}) as r:
@@ -555,7 +558,7 @@ def test_cli_sigterm_drains(tmp_path):
         assert proc.wait(timeout=60) == 0
         out = log_path.read_text()
         assert "draining 1 in flight" in out
-        assert re.search(r"request cmpl-\S+ finished: prompt_tokens=4 output_tokens=24 ttft=\S+ total=\S+ "
+        assert re.search(r"request cmpl-\S+ finished: prompt_tokens=4 output_tokens=96 ttft=\S+ total=\S+ "
                          r"finish_reason=length", out)
         assert "Avg generation throughput" in out
     finally:
