@@ -39,10 +39,12 @@ XLA_DENSE_MAX_SEQS = 4
 # prompt then reads no KV from the pool at all. Larger buckets use the chunked walk alone (the
 # score block would be T^2: 151 MB at 2048 tokens with 9 heads).
 XLA_SELF_MAX_TOKENS = 2048
-# Those buckets then walk the pool in tiles of this many tokens, only up to the last token with
-# earlier context: a step of decode rows plus a fresh prompt gathers K/V for one tile, not for
-# every prompt token.
+# Those buckets (past XLA_DENSE_MAX_SEQS sequences) then walk the pool per sequence, never per
+# token: decode rows one row each, and the tokens of a chunked continuation or prefix hit in tiles
+# of XLA_POOL_TILE tokens against chunks of XLA_SEQ_CHUNK_BLOCKS blocks of their own context
+# (512 tokens), each gathered once per tile. Fresh prompts read nothing from the pool.
 XLA_POOL_TILE = 64
+XLA_SEQ_CHUNK_BLOCKS = 32
 
 
 def uses_new_kv(t: int, s: int) -> bool:
@@ -97,12 +99,16 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
                 # scores over every (sequence, slot) [T, hq, S x chunk], plus their mask.
                 return max(own, 2 * s * c * kvh * d * F32 + t * hq * s * c * F32 + t * s * c)
             if own:
-                # The walk over earlier context goes tile by tile (XLA_POOL_TILE tokens). Measured:
-                # unrolled, XLA fuses a tile's per-token K/V gather into its contractions; inside a
-                # scan it still materializes it.
+                # The walk over earlier context goes per sequence (kernels._split_walk). Decode
+                # rows: one row per sequence slot, each chunk's per-row K/V gather and scores (unrolled,
+                # XLA fuses the gather into the contractions; inside a scan it materializes it).
+                # Continuations: a tile's scores and exponentials against one sequence's chunk of
+                # XLA_SEQ_CHUNK_BLOCKS blocks, beside that chunk's K/V.
+                rows = 2 * s * hq * c * F32 if not scan_layers else 2 * s * c * kvh * d * F32 + s * hq * c * F32
                 tq = min(t, XLA_POOL_TILE)
-                walk = 2 * tq * hq * c * F32 if not scan_layers else 2 * tq * c * kvh * d * F32 + tq * hq * c * F32
-                return max(own, walk)
+                c2 = min(XLA_SEQ_CHUNK_BLOCKS, env["M"]) * node.inputs[1].shape[1]
+                seqs = 2 * tq * hq * c2 * F32 + 2 * c2 * kvh * d * F32
+                return max(own, rows, seqs)
             return 2 * t * c * kvh * d * F32 + t * hq * c * F32
         ctx = env["M"] * kp.shape[1]
         gathered = 2 * t * ctx * kvh * d * DTYPE_BYTES[kp.dtype]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
-                                XLA_POOL_TILE, uses_new_kv)
+                                XLA_POOL_TILE, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
 
 
 def _token_layout(cu_q_lens, context_lens, num_tokens):
@@ -35,9 +35,9 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     With `k_new`/`v_new` (this step's K/V [T, kv_heads, d], already written to the pools) in a
     prefill-shaped bucket: the step's tokens first attend over each other (block-diagonal causal),
     and the loop then covers only the context written by earlier steps (prefix hits, earlier
-    chunks), merged into the same online softmax. That walk goes over tiles of XLA_POOL_TILE
-    tokens, up to the last token with such context: in a step that mixes decode rows with a fresh
-    prompt, only the decode rows' tile gathers K/V, not every prompt token."""
+    chunks), merged into the same online softmax. That walk gathers each sequence's context once
+    per chunk (`_split_walk`), not once per token: a fresh prompt reads nothing from the pool, and
+    a chunked continuation at 900 tokens of context costs a few matmuls, not a gather per token."""
     t = q.shape[0]
     s, m = block_tables.shape
     c = min(chunk_blocks, m)
@@ -53,7 +53,7 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
         limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
         if not walk.keywords["dense"]:
-            den, acc = _tiled_walk(walk, qf, seq, limit, (mx, den, acc))
+            den, acc = _split_walk(qf, seq, limit, (mx, den, acc), cu_q_lens, **walk.keywords)
         else:
             den, acc = walk(qf, seq, limit, (mx, den, acc))
     else:
@@ -109,30 +109,78 @@ def _chunk_update(i, qf, seq, limit, carry, *, tables, k_pool, v_pool, chunk_blo
     return new_mx, den, acc * corr[..., None] + pv
 
 
-def _tiled_walk(walk, qf, seq, limit, init):
-    """`walk`'s chunks, for tiles of XLA_POOL_TILE tokens from the first token to the last one with
-    pool context (limit > 0); tiles past it are skipped. One loop over (tile, chunk) pairs (a
-    nested loop compiled ~1.7x slower). Returns (denominator, accumulator) for every token."""
-    chunk = functools.partial(_chunk_update, **walk.keywords)
+def _split_walk(qf, seq, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense):
+    """The pool walk of a prefill-shaped step, in two parts that each gather a sequence's earlier
+    context once, never once per token:
+
+    1. decode rows (one-token sequences with pool context): one row per sequence slot, a per-row
+       walk over chunks, as in a decode bucket;
+    2. chunked continuations and prefix hits (sequences of two or more tokens with pool context):
+       one loop over (sequence, tile of XLA_POOL_TILE of its tokens, chunk of XLA_SEQ_CHUNK_BLOCKS
+       blocks of its context) triples. Each iteration gathers that one chunk of K/V and scores the
+       tile against it with a plain matmul.
+
+    Fresh prompts and padding tokens take neither part. Returns (denominator, accumulator)."""
+    del dense  # prefill-shaped buckets past XLA_DENSE_MAX_SEQS sequences only
     t = qf.shape[0]
+    s = tables.shape[0]
+    q_len = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+    first_tok = jnp.clip(cu_q_lens[:-1], 0, t - 1)
+    seq_limit = jnp.where(q_len > 0, limit[first_tok], 0)  # [S] pool context of each sequence
+
+    # 1. Decode rows.
+    row = (q_len == 1) & (seq_limit > 0)
+    rows = functools.partial(_chunk_update, tables=tables, k_pool=k_pool, v_pool=v_pool,
+                             chunk_blocks=chunk_blocks, block_size=block_size, dense=False)
+    chunk_tokens = chunk_blocks * block_size
+    row_limit = jnp.where(row, seq_limit, 0)
+    row_state = tuple(x[first_tok] for x in init)
+    row_state = jax.lax.fori_loop(
+        0, (jnp.max(row_limit) + chunk_tokens - 1) // chunk_tokens,
+        lambda i, c: rows(i, qf[first_tok], jnp.arange(s), row_limit, c), row_state)
+    dest = jnp.where(row, first_tok, t)  # other slots write nothing (dropped out of bounds)
+    state = tuple(x.at[dest].set(r, mode="drop") for x, r in zip(init, row_state))
+
+    # 2. Multi-token sequences with pool context.
     tile = min(XLA_POOL_TILE, t)
-    pad = (-t) % tile
-    padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
-    qf, seq, limit = padded(qf), padded(seq), padded(limit)
-    state = tuple(padded(x) for x in init)
-    last = jnp.max(jnp.where(limit > 0, jnp.arange(t + pad), -1)) + 1  # tokens up to the last with context
-    chunk_tokens = walk.keywords["chunk_blocks"] * walk.keywords["block_size"]
-    num_chunks = (jnp.max(limit) + chunk_tokens - 1) // chunk_tokens
-    num_tiles = (last + tile - 1) // tile
+    c2 = min(XLA_SEQ_CHUNK_BLOCKS, tables.shape[1])
+    tables2 = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % c2)))
+    c2_tokens = c2 * block_size
+    multi = (q_len >= 2) & (seq_limit > 0)
+    n_chunks = (seq_limit + c2_tokens - 1) // c2_tokens
+    iters = jnp.where(multi, ((q_len + tile - 1) // tile) * n_chunks, 0)
+    ends = jnp.cumsum(iters)
+    num_kv_heads, head_dim = qf.shape[1], qf.shape[3]
 
     def body(k, state):
-        j, i = k // num_chunks, k % num_chunks
-        at = lambda x: jax.lax.dynamic_slice_in_dim(x, j * tile, tile, axis=0)  # noqa: E731
-        part = chunk(i, at(qf), at(seq), at(limit), tuple(at(x) for x in state))
-        return tuple(jax.lax.dynamic_update_slice_in_dim(x, p, j * tile, axis=0) for x, p in zip(state, part))
+        sq = jnp.minimum(jnp.searchsorted(ends, k, side="right"), s - 1)
+        local = k - (ends[sq] - iters[sq])
+        nc = jnp.maximum(n_chunks[sq], 1)
+        j, i = local // nc, local % nc
+        lo = cu_q_lens[sq] + j * tile  # the tile's first token
+        win = jnp.clip(lo, 0, t - tile)
+        tok = win + jnp.arange(tile)
+        mine = (tok >= lo) & (tok < jnp.minimum(lo + tile, cu_q_lens[sq + 1]))
+        cols = jax.lax.dynamic_slice_in_dim(tables2[sq], i * c2, c2)
+        kc = jnp.take(k_pool, cols, axis=0, mode="clip").reshape(c2_tokens, num_kv_heads, head_dim)
+        vc = jnp.take(v_pool, cols, axis=0, mode="clip").reshape(c2_tokens, num_kv_heads, head_dim)
+        kpos = i * c2_tokens + jnp.arange(c2_tokens)
+        q = jax.lax.dynamic_slice_in_dim(qf, win, tile)
+        mx, den, acc = (jax.lax.dynamic_slice_in_dim(x, win, tile) for x in state)
+        sc = jnp.einsum("tgrd,lgd->tgrl", q, kc.astype(jnp.float32))
+        visible = (mine[:, None] & (kpos[None, :] < seq_limit[sq]))[:, None, None, :]
+        sc = jnp.where(visible, sc, -jnp.inf)
+        new_mx = jnp.maximum(mx, jnp.max(sc, axis=-1))
+        p = jnp.exp(sc - new_mx[..., None])
+        corr = jnp.exp(mx - new_mx)
+        new = (new_mx, den * corr + jnp.sum(p, axis=-1),
+               acc * corr[..., None] + jnp.einsum("tgrl,lgd->tgrd", p, vc.astype(jnp.float32)))
+        keep = lambda a, b: jnp.where(mine.reshape((tile,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, keep(a, b), win, axis=0)
+                     for x, a, b in zip(state, new, (mx, den, acc)))
 
-    state = jax.lax.fori_loop(0, num_tiles * num_chunks, body, state)
-    return tuple(x[:t] for x in state[1:])
+    state = jax.lax.fori_loop(0, ends[-1], body, state)
+    return state[1:]
 
 
 def _self_attention(qf, k_new, v_new, seq, pos):
