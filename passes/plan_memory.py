@@ -29,7 +29,7 @@ PAGED_ATTENTION_LOWERINGS = ("chunked", "gather")
 # and runtime.worker.kernels lowers with them (runtime may import passes; not the other way).
 # Blocks of context per loop iteration: 8 x 16 = 128 tokens.
 XLA_CHUNK_BLOCKS = 8
-# Buckets with at most this many sequences (and more tokens than sequences) gather each
+# Buckets past XLA_SELF_MAX_TOKENS with at most this many sequences gather each
 # sequence's chunk once and score every token against all of them, masking other sequences:
 # S times the score flops, but far less memory traffic than a per-token gather. Past ~4
 # sequences the wasted flops cost more than the gather saves (1.5 S flops per gathered byte).
@@ -39,12 +39,12 @@ XLA_DENSE_MAX_SEQS = 4
 # prompt then reads no KV from the pool at all. Larger buckets use the chunked walk alone (the
 # score block would be T^2: 151 MB at 2048 tokens with 9 heads).
 XLA_SELF_MAX_TOKENS = 2048
-# Those buckets (past XLA_DENSE_MAX_SEQS sequences) then walk the pool per sequence, never per
-# token: decode rows one row each, and the tokens of a chunked continuation or prefix hit in tiles
-# of XLA_POOL_TILE tokens against chunks of XLA_SEQ_CHUNK_BLOCKS blocks of their own context
-# (512 tokens), each gathered once per tile. Fresh prompts read nothing from the pool.
+# Those buckets then walk the pool per sequence, never per token: decode rows one row each, and
+# the tokens of a chunked continuation or prefix hit in tiles of XLA_POOL_TILE tokens against
+# chunks of XLA_SEQ_CHUNK_BLOCKS blocks of their own context (256 tokens), each gathered once per
+# tile. Fresh prompts read nothing from the pool.
 XLA_POOL_TILE = 64
-XLA_SEQ_CHUNK_BLOCKS = 32
+XLA_SEQ_CHUNK_BLOCKS = 16
 
 
 def uses_new_kv(t: int, s: int) -> bool:
@@ -94,10 +94,6 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
             # Before the loop, prefill-shaped buckets score the step's tokens against each other:
             # scores and their exponentials [T, hq, T] in f32, and the mask [T, T].
             own = 2 * t * hq * t * F32 + t * t if uses_new_kv(t, s) else 0
-            if s <= XLA_DENSE_MAX_SEQS and t > s:
-                # Dense few-sequence form: K/V gathered once per sequence [S, chunk, kvh, d],
-                # scores over every (sequence, slot) [T, hq, S x chunk], plus their mask.
-                return max(own, 2 * s * c * kvh * d * F32 + t * hq * s * c * F32 + t * s * c)
             if own:
                 # The walk over earlier context goes per sequence (kernels._split_walk). Decode
                 # rows: one row per sequence slot, each chunk's per-row K/V gather and scores (unrolled,
@@ -109,6 +105,10 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
                 c2 = min(XLA_SEQ_CHUNK_BLOCKS, env["M"]) * node.inputs[1].shape[1]
                 seqs = 2 * tq * hq * c2 * F32 + 2 * c2 * kvh * d * F32
                 return max(own, rows, seqs)
+            if s <= XLA_DENSE_MAX_SEQS and t > s:
+                # Dense few-sequence form: K/V gathered once per sequence [S, chunk, kvh, d],
+                # scores over every (sequence, slot) [T, hq, S x chunk], plus their mask.
+                return 2 * s * c * kvh * d * F32 + t * hq * s * c * F32 + t * s * c
             return 2 * t * c * kvh * d * F32 + t * hq * c * F32
         ctx = env["M"] * kp.shape[1]
         gathered = 2 * t * ctx * kvh * d * DTYPE_BYTES[kp.dtype]

@@ -1,7 +1,7 @@
 """The XLA lowering of paged_attention (runtime.worker.kernels.paged_attention_xla) against the op's
 jnp reference on random inputs: ragged query lengths off block boundaries, prefix context from
-earlier steps, padding tokens and empty sequence slots, in the few-sequence (dense) and per-token
-forms, with and without the step's own new K/V (the prefill path that reads no KV back)."""
+earlier steps, padding tokens and empty sequence slots, in the few-sequence (dense), per-token and
+per-sequence forms, with and without the step's own new K/V (the prefill path that reads no KV back)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ CASES = [  # (q_lens, prior, bucket tokens, bucket seqs)
     # and a decode row in the last tile (off the tile boundary, bucket not a multiple of a tile).
     ([1, 1, 1, 1, 1, 90, 40, 1], [20, 3, 70, 150, 5, 0, 37, 12], 160, 16),
     ([1] * 6 + [120], [9, 30, 2, 17, 64, 100, 0], 128, 16),  # context only in the first tile
-    # Per-sequence walk (past XLA_DENSE_MAX_SEQS sequences): a one-token fresh prompt beside decode
-    # rows, a continuation over 600 tokens (two chunks of XLA_SEQ_CHUNK_BLOCKS) spanning three
+    # Per-sequence walk: a one-token fresh prompt beside decode
+    # rows, a continuation over 600 tokens (three chunks of XLA_SEQ_CHUNK_BLOCKS) spanning three
     # tiles, and one whose last tile is clamped to the end of the bucket.
     ([1, 1, 130, 1, 70], [40, 0, 600, 17, 33], 256, 16),
     ([3, 61], [100, 700], 64, 8),              # the second sequence's tile starts at token 3

@@ -52,10 +52,7 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
         mx, den, acc = _self_attention(qf, k_new, v_new, seq, pos)
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
         limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
-        if not walk.keywords["dense"]:
-            den, acc = _split_walk(qf, seq, limit, (mx, den, acc), cu_q_lens, **walk.keywords)
-        else:
-            den, acc = walk(qf, seq, limit, (mx, den, acc))
+        den, acc = _split_walk(qf, seq, limit, (mx, den, acc), cu_q_lens, **walk.keywords)
     else:
         init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
@@ -121,7 +118,7 @@ def _split_walk(qf, seq, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chun
        tile against it with a plain matmul.
 
     Fresh prompts and padding tokens take neither part. Returns (denominator, accumulator)."""
-    del dense  # prefill-shaped buckets past XLA_DENSE_MAX_SEQS sequences only
+    del dense  # each sequence's chunk is gathered once here, whatever the number of sequences
     t = qf.shape[0]
     s = tables.shape[0]
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
