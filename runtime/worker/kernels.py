@@ -46,18 +46,17 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     n_rep = q.shape[1] // num_kv_heads
     seq, pos = _token_layout(cu_q_lens, context_lens, t)
     qf = q.astype(jnp.float32).reshape(t, num_kv_heads, n_rep, head_dim) * scale
-    walk = functools.partial(_pool_walk, tables=tables, k_pool=k_pool, v_pool=v_pool, chunk_blocks=c,
-                             block_size=block_size, dense=s <= XLA_DENSE_MAX_SEQS and t > s)
+    pool = dict(tables=tables, k_pool=k_pool, v_pool=v_pool, chunk_blocks=c, block_size=block_size)
     if k_new is not None and uses_new_kv(t, s):
         mx, den, acc = _self_attention(qf, k_new, v_new, seq, pos)
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
         limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
-        den, acc = _split_walk(qf, seq, limit, (mx, den, acc), cu_q_lens, **walk.keywords)
+        den, acc = _split_walk(qf, limit, (mx, den, acc), cu_q_lens, **pool)
     else:
         init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
-        den, acc = walk(qf, seq, pos + 1, init)
+        den, acc = _pool_walk(qf, seq, pos + 1, init, **pool, dense=s <= XLA_DENSE_MAX_SEQS and t > s)
     out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -95,18 +94,23 @@ def _chunk_update(i, qf, seq, limit, carry, *, tables, k_pool, v_pool, chunk_blo
         v = jnp.take(v_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
         sc = jnp.einsum("tgrd,tlgd->tgrl", qf, k.astype(jnp.float32))
         visible = (kpos[None, :] < limit[:, None])[:, None, None, :]
+    return _merge(carry, sc, visible, v, "tgrl,lgd->tgrd" if dense else "tgrl,tlgd->tgrd")
+
+
+def _merge(carry, sc, visible, v, pv_spec):
+    """The online-softmax state `carry` (max, denominator, accumulator) after scores `sc`
+    [T, kvh, rep, L] (positions where `visible` is false masked out) with values `v`, contracted
+    by the einsum `pv_spec`."""
     mx, den, acc = carry
     sc = jnp.where(visible, sc, -jnp.inf)
     new_mx = jnp.maximum(mx, jnp.max(sc, axis=-1))
     p = jnp.exp(sc - new_mx[..., None])
     corr = jnp.exp(mx - new_mx)
-    den = den * corr + jnp.sum(p, axis=-1)
-    pv = (jnp.einsum("tgrl,lgd->tgrd", p, v.astype(jnp.float32)) if dense
-          else jnp.einsum("tgrl,tlgd->tgrd", p, v.astype(jnp.float32)))
-    return new_mx, den, acc * corr[..., None] + pv
+    pv = jnp.einsum(pv_spec, p, v.astype(jnp.float32))
+    return new_mx, den * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 
-def _split_walk(qf, seq, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense):
+def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size):
     """The pool walk of a prefill-shaped step, in two parts that each gather a sequence's earlier
     context once, never once per token:
 
@@ -118,25 +122,20 @@ def _split_walk(qf, seq, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chun
        tile against it with a plain matmul.
 
     Fresh prompts and padding tokens take neither part. Returns (denominator, accumulator)."""
-    del dense  # each sequence's chunk is gathered once here, whatever the number of sequences
     t = qf.shape[0]
     s = tables.shape[0]
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
     first_tok = jnp.clip(cu_q_lens[:-1], 0, t - 1)
     seq_limit = jnp.where(q_len > 0, limit[first_tok], 0)  # [S] pool context of each sequence
 
-    # 1. Decode rows.
+    # 1. Decode rows: the per-row walk of a decode bucket, over one row per sequence slot. Their
+    # running max is not written back: nothing after this reads it for those tokens.
     row = (q_len == 1) & (seq_limit > 0)
-    rows = functools.partial(_chunk_update, tables=tables, k_pool=k_pool, v_pool=v_pool,
-                             chunk_blocks=chunk_blocks, block_size=block_size, dense=False)
-    chunk_tokens = chunk_blocks * block_size
-    row_limit = jnp.where(row, seq_limit, 0)
-    row_state = tuple(x[first_tok] for x in init)
-    row_state = jax.lax.fori_loop(
-        0, (jnp.max(row_limit) + chunk_tokens - 1) // chunk_tokens,
-        lambda i, c: rows(i, qf[first_tok], jnp.arange(s), row_limit, c), row_state)
+    row_out = _pool_walk(qf[first_tok], jnp.arange(s), jnp.where(row, seq_limit, 0),
+                         tuple(x[first_tok] for x in init), tables=tables, k_pool=k_pool, v_pool=v_pool,
+                         chunk_blocks=chunk_blocks, block_size=block_size, dense=False)
     dest = jnp.where(row, first_tok, t)  # other slots write nothing (dropped out of bounds)
-    state = tuple(x.at[dest].set(r, mode="drop") for x, r in zip(init, row_state))
+    state = (init[0],) + tuple(x.at[dest].set(r, mode="drop") for x, r in zip(init[1:], row_out))
 
     # 2. Multi-token sequences with pool context.
     tile = min(XLA_POOL_TILE, t)
@@ -163,18 +162,13 @@ def _split_walk(qf, seq, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chun
         vc = jnp.take(v_pool, cols, axis=0, mode="clip").reshape(c2_tokens, num_kv_heads, head_dim)
         kpos = i * c2_tokens + jnp.arange(c2_tokens)
         q = jax.lax.dynamic_slice_in_dim(qf, win, tile)
-        mx, den, acc = (jax.lax.dynamic_slice_in_dim(x, win, tile) for x in state)
+        old = tuple(jax.lax.dynamic_slice_in_dim(x, win, tile) for x in state)
         sc = jnp.einsum("tgrd,lgd->tgrl", q, kc.astype(jnp.float32))
         visible = (mine[:, None] & (kpos[None, :] < seq_limit[sq]))[:, None, None, :]
-        sc = jnp.where(visible, sc, -jnp.inf)
-        new_mx = jnp.maximum(mx, jnp.max(sc, axis=-1))
-        p = jnp.exp(sc - new_mx[..., None])
-        corr = jnp.exp(mx - new_mx)
-        new = (new_mx, den * corr + jnp.sum(p, axis=-1),
-               acc * corr[..., None] + jnp.einsum("tgrl,lgd->tgrd", p, vc.astype(jnp.float32)))
+        new = _merge(old, sc, visible, vc, "tgrl,lgd->tgrd")
         keep = lambda a, b: jnp.where(mine.reshape((tile,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
         return tuple(jax.lax.dynamic_update_slice_in_dim(x, keep(a, b), win, axis=0)
-                     for x, a, b in zip(state, new, (mx, den, acc)))
+                     for x, a, b in zip(state, new, old))
 
     state = jax.lax.fori_loop(0, ends[-1], body, state)
     return state[1:]
