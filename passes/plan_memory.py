@@ -41,10 +41,10 @@ XLA_DENSE_MAX_SEQS = 4
 XLA_SELF_MAX_TOKENS = 2048
 # Those buckets then walk the pool per sequence, never per token: decode rows one row each, and
 # the tokens of a chunked continuation or prefix hit in tiles of XLA_POOL_TILE tokens against
-# chunks of XLA_SEQ_CHUNK_BLOCKS blocks of their own context (256 tokens), each gathered once per
+# chunks of XLA_SEQ_CHUNK_BLOCKS blocks of their own context (512 tokens), each gathered once per
 # tile. Fresh prompts read nothing from the pool.
 XLA_POOL_TILE = 64
-XLA_SEQ_CHUNK_BLOCKS = 16
+XLA_SEQ_CHUNK_BLOCKS = 32
 
 
 def uses_new_kv(t: int, s: int) -> bool:

@@ -57,11 +57,12 @@ CASES = [  # (q_lens, prior, bucket tokens, bucket seqs)
     ([1, 1, 1, 1, 1, 90, 40, 1], [20, 3, 70, 150, 5, 0, 37, 12], 160, 16),
     ([1] * 6 + [120], [9, 30, 2, 17, 64, 100, 0], 128, 16),  # context only in the first tile
     # Per-sequence walk: a one-token fresh prompt beside decode
-    # rows, a continuation over 600 tokens (three chunks of XLA_SEQ_CHUNK_BLOCKS) spanning three
+    # rows, a continuation over 600 tokens (two chunks of XLA_SEQ_CHUNK_BLOCKS) spanning three
     # tiles, and one whose last tile is clamped to the end of the bucket.
     ([1, 1, 130, 1, 70], [40, 0, 600, 17, 33], 256, 16),
     ([3, 61], [100, 700], 64, 8),              # the second sequence's tile starts at token 3
     ([100, 100], [5, 20], 200, 8),             # two continuations; tiles cross between them
+    ([1, 50], [300, 1100], 64, 4),             # three context chunks, the last one partial
 ]
 
 
