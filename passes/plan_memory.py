@@ -44,6 +44,9 @@ XLA_SELF_MAX_TOKENS = 2048
 # chunks of XLA_SEQ_CHUNK_BLOCKS blocks of their own context (512 tokens), each gathered once per
 # tile. Fresh prompts read nothing from the pool.
 XLA_POOL_TILE = 64
+# The per-token walk (decode rows) goes in groups of this many rows, longest context first, each
+# group only as far as its own longest context.
+XLA_ROW_GROUP = 8
 XLA_SEQ_CHUNK_BLOCKS = 32
 
 
@@ -96,11 +99,13 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
             own = 2 * t * hq * t * F32 + t * t if uses_new_kv(t, s) else 0
             if own:
                 # The walk over earlier context goes per sequence (kernels._split_walk). Decode
-                # rows: one row per sequence slot, each chunk's per-row K/V gather and scores (unrolled,
-                # XLA fuses the gather into the contractions; inside a scan it materializes it).
+                # rows: one row per sequence slot, XLA_ROW_GROUP rows at a time, each chunk's
+                # per-row K/V gather and scores (unrolled, XLA fuses the gather into the
+                # contractions; inside a scan it materializes it).
                 # Continuations: a tile's scores and exponentials against one sequence's chunk of
                 # XLA_SEQ_CHUNK_BLOCKS blocks, beside that chunk's K/V.
-                rows = 2 * s * hq * c * F32 if not scan_layers else 2 * s * c * kvh * d * F32 + s * hq * c * F32
+                g = min(s, XLA_ROW_GROUP)  # rows walked at once
+                rows = 2 * g * hq * c * F32 if not scan_layers else 2 * g * c * kvh * d * F32 + g * hq * c * F32
                 tq = min(t, XLA_POOL_TILE)
                 c2 = min(XLA_SEQ_CHUNK_BLOCKS, env["M"]) * node.inputs[1].shape[1]
                 seqs = 2 * tq * hq * c2 * F32 + 2 * c2 * kvh * d * F32
@@ -109,7 +114,8 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
                 # Dense few-sequence form: K/V gathered once per sequence [S, chunk, kvh, d],
                 # scores over every (sequence, slot) [T, hq, S x chunk], plus their mask.
                 return 2 * s * c * kvh * d * F32 + t * hq * s * c * F32 + t * s * c
-            return 2 * t * c * kvh * d * F32 + t * hq * c * F32
+            g = min(t, XLA_ROW_GROUP)  # the per-token walk goes XLA_ROW_GROUP rows at a time
+            return 2 * g * c * kvh * d * F32 + g * hq * c * F32
         ctx = env["M"] * kp.shape[1]
         gathered = 2 * t * ctx * kvh * d * DTYPE_BYTES[kp.dtype]
         scores = 2 * t * hq * ctx * F32

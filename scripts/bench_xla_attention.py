@@ -37,6 +37,11 @@ CASES = [
     ("512x16: a 500-token continuation at 500", 512, 16, [500], [1000]),
     ("512x16: a fresh 500-token prompt", 512, 16, [500], [500]),
     ("16x16: 16 decode rows at 300", 16, 16, [1] * 16, [301] * 16),
+    ("16x16: 16 decode rows at 20-900 (mixed)", 16, 16, [1] * 16, [20 + 58 * i for i in range(16)]),
+    ("64x64: 64 decode rows at 300", 64, 64, [1] * 64, [301] * 64),
+    ("64x64: 64 decode rows at 20-900 (mixed)", 64, 64, [1] * 64, [20 + 14 * i for i in range(64)]),
+    ("128x16: 15 decode rows at 20-900 (mixed) + a fresh 113-token prompt", 128, 16, [1] * 15 + [113],
+     [20 + 60 * i for i in range(15)] + [113]),
 ]
 
 

@@ -63,6 +63,10 @@ CASES = [  # (q_lens, prior, bucket tokens, bucket seqs)
     ([3, 61], [100, 700], 64, 8),              # the second sequence's tile starts at token 3
     ([100, 100], [5, 20], 200, 8),             # two continuations; tiles cross between them
     ([1, 50], [300, 1100], 64, 4),             # three context chunks, the last one partial
+    # Decode rows walked XLA_ROW_GROUP (8) at a time, longest context first: mixed contexts,
+    # padding rows, a row count that is not a multiple of the group, and empty slots.
+    ([1] * 13, [0, 300, 17, 5, 129, 128, 640, 1, 33, 256, 90, 400, 2], 16, 16),
+    ([1] * 11, [70, 3, 900, 15, 15, 260, 0, 44, 511, 8, 127], 12, 12),
 ]
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
-                                XLA_POOL_TILE, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
+                                XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
 
 
 def _token_layout(cu_q_lens, context_lens, num_tokens):
@@ -63,13 +63,38 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
 
 def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense):
     """Online softmax of tokens `qf` [T, kvh, rep, d] (of sequences `seq`) over the pool positions
-    below `limit` [T], merged into `init` (max, denominator, accumulator); a fori_loop over chunks
-    of `chunk_blocks` blocks up to the largest limit. Returns (denominator, accumulator)."""
+    below `limit` [T], merged into `init` (max, denominator, accumulator). Returns (denominator,
+    accumulator).
+
+    The per-token form walks tokens in groups of XLA_ROW_GROUP, longest context first, each group
+    only as far as its own longest context: one fori_loop over (group, chunk of `chunk_blocks`
+    blocks) pairs. A batch of decode rows with mixed context lengths then costs about the sum of
+    their contexts, not rows x the longest. The dense few-sequence form walks every token to the
+    largest limit."""
     chunk = functools.partial(_chunk_update, tables=tables, k_pool=k_pool, v_pool=v_pool,
                               chunk_blocks=chunk_blocks, block_size=block_size, dense=dense)
     chunk_tokens = chunk_blocks * block_size
-    num_chunks = (jnp.max(limit) + chunk_tokens - 1) // chunk_tokens
-    return jax.lax.fori_loop(0, num_chunks, lambda i, carry: chunk(i, qf, seq, limit, carry), init)[1:]
+    t = qf.shape[0]
+    if dense or t <= XLA_ROW_GROUP:
+        num_chunks = (jnp.max(limit) + chunk_tokens - 1) // chunk_tokens
+        return jax.lax.fori_loop(0, num_chunks, lambda i, carry: chunk(i, qf, seq, limit, carry), init)[1:]
+    g = XLA_ROW_GROUP
+    n_groups = -(-t // g)
+    order = jnp.argsort(-limit)  # longest first, so a group's rows need about as many chunks
+    rows = jnp.pad(order, (0, n_groups * g - t), constant_values=t).reshape(n_groups, g)  # t: padding
+    row_limit = jnp.where(rows < t, limit[jnp.clip(rows, 0, t - 1)], 0)
+    group_chunks = (jnp.max(row_limit, axis=1) + chunk_tokens - 1) // chunk_tokens
+    ends = jnp.cumsum(group_chunks)
+
+    def body(k, state):
+        grp = jnp.minimum(jnp.searchsorted(ends, k, side="right"), n_groups - 1)
+        i = k - (ends[grp] - group_chunks[grp])
+        r = rows[grp]
+        rc = jnp.clip(r, 0, t - 1)
+        new = chunk(i, qf[rc], seq[rc], row_limit[grp], tuple(x[rc] for x in state))
+        return tuple(x.at[r].set(y, mode="drop") for x, y in zip(state, new))
+
+    return jax.lax.fori_loop(0, ends[-1], body, init)[1:]
 
 
 def _chunk_update(i, qf, seq, limit, carry, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense):
