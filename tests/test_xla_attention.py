@@ -12,7 +12,7 @@ import pytest
 
 from ir.ops import paged_attention_reference
 from pallas_kernels.testing import cu_from_lens, random_paged_cache
-from passes.plan_memory import XLA_POOL_TILE, uses_new_kv
+from passes.plan_memory import XLA_POOL_TILE, XLA_ROW_GROUP, uses_new_kv
 from runtime.worker.kernels import paged_attention_xla
 from tolerances import KERNEL
 
@@ -63,11 +63,16 @@ CASES = [  # (q_lens, prior, bucket tokens, bucket seqs)
     ([3, 61], [100, 700], 64, 8),              # the second sequence's tile starts at token 3
     ([100, 100], [5, 20], 200, 8),             # two continuations; tiles cross between them
     ([1, 50], [300, 1100], 64, 4),             # three context chunks, the last one partial
-    # Decode rows walked XLA_ROW_GROUP (8) at a time, longest context first: mixed contexts,
+    # Decode rows walked XLA_ROW_GROUP at a time, longest context first: mixed contexts,
     # padding rows, a row count that is not a multiple of the group, and empty slots.
     ([1] * 13, [0, 300, 17, 5, 129, 128, 640, 1, 33, 256, 90, 400, 2], 16, 16),
     ([1] * 11, [70, 3, 900, 15, 15, 260, 0, 44, 511, 8, 127], 12, 12),
 ]
+
+
+def test_row_group_cases_span_several_groups():
+    # The two decode-row cases above must cross a group boundary for the grouped walk to be tested.
+    assert 11 > XLA_ROW_GROUP
 
 
 @pytest.mark.parametrize("q_lens,prior,t,s", CASES)
