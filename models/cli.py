@@ -141,6 +141,9 @@ _ENGINE_FLAGS = (
           "compiles (default: on GPU/TPU, off on CPU, where the steps run 5-13%% slower)")),
     ("num_scheduler_steps", ("--num-scheduler-steps",),
      dict(type=int, help="decode steps per executable for all-decode batches (vLLM's multi-step)")),
+    ("async_scheduling", ("--async-scheduling",),
+     dict(type=_bool, metavar="BOOL", help="schedule step N+1 while step N runs, feeding decode tokens on the "
+          "device (vLLM's async scheduling; default: on, except with multi-step, speculative decoding or TP)")),
     ("speculative_config", ("--speculative-config",),
      dict(metavar="JSON", help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
           '"prompt_lookup_max": 4}\' (n-gram prompt lookup; drafts are verified in the decode buckets)')),

@@ -157,6 +157,11 @@ class EngineConfig:
     # vLLM's speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}: drafts are
     # verified in the decode buckets (runtime/step_inputs.py). A dict or JSON string; None = off.
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's async scheduling: the host schedules and prepares step N+1 while step N runs, decode
+    # rows taking their input token from step N's sampled output on the device, and finishes
+    # step N (stops, detokenization, streaming) after N+1 is dispatched. None: on wherever it
+    # applies (not with multi-step decode, speculative decoding or tensor parallelism).
+    async_scheduling: bool | None = None
     reserve_bytes: int = 64 << 20
 
     def __post_init__(self):
@@ -169,6 +174,10 @@ class EngineConfig:
                 raise ValueError(f"{f} must be a positive int, got {v!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
+        if self.async_scheduling and self.async_blockers():
+            raise ValueError(f"async_scheduling does not combine with {' or '.join(self.async_blockers())}")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.scheduling not in ("continuous", "dynamic", "static"):
@@ -200,6 +209,17 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def async_blockers(self) -> list[str]:
+        """The settings that rule out async scheduling: multi-step decode and speculative decoding
+        already take the host off the per-token path, and tensor parallelism is not wired for it."""
+        return [name for name, on in (("num_scheduler_steps > 1", self.num_scheduler_steps > 1),
+                                      ("speculative_config", self.speculative_config is not None),
+                                      ("tensor_parallel_size > 1", self.tensor_parallel_size > 1)) if on]
+
+    def schedules_async(self) -> bool:
+        """Whether the engine overlaps the host with the device (`async_scheduling`, or auto)."""
+        return not self.async_blockers() if self.async_scheduling is None else self.async_scheduling
 
     def scans_layers(self, platform: str | None = None) -> bool:
         """Whether the step runs its layers as a lax.scan (`scan_layers`, or by platform)."""

@@ -46,7 +46,6 @@ class EngineLoop:
         self._last_token: dict[str, float] = {}
         self._seq_end: dict[str, dict[int, float]] = {}  # when each finished sample of a running request ended
         self._prompt_tokens_cached = 0  # prompt tokens of requests past prefill, found in the prefix cache
-        self._stepped = False  # set by the step hook: the engine ran a step
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -162,7 +161,7 @@ class EngineLoop:
                 continue
             t0 = time.perf_counter()
             tokens = engine.prompt_tokens_total + engine.generation_tokens_total
-            self._stepped = False
+            steps = engine.num_steps
             try:
                 outputs = engine.step()
             except Exception as e:  # a broken engine: fail every request, refuse new ones
@@ -170,7 +169,7 @@ class EngineLoop:
                 self.error = e
                 self._fail_all()
                 return
-            if self._stepped:  # vLLM's count: prompts whose prefill finished, plus the tokens generated
+            if engine.num_steps > steps:  # a step's tokens came back; vLLM's count: prompts whose prefill finished, plus the tokens generated
                 self.metrics.iteration_tokens.observe(engine.prompt_tokens_total + engine.generation_tokens_total
                                                       - tokens)
             self._dispatch(outputs)
@@ -217,7 +216,6 @@ class EngineLoop:
     def _on_step(self, sched, outs) -> None:
         """Engine step hook (engine thread), after the step's launch: counts the prefix-cache share of
         the prompts the engine counts in this step (a first sample's prompt, when its prefill ends)."""
-        self._stepped = True
         for sc in sched.scheduled:
             seq = sc.seq
             if sc.samples and seq.index == 0 and seq.num_output_tokens == 0:

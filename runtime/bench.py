@@ -119,6 +119,13 @@ def step_breakdown(trace) -> dict:
     total = host + np.array([t.device_s for t in trace])
     out["host"] = float(np.median(host)) * 1e3
     out["host_share"] = float(np.median(host / total))
+    # Async scheduling hides a step's launch (schedule, prepare, dispatch) behind the step before
+    # it, and its postprocess behind the step after it, when that one was launched first.
+    over = [t.overlapped for t in trace]
+    exposed = [(0.0 if t.overlapped else t.schedule_s + t.prepare_s + t.dispatch_s)
+               + (0.0 if i + 1 < len(trace) and over[i + 1] else t.postprocess_s) for i, t in enumerate(trace)]
+    out["host_exposed"] = float(np.median(exposed)) * 1e3
+    out["overlapped_share"] = float(np.mean(over))
     return out
 
 
@@ -184,7 +191,9 @@ def report(results: list[RunResult], out=sys.stdout) -> None:
         if r.breakdown_ms:
             b = r.breakdown_ms
             print(f"step breakdown ({r.name}, median ms): " + ", ".join(f"{p} {b[p]:.2f}" for p in STEP_PARTS)
-                  + f"; host {b['host']:.2f} = {b['host_share']:.0%} of the step", file=out)
+                  + f"; host {b['host']:.2f} = {b['host_share']:.0%} of the step, {b['host_exposed']:.2f} not "
+                  f"hidden behind the device ({b['overlapped_share']:.0%} of steps launched while the one "
+                  f"before ran: async scheduling)", file=out)
     for r in results:
         if r.spec is not None:
             drafts, drafted, accepted = r.spec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import random
@@ -12,19 +13,19 @@ import time
 import jax
 import numpy as np
 
-from runtime.core import detokenizer
 from runtime.core.block_manager import BlockManager
 from runtime.plan import Plan
-from runtime.worker.model_runner import SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
+from runtime.worker.model_runner import FEED_OUTPUT, SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
 from runtime.worker.sampler import build_inputs
 from runtime.core.spec_decode import make_proposer
-from runtime.step_inputs import Row, build_step, grammar_bitmask, pick_bucket
+from runtime.step_inputs import Row, StepBatch, build_step, grammar_bitmask, pick_bucket
 from models.engine_config import SpeculativeConfig
 from runtime.core.sampling_params import STRUCTURED_PARAM, RequestError, SamplingParams
 from runtime.core.structured_output import CompiledGrammar, GrammarCompiler
 from runtime.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from runtime.core.sequence import Request, Sequence, SeqStatus
-from runtime.outputs import CompletionOutput, EngineStats, RequestOutput, StepTrace
+from runtime.output_processor import PENDING, OutputProcessor
+from runtime.outputs import EngineStats, RequestOutput, StepTrace
 
 log = logging.getLogger("runtime.engine")
 
@@ -57,9 +58,9 @@ class LLMEngine:
         self.check_invariants = check_invariants
         self.eos_ids = set(self.tokenizer.stop_token_ids) if self.tokenizer is not None else (
             {self.config.eos_token_id} if self.config.eos_token_id is not None else set())
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer, self.eos_ids, e.max_model_len)
         self.padded_tokens_total = 0
+        self.num_steps = 0  # steps whose sampled tokens were read back and processed
         self.scheduled_tokens_total = 0
         self.start_time = time.monotonic()
         self.trace: list[StepTrace] | None = None
@@ -69,6 +70,8 @@ class LLMEngine:
         self.step_hooks = []
         self.num_recompiles = 0
         self._step_requests: dict[str, Request] | None = None  # what the running step touches
+        self.async_scheduling = e.schedules_async()
+        self._inflight: _Launched | None = None  # async scheduling: the step launched, not yet read
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self.speculative = SpeculativeConfig.from_dict(e.speculative_config)
         self.proposer = make_proposer(self.speculative) if self.speculative is not None else None
@@ -173,6 +176,8 @@ class LLMEngine:
                     continue
                 req.aborted = True
                 for s in req.seqs:
+                    if s.token_ids and s.token_ids[-1] == PENDING:
+                        s.token_ids.pop()  # its step's token is dropped with the request
                     if not s.is_finished:
                         self.scheduler.remove(s)
                         s.status = SeqStatus.FINISHED
@@ -193,6 +198,7 @@ class LLMEngine:
             return self._step()
         except Exception as e:
             log.exception("engine step failed; failing the requests it touched")
+            self._inflight = None  # a step launched in this call fails with the one it followed
             return self._fail(e)
         finally:
             # Any XLA compile inside a step is a shape the bucket table did not cover.
@@ -206,6 +212,8 @@ class LLMEngine:
         outs = []
         for req in reqs.values():
             for s in req.seqs:
+                if s.token_ids and s.token_ids[-1] == PENDING:
+                    s.token_ids.pop()  # a token the failed step never delivered
                 if not s.is_finished:
                     self.scheduler.remove(s)  # frees its KV blocks
                     s.status, s.finish_reason = SeqStatus.FINISHED, "error"
@@ -215,18 +223,44 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
             for cb in self.finished_callbacks:
                 cb(req)
-            out = self._output(req)
+            out = self.output_processor.request_output(req)
             out.finished, out.error = True, message
             outs.append(out)
         return outs
 
     def _step(self) -> list[RequestOutput]:
+        # Async scheduling: the step launched last time is still running. With a step to finish
+        # (`cur`), the next one is scheduled and dispatched first when it can be, its decode rows
+        # fed on the device from cur's sampled tokens; then cur's tokens are read and processed
+        # while the next runs.
+        cur, self._inflight = self._inflight, None
+        if cur is not None:
+            self._step_requests = dict(cur.requests)
+        else:
+            cur = self._launch(None)
+            if cur is None:
+                return []
+        if self.async_scheduling and not (cur.drafts or cur.multi or cur.plp_seqs):
+            self._commit(cur)
+            self._inflight = self._launch(cur)
+        outputs = self._complete(cur)
+        nxt = self._inflight
+        if nxt is not None and all(sc.seq.is_finished for sc in nxt.sched.scheduled):
+            # Every sequence it runs stopped on cur's tokens: nothing to read back. Its KV writes
+            # land in freed blocks before any later step (device order) can reuse them.
+            self._inflight = None
+        return outputs
+
+    def _launch(self, prev: "_Launched | None") -> "_Launched | None":
+        """Schedules a step, builds its inputs and dispatches it, without waiting for it. `prev`:
+        the step still running, whose pending tokens (see `_commit`) this one takes on the device."""
         t0 = time.perf_counter()
         self._drain()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        self._step_requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}
+            return None
+        requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}
+        self._step_requests = {**(self._step_requests or {}), **requests}
         drafts = self._propose(sched)  # takes KV blocks for the drafts it keeps
         bucket = pick_bucket(sched, drafts, self.plan.buckets) if drafts else sched.bucket
         multi = not drafts and self._multi_step_ready(sched)  # takes its KV blocks before the tables are built
@@ -239,6 +273,7 @@ class LLMEngine:
         batch = build_step(sched, bucket, block_size=self.engine_config.block_size,
                            max_blocks_per_seq=self.runner.max_blocks_per_seq, drafts=drafts)
         rows = batch.rows
+        feed_index = self._feed_index(sched, batch, prev) if prev is not None else None
         si = build_inputs([self._row_params(r, drafts) for r in rows], bucket[1], self.engine_config.max_model_len,
                           self._stop_ids, vocab_size=self.config.vocab_size,
                           bitmask=grammar_bitmask(rows, bucket[1], self.config.vocab_size))
@@ -247,18 +282,66 @@ class LLMEngine:
             self.runner.copy_blocks(sched.copies)
         if multi:
             outs = self.runner.execute_multi_step(bucket, batch.inputs, si.arrays())
+        elif feed_index is not None:
+            outs = self.runner.execute(bucket, batch.inputs, si.arrays(), prev.outs[FEED_OUTPUT], feed_index)
         else:
             outs = self.runner.execute(bucket, batch.inputs, si.arrays())
         t_dispatch = time.perf_counter()
         for hook in self.step_hooks:
             hook(sched, outs)
-        sampled = jax.device_get([outs[k] for k in SAMPLED_OUTPUTS])
-        t2 = time.perf_counter()
         plp_seqs = [s for s in sched.scheduled if s.seq.request.params.prompt_logprobs is not None
                     and s.seq.num_computed_tokens < s.seq.prompt_len]
-        if plp_seqs:
-            self._prompt_logprobs(plp_seqs, batch.offsets, outs["hidden"])
-        self.scheduler.update(sched)
+        return _Launched(sched, drafts, bucket, multi, batch, outs, plp_seqs, requests,
+                         (t0, t_sched, t_prep, t_dispatch), overlapped=prev is not None)
+
+    def _commit(self, cur: "_Launched") -> None:
+        """Before the next step is scheduled while `cur` runs: cur's tokens count as computed, and
+        each sequence whose next token cur samples and that will surely go on (no fork, grammar or
+        penalties, which read it on the host, and below its length limits) gets a placeholder for
+        it: the scheduler gives it a decode row, whose token the device takes from cur's output.
+        Whether the sequence in fact stops there is known only when cur is processed; then the
+        next step's row for it is dropped."""
+        self.scheduler.update(cur.sched)
+        cur.updated = True
+        limit = self.engine_config.max_model_len
+        for i, r in enumerate(cur.batch.rows):
+            seq, p = r.seq, r.seq.request.params
+            if (r.fork_index is None and seq.request.forked and seq.status == SeqStatus.RUNNING
+                    and not seq.request.aborted and seq.matcher is None and not p.needs_penalties
+                    and seq.num_output_tokens + 1 < p.max_tokens and len(seq) + 1 < limit):
+                seq.token_ids.append(PENDING)
+                cur.pending[seq.seq_id] = i
+
+    @staticmethod
+    def _feed_index(sched: ScheduleOutput, batch, prev: "_Launched") -> np.ndarray | None:
+        """For each input token of the step, the row of `prev`'s sampled tokens it is (-1: the
+        host's token); None when no token comes from `prev`."""
+        index = None
+        for sc in sched.scheduled:
+            row = prev.pending.get(sc.seq.seq_id)
+            if row is None:
+                continue
+            seq, start = sc.seq, sc.seq.num_computed_tokens
+            pos = len(seq) - 1  # the pending token is always the last
+            if start <= pos < start + sc.num_new_tokens:
+                if index is None:
+                    index = np.full(batch.bucket[0], -1, np.int32)
+                index[batch.offsets[seq.seq_id] + pos - start] = row
+        return index
+
+    def _complete(self, cur: "_Launched") -> list[RequestOutput]:
+        """Reads a launched step's sampled rows and processes them: tokens, stops, outputs."""
+        sched, drafts, bucket, multi, rows = cur.sched, cur.drafts, cur.bucket, cur.multi, cur.batch.rows
+        t0, t_sched, t_prep, t_dispatch = cur.times
+        t_wait = time.perf_counter()
+        sampled = jax.device_get([cur.outs[k] for k in SAMPLED_OUTPUTS])
+        t2 = time.perf_counter()
+        if cur.plp_seqs:
+            self.output_processor.prompt_logprobs(cur.plp_seqs, cur.batch.offsets,
+                                                  np.asarray(jax.device_get(cur.outs["hidden"])),
+                                                  self.runner.prompt_logprobs)
+        if not cur.updated:
+            self.scheduler.update(sched)
         if drafts:
             touched = self._verify(rows, drafts, sampled)
         elif not multi:
@@ -274,6 +357,7 @@ class LLMEngine:
         for s in sched.preempted:
             touched.setdefault(s.request.request_id, s.request)
         t3 = time.perf_counter()
+        self.num_steps += 1
         self.padded_tokens_total += bucket[0]
         self.scheduled_tokens_total += sched.num_tokens + sum(len(d) for d in drafts.values())
         if self.trace is not None:
@@ -281,11 +365,12 @@ class LLMEngine:
             alloc = sum(len(s.block_table) for s in self.scheduler.running) * self.engine_config.block_size
             self.trace.append(StepTrace(time.monotonic(), bucket, sched.num_tokens,
                                         len(sched.scheduled), len(rows), used, alloc, t_sched - t0,
-                                        t_prep - t_sched, t_dispatch - t_prep, t2 - t_dispatch, t3 - t2))
+                                        t_prep - t_sched, t_dispatch - t_prep, t2 - t_wait, t3 - t2,
+                                        overlapped=cur.overlapped))
         if self.check_invariants:
             self.block_manager.check_invariants(
                 [s for r in self.requests.values() for s in r.seqs if not s.is_finished])
-        return [self._output(r) for r in touched.values()]
+        return [self.output_processor.request_output(r) for r in touched.values()]
 
     def _multi_step_ready(self, sched: ScheduleOutput) -> bool:
         """Whether this step may run num_scheduler_steps decode steps at once: every sequence
@@ -411,30 +496,6 @@ class LLMEngine:
             history = history + drafts[seq.seq_id][:r.draft_pos]
         return params, _seq_seed(seq, None), seq.num_output_tokens + r.draft_pos, history, seq.prompt_len
 
-    def _prompt_logprobs(self, scheduled, offsets: dict[int, int], hidden) -> None:
-        hidden = np.asarray(jax.device_get(hidden))
-        for sc in scheduled:
-            seq, req = sc.seq, sc.seq.request
-            start = seq.num_computed_tokens
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None]  # the first prompt token has no logprob
-            if start > 0 and len(req.prompt_logprobs) < start + 1:
-                # Prefix-cached tokens were never run; their logprobs are not available.
-                req.prompt_logprobs += [None] * (start + 1 - len(req.prompt_logprobs))
-            # Row j predicts token start + j + 1, for the tokens inside the prompt.
-            n = min(sc.num_new_tokens, seq.prompt_len - 1 - start)
-            if n <= 0:
-                continue
-            o = offsets[seq.seq_id]
-            targets = np.asarray(seq.token_ids[start + 1:start + 1 + n], np.int32)
-            lp, ids, top = self.runner.prompt_logprobs(hidden[o:o + n], targets)
-            k = req.params.prompt_logprobs
-            for j in range(n):
-                d = {int(targets[j]): float(lp[j])}
-                for a, b in zip(ids[j][:k], top[j][:k]):
-                    d.setdefault(int(a), float(b))
-                req.prompt_logprobs.append(d)
-
     def _postprocess(self, rows, tokens, chosen_lp, top_ids, top_lp) -> dict[str, Request]:
         touched: dict[str, Request] = {}
         now = time.monotonic()
@@ -446,7 +507,7 @@ class LLMEngine:
             target = targets[r]
             if req.aborted or target.is_finished:
                 continue
-            self._append(target, int(tokens[r]), float(chosen_lp[r]), top_ids[r], top_lp[r])
+            self.output_processor.append(target, int(tokens[r]), float(chosen_lp[r]), top_ids[r], top_lp[r])
             if req.trace is not None:
                 req.trace.token(req, target, now)
             if req.metrics.first_token_time is None:
@@ -477,68 +538,15 @@ class LLMEngine:
             req.forked = True
         return child
 
-    def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lp) -> None:
-        p = seq.request.params
-        if seq.matcher is not None and not seq.matcher.accept_token(tok):
-            # The mask should make this impossible; end this sequence, not the engine.
-            why = seq.matcher.error or f"token {tok} is not allowed by the grammar"
-            seq.request.error, seq.finish_reason = f"structured output failed: {why}", "error"
-            log.error("request %s: %s", seq.request.request_id, seq.request.error)
-            return self.scheduler.finish(seq)
-        seq.token_ids.append(tok)
-        self.generation_tokens_total += 1
-        if seq.num_output_tokens == 1 and seq.index == 0:
-            self.prompt_tokens_total += seq.prompt_len
-        seq.cumulative_logprob += lp
-        if p.logprobs is not None:
-            d = {tok: lp}
-            for a, b in zip(top_ids[:p.logprobs], top_lp[:p.logprobs]):
-                d.setdefault(int(a), float(b))
-            seq.logprobs.append(d)
-        n_out = seq.num_output_tokens
-        reason, stop_reason = None, None
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_ids:
-                reason = "stop"
-            elif tok in p.stop_token_ids:
-                reason, stop_reason = "stop", tok
-        if self.tokenizer is not None and p.detokenize:
-            if seq.detok_state is None:
-                seq.detok_state = detokenizer.new_state()
-            new_text = detokenizer.step(self.tokenizer, seq.output_token_ids, seq.detok_state,
-                                        p.skip_special_tokens)
-            seq.text += new_text
-            if p.stop and reason is None and new_text and n_out >= p.min_tokens:
-                hit = detokenizer.find_stop(seq.text, len(new_text), p.stop)
-                if hit is not None:
-                    i, s = hit
-                    seq.text = seq.text[:i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
-                    reason, stop_reason = "stop", s
-        if reason is None and seq.matcher is not None and seq.matcher.is_terminated():
-            reason = "stop"  # the grammar is complete (its last token may be a stop id or not)
-        if reason is None and (n_out >= p.max_tokens or len(seq) >= self.engine_config.max_model_len):
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-            self.scheduler.finish(seq)
-
-    def _output(self, req: Request) -> RequestOutput:
-        outs = []
-        for s in sorted(req.seqs, key=lambda s: s.index):
-            text = s.text
-            if not s.is_finished and req.params.stop:
-                hb = detokenizer.holdback(text, req.params.stop)
-                text = text[:len(text) - hb] if hb else text
-            outs.append(CompletionOutput(
-                s.index, text, list(s.output_token_ids),
-                s.cumulative_logprob if req.params.logprobs is not None else None,
-                list(s.logprobs) if req.params.logprobs is not None else None,
-                s.finish_reason, s.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
-                             req.is_finished or req.aborted, req.metrics, req.seqs[0].num_cached_tokens,
-                             error=req.error, trace=req.trace.to_dict(req) if req.trace is not None else None)
-
     # ------------------------------------------------------------------ stats
+
+    @property
+    def prompt_tokens_total(self) -> int:
+        return self.output_processor.prompt_tokens_total
+
+    @property
+    def generation_tokens_total(self) -> int:
+        return self.output_processor.generation_tokens_total
 
     def stats(self) -> EngineStats:
         """A snapshot; reading it changes nothing (interval rates are the caller's: see serve)."""
@@ -559,9 +567,25 @@ class LLMEngine:
             spec_accepted_per_pos=tuple(self.spec_accepted_per_pos))
 
 
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
+@dataclasses.dataclass
+class _Launched:
+    """A dispatched step, until its sampled rows are read back and processed."""
 
+    sched: ScheduleOutput
+    drafts: dict[int, list[int]]
+    bucket: tuple[int, int]
+    multi: bool
+    batch: StepBatch
+    outs: dict
+    plp_seqs: list
+    requests: dict[str, Request]
+    times: tuple[float, float, float, float]  # start, scheduled, prepared, dispatched
+    overlapped: bool = False  # launched while the step before it ran
+    updated: bool = False  # the scheduler counts its tokens computed
+    pending: dict[int, int] = dataclasses.field(default_factory=dict)  # seq_id -> its row, held by PENDING
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed)
 
 

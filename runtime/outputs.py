@@ -84,6 +84,9 @@ class StepTrace:
     dispatch_s: float  # copy-on-write and the step call, until it returns (async: host side of the launch)
     device_s: float  # waiting for the sampled tokens: the device's share not hidden by the host work
     postprocess_s: float  # prompt logprobs, append tokens, stops, detokenize, outputs (host)
+    # Async scheduling: this step was scheduled, prepared and dispatched while the one before it
+    # ran, so its schedule/prepare/dispatch time was hidden behind the device.
+    overlapped: bool = False
 
     @property
     def host_s(self) -> float:

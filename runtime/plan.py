@@ -85,7 +85,8 @@ def build_graph(config: ModelConfig, engine: EngineConfig, buckets: BucketTable,
 
 # Engine args that only steer the host-side loop; a saved plan may be started with new values.
 RUNTIME_ARGS = ("scheduling", "max_waiting_ms", "static_batch_size", "enable_prefix_caching", "seed",
-                "kernel_backend", "scan_layers", "num_scheduler_steps", "speculative_config")
+                "kernel_backend", "scan_layers", "num_scheduler_steps", "speculative_config",
+                "async_scheduling")
 
 
 @dataclass

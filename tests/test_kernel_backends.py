@@ -43,7 +43,8 @@ def test_interpret_kernels_match_xla_end_to_end():
             llm.engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6))
     # Step 1 is a fresh prefill, then chunked prefill and decode, all through the paged kernel.
     a, b = step_logits(xla, 6), step_logits(interp, 6)
-    assert len(a) == len(b) == 6
+    # Hooks run as a step is dispatched: with async scheduling, step() has launched one more.
+    assert len(a) == len(b) >= 6
     for x, y in zip(a, b):
         np.testing.assert_allclose(y, x, **BACKENDS_F32)
 

@@ -101,7 +101,7 @@ def test_metrics_carry_what_the_requests_sent(tiny_engine):
     try:
         with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=60) as http:
             m0 = scrape(http)
-            steps0 = counter.num_steps
+            steps0 = engine.num_steps
             base = {"model": MODEL, "ignore_eos": True}
             r1 = http.post("/v1/completions", json={**base, "prompt": long_prompt, "max_tokens": 4,
                                                     "temperature": 0, "return_token_ids": True}).json()
@@ -153,7 +153,7 @@ def test_metrics_carry_what_the_requests_sent(tiny_engine):
     assert m["vllm:request_inference_time_seconds_sum"] > 0
 
     # One observation per engine step; its tokens are vLLM's: prompts whose prefill ended plus tokens generated.
-    assert m["vllm:iteration_tokens_total_count"] == counter.num_steps - steps0 > 0
+    assert m["vllm:iteration_tokens_total_count"] == engine.num_steps - steps0 > 0
     assert m["vllm:iteration_tokens_total_sum"] == m["vllm:prompt_tokens_total"] + m["vllm:generation_tokens_total"]
     assert m["vllm:prompt_tokens_total"] == 2 * p_long + p_short + 5  # n=2 shares one prefill
     assert m["vllm:generation_tokens_total"] >= 4 + 3 + 3 + 1 + 1

@@ -79,10 +79,10 @@ def test_preemption_picks_youngest_and_requeues():
     for _ in range(12):
         out = sched.schedule()
         preempted += out.preempted
+        sampled = [sc.seq for sc in out.scheduled if sc.samples]  # as the engine: before update
         sched.update(out)
-        for sc in out.scheduled:
-            if sc.samples:
-                sc.seq.token_ids.append(1)
+        for seq in sampled:
+            seq.token_ids.append(1)
         if preempted:
             break
     assert preempted and preempted[0] is young
@@ -141,11 +141,12 @@ def test_static_and_dynamic_run_a_batch_to_completion(policy):
     admitted = []
     for _ in range(20):
         out = sched.schedule()
+        sampled = [sc.samples for sc in out.scheduled]  # as the engine: before update
         sched.update(out)
-        for sc in out.scheduled:
+        for sc, samples in zip(out.scheduled, sampled):
             if sc.seq not in admitted:
                 admitted.append(sc.seq)
-            if sc.samples:
+            if samples:
                 sc.seq.token_ids.append(1)
                 if sc.seq.num_output_tokens >= 3:
                     sched.finish(sc.seq)

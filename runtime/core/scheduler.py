@@ -157,6 +157,9 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0 and seq_budget > 0:
             seq = self.running[i]
             n = seq.num_uncomputed
+            if n == 0:  # async scheduling: its next token is not sampled yet
+                i += 1
+                continue
             if n > token_budget:
                 if not c.enable_chunked_prefill:
                     i += 1
@@ -214,6 +217,8 @@ class Scheduler:
     def update(self, out: ScheduleOutput) -> None:
         """After the step ran: advance computed counts and publish full blocks to the prefix cache."""
         for s in out.scheduled:
+            if s.seq.is_finished:  # async scheduling: it stopped on the step before this one
+                continue
             s.seq.num_computed_tokens += s.num_new_tokens
             self.bm.mark_computed(s.seq)
 
@@ -221,4 +226,6 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.waiting:  # async scheduling: preempted while its last token was sampled
+            self.waiting.remove(seq)
         self.bm.deallocate(seq)

@@ -24,6 +24,9 @@ log = logging.getLogger("runtime.worker.model_runner")
 
 # What the step returns beyond the graph's outputs: the sampler's results, one row per sequence.
 SAMPLED_OUTPUTS = ("tokens", "chosen_logprobs", "top_ids", "top_logprobs")
+# ...and the sampled tokens again, padded to a fixed width, for the next step to take its decode
+# tokens from without a host round trip (async scheduling; ModelRunner.execute's `feed`).
+FEED_OUTPUT = "feed"
 
 # ---------------------------------------------------------------- compile counting
 
@@ -148,7 +151,23 @@ class ModelRunner:
             sampled = sampler.sample_rows(outs["logits"], sampling)
             return dict(outs, **dict(zip(SAMPLED_OUTPUTS, sampled))), new_state
 
-        self._step = jax.jit(step, donate_argnums=(1,))
+        # Async scheduling: a step may take some input tokens from the previous step's sampled
+        # rows, still on the device. `feed` is that step's FEED_OUTPUT (its tokens padded to the
+        # table's widest bucket, so every pair of buckets fits) and, per input token, the row to
+        # take (-1: the host's token).
+        self.feed_rows = plan.buckets.max_seqs
+
+        def fed_step(params, state, inputs, sampling, feed, feed_index):
+            take = feed[jnp.clip(feed_index, 0, feed.shape[0] - 1)]
+            inputs = dict(inputs, tokens=jnp.where(feed_index >= 0, take, inputs["tokens"]))
+            outs, new_state = step(params, state, inputs, sampling)
+            tokens = outs["tokens"]
+            outs[FEED_OUTPUT] = jnp.zeros(self.feed_rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
+            return outs, new_state
+
+        self._step = jax.jit(fed_step, donate_argnums=(1,))
+        self._no_feed = None  # the all-padding feed, put on the device once
+        self._feed_off: dict[int, np.ndarray] = {}
         self._idle_sampling: dict[int, dict] = {}
         # Multi-step decode (vLLM's num_scheduler_steps): K decode steps in one executable, each
         # feeding its sampled tokens to the next on the device; compiled for the buckets an
@@ -243,7 +262,9 @@ class ModelRunner:
         if bucket not in self.compiled:
             specs = self.input_specs(*bucket)
             lowered = self._step.lower(self._abstract(self.params), self._abstract(self.state), specs,
-                                       sampler.input_specs(bucket[1], self.max_model_len, self.vocab_size))
+                                       sampler.input_specs(bucket[1], self.max_model_len, self.vocab_size),
+                                       jax.ShapeDtypeStruct((self.feed_rows,), jnp.int32),
+                                       jax.ShapeDtypeStruct((bucket[0],), jnp.int32))
             self.compiled[bucket] = lowered.compile()
         return self.compiled[bucket]
 
@@ -335,10 +356,13 @@ class ModelRunner:
             fn = self._copy_compiled or self._copy
             self.state = fn(self.state, src, dst)
 
-    def execute(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray], sampling: dict | None = None):
-        """Runs one step; returns the graph's outputs and the sampled rows (SAMPLED_OUTPUTS), as
-        device arrays, without waiting for them. KV pools update in place. `sampling`:
-        SamplerInputs.arrays() for the bucket's rows (None: greedy rows)."""
+    def execute(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray], sampling: dict | None = None,
+                feed=None, feed_index: np.ndarray | None = None):
+        """Runs one step; returns the graph's outputs, the sampled rows (SAMPLED_OUTPUTS) and
+        FEED_OUTPUT, as device arrays, without waiting for them. KV pools update in place.
+        `sampling`: SamplerInputs.arrays() for the bucket's rows (None: greedy rows). `feed`: an
+        earlier step's FEED_OUTPUT, and `feed_index` [T] the row of it each input token takes
+        (-1: keep `inputs["tokens"]`); None: all tokens from the host."""
         fn = self.compiled.get(bucket)
         if fn is None:
             raise KeyError(f"bucket {bucket} is not in the plan's bucket table "
@@ -348,7 +372,16 @@ class ModelRunner:
                 self._idle_sampling[bucket[1]] = sampler.build_inputs(
                     [], bucket[1], self.max_model_len, lambda p: [], vocab_size=self.vocab_size).arrays()
             sampling = self._idle_sampling[bucket[1]]
-        outs, self.state = fn(self.params, self.state, inputs, sampling)
+        if feed is None:
+            if self._no_feed is None:
+                self._no_feed = jax.device_put(np.zeros(self.feed_rows, np.int32))  # uncommitted
+            feed = self._no_feed
+        if feed_index is None:
+            feed_index = self._feed_off.get(bucket[0])
+            if feed_index is None:
+                feed_index = self._feed_off[bucket[0]] = np.full(bucket[0], -1, np.int32)
+                feed_index.flags.writeable = False
+        outs, self.state = fn(self.params, self.state, inputs, sampling, feed, feed_index)
         if self.mesh is not None:
             outs = {k: self.mesh.local_copy(v) for k, v in outs.items()}
         return outs
