@@ -143,7 +143,8 @@ _ENGINE_FLAGS = (
      dict(type=int, help="decode steps per executable for all-decode batches (vLLM's multi-step)")),
     ("async_scheduling", ("--async-scheduling",),
      dict(type=_bool, metavar="BOOL", help="schedule step N+1 while step N runs, feeding decode tokens on the "
-          "device (vLLM's async scheduling; default: on, except with multi-step, speculative decoding or TP)")),
+          "device (vLLM's async scheduling; default: on GPU/TPU, except with multi-step, speculative decoding or "
+          "TP; off on CPU)")),
     ("speculative_config", ("--speculative-config",),
      dict(metavar="JSON", help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
           '"prompt_lookup_max": 4}\' (n-gram prompt lookup; drafts are verified in the decode buckets)')),

@@ -159,8 +159,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # vLLM's async scheduling: the host schedules and prepares step N+1 while step N runs, decode
     # rows taking their input token from step N's sampled output on the device, and finishes
-    # step N (stops, detokenization, streaming) after N+1 is dispatched. None: on wherever it
-    # applies (not with multi-step decode, speculative decoding or tensor parallelism).
+    # step N (stops, detokenization, streaming) after N+1 is dispatched. None: on accelerators,
+    # where it applies (not with multi-step decode, speculative decoding or tensor parallelism);
+    # off on CPU, where the host's work shares the cores with the step's and hides nothing.
     async_scheduling: bool | None = None
     reserve_bytes: int = 64 << 20
 
@@ -217,9 +218,15 @@ class EngineConfig:
                                       ("speculative_config", self.speculative_config is not None),
                                       ("tensor_parallel_size > 1", self.tensor_parallel_size > 1)) if on]
 
-    def schedules_async(self) -> bool:
-        """Whether the engine overlaps the host with the device (`async_scheduling`, or auto)."""
-        return not self.async_blockers() if self.async_scheduling is None else self.async_scheduling
+    def schedules_async(self, platform: str | None = None) -> bool:
+        """Whether the engine overlaps the host with the device (`async_scheduling`, or by platform)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        if platform is None:
+            import jax
+
+            platform = jax.default_backend()
+        return platform != "cpu" and not self.async_blockers()
 
     def scans_layers(self, platform: str | None = None) -> bool:
         """Whether the step runs its layers as a lax.scan (`scan_layers`, or by platform)."""

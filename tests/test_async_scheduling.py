@@ -126,19 +126,21 @@ def test_penalties_and_grammars_fall_back_and_match(llms):
 
 def test_preemption_aborts_and_prefix_hits_under_a_random_workload():
     """A tight KV pool (preemption while a token is pending), aborts between steps (of requests
-    whose next step is already running), prefix hits on shared prefixes: the finished requests'
-    outputs equal one step at a time, and the block manager stays consistent after every step."""
+    whose next step is already running), prefix hits on shared prefixes, greedy and seeded rows,
+    n=2 forks: the finished requests' outputs equal one step at a time, and the block manager
+    stays consistent after every step."""
     results = {}
     for a in (True, False):
-        llm = tiny_llm(**dict(ENGINE, num_kv_blocks=20), async_scheduling=a, enable_prefix_caching=True)
+        llm = tiny_llm(**dict(ENGINE, num_kv_blocks=16), async_scheduling=a, enable_prefix_caching=True)
         engine = llm.engine
         rng = random.Random(11)
         shared = [rng.randrange(3, 256) for _ in range(40)]
         done, aborted = {}, set()
         for i in range(24):
             prompt = (shared[:rng.randint(0, 40)] + [rng.randrange(3, 256) for _ in range(rng.randint(1, 30))])
-            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 30),
-                                                               ignore_eos=True))
+            engine.add_request(f"r{i}", prompt, SamplingParams(
+                temperature=rng.choice([0, 0.8]), seed=i, n=rng.choice([1, 1, 2]), max_tokens=rng.randint(1, 40),
+                logprobs=rng.choice([None, 1]), ignore_eos=True))
         step = 0
         while engine.has_unfinished_requests():
             if step in (3, 8, 9, 20):
@@ -147,22 +149,26 @@ def test_preemption_aborts_and_prefix_hits_under_a_random_workload():
                 aborted.add(rid)
             for out in engine.step():  # check_invariants=True asserts after every step
                 if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+                    done[out.request_id] = [o.token_ids for o in out.outputs]
             step += 1
             assert step < 2000
         assert engine.scheduler.num_preemptions > 0
         assert engine.block_manager.stats.hits > 0
-        assert all(-1 not in t for t in done.values())
+        assert all(-1 not in t for ts in done.values() for t in ts)
         no_leaks(llm)
         results[a] = {k: v for k, v in done.items() if k not in aborted}
     assert results[True] == results[False]
 
 
 def test_config_auto_and_conflicts():
-    assert EngineConfig().schedules_async()
-    assert not EngineConfig(num_scheduler_steps=4).schedules_async()
-    assert not EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).schedules_async()
-    assert not EngineConfig(async_scheduling=False).schedules_async()
+    """auto: on for accelerators, off on CPU (the host's work would share the step's cores:
+    BENCHMARKS.md, "Async scheduling"), and off where it does not apply."""
+    assert EngineConfig().schedules_async("gpu") and not EngineConfig().schedules_async("cpu")
+    assert EngineConfig(async_scheduling=True).schedules_async("cpu")
+    assert not EngineConfig(num_scheduler_steps=4).schedules_async("gpu")
+    assert not EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).schedules_async("gpu")
+    assert not EngineConfig(tensor_parallel_size=2).schedules_async("gpu")
+    assert not EngineConfig(async_scheduling=False).schedules_async("gpu")
     with pytest.raises(ValueError, match="async_scheduling does not combine with num_scheduler_steps > 1"):
         EngineConfig(async_scheduling=True, num_scheduler_steps=4)
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
