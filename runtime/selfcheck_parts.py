@@ -382,19 +382,34 @@ def part_throughput(args) -> tuple[bool, str, dict]:
         llm.generate(warm[:1], _greedy(2), use_tqdm=False)
         llm.generate(warm, _greedy(2), use_tqdm=False)
         r = {"start_s": start_s}
+        first = None
         for label, prompts in (("batch1", timed[:1]), (big, timed)):
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t0
+            first = first or outs[0].outputs[0].token_ids
             num_out = sum(len(o.outputs[0].token_ids) for o in outs)
             if num_out != len(prompts) * s["max_tokens"]:
                 raise RuntimeError(f"{backend} {label}: {num_out} tokens, expected "
                                    f"{len(prompts) * s['max_tokens']}")
             r[label] = num_out / dt
+        # Batch 1 again with async scheduling flipped (issue 13: how much of a GPU step the host
+        # was; auto turns it on for accelerators), the same executables.
+        engine = llm.engine
+        r["async"] = engine.async_scheduling
+        engine.async_scheduling = not r["async"]
+        t0 = time.perf_counter()
+        outs = llm.generate(timed[:1], params, use_tqdm=False)
+        r["batch1_async_flipped"] = len(outs[0].outputs[0].token_ids) / (time.perf_counter() - t0)
+        engine.async_scheduling = r["async"]
+        if outs[0].outputs[0].token_ids != first:
+            raise RuntimeError(f"{backend}: greedy batch-1 tokens differ with async scheduling on and off")
         r["recompiles"] = llm.engine.stats().num_recompiles
         results[backend] = r
-        print(f"  {backend}: start {start_s:.1f} s, batch 1 {r['batch1']:.1f} tok/s, "
-              f"batch {s['batch']} {r[big]:.1f} tok/s, recompiles {r['recompiles']}", flush=True)
+        print(f"  {backend}: start {start_s:.1f} s, batch 1 {r['batch1']:.1f} tok/s "
+              f"(async scheduling {'on' if r['async'] else 'off'}; {'off' if r['async'] else 'on'}: "
+              f"{r['batch1_async_flipped']:.1f}), batch {s['batch']} {r[big]:.1f} tok/s, "
+              f"recompiles {r['recompiles']}", flush=True)
         del llm
         gc.collect()
     rows = [("backend", "start s", "batch 1 tok/s", f"{s['batch']} seqs tok/s", "recompiles")]

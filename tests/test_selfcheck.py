@@ -49,6 +49,7 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
   assert not thr["full_shape"] and "(--quick)" in thr["shape"]
   for r in thr["results"].values():
     assert r["batch1"] > 0 and r["batch64"] > 0 and r["recompiles"] == 0
+    assert r["async"] is False and r["batch1_async_flipped"] > 0  # auto: off on CPU; the flipped run matched
   rows = parts["bench"]["data"]["rows"]
   ours = [r for r in rows if r["impl"].startswith("ours")]
   assert len(ours) == len(bench.prefill_cases(True)) + len(bench.decode_cases(True))
