@@ -79,6 +79,17 @@ def srv(smol_llm, offline):
     assert not smol_llm.engine.has_unfinished_requests()
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def scheduling(request, smol_llm):
+    """The shared engine one step at a time, then with async scheduling (auto turns it on for
+    GPUs, off on this CPU): the same executables, toggled between steps."""
+    engine = smol_llm.engine
+    before = engine.async_scheduling
+    engine.async_scheduling = request.param
+    yield request.param
+    engine.async_scheduling = before
+
+
 @pytest.fixture(scope="class")
 def oai(srv):
     import openai
@@ -327,9 +338,10 @@ class TestServer:
 
     # ------------------------------------------------------------ load and disconnects
 
-    def test_64_streams_16_cancelled(self, srv, http, smol_llm, offline):
+    def test_64_streams_16_cancelled(self, srv, http, smol_llm, offline, scheduling):
         """64 concurrent streams; 16 close their connection at random points; plus 4 non-streaming
-        requests whose clients give up while queued. The rest finish exactly; the KV pool goes idle."""
+        requests whose clients give up while queued. The rest finish exactly; the KV pool goes idle.
+        With async scheduling too: aborts land while the next step already runs."""
         engine = smol_llm.engine
         rng = random.Random(0)
         cancel_at = {i: rng.randint(1, 6) for i in rng.sample(range(64), 16)}
