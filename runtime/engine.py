@@ -176,8 +176,7 @@ class LLMEngine:
                     continue
                 req.aborted = True
                 for s in req.seqs:
-                    if s.token_ids and s.token_ids[-1] == PENDING:
-                        s.token_ids.pop()  # its step's token is dropped with the request
+                    _drop_pending(s)  # its step's token is dropped with the request
                     if not s.is_finished:
                         self.scheduler.remove(s)
                         s.status = SeqStatus.FINISHED
@@ -212,8 +211,7 @@ class LLMEngine:
         outs = []
         for req in reqs.values():
             for s in req.seqs:
-                if s.token_ids and s.token_ids[-1] == PENDING:
-                    s.token_ids.pop()  # a token the failed step never delivered
+                _drop_pending(s)  # a token the failed step never delivered
                 if not s.is_finished:
                     self.scheduler.remove(s)  # frees its KV blocks
                     s.status, s.finish_reason = SeqStatus.FINISHED, "error"
@@ -291,7 +289,7 @@ class LLMEngine:
             hook(sched, outs)
         plp_seqs = [s for s in sched.scheduled if s.seq.request.params.prompt_logprobs is not None
                     and s.seq.num_computed_tokens < s.seq.prompt_len]
-        return _Launched(sched, drafts, bucket, multi, batch, outs, plp_seqs, requests,
+        return _Launched(sched, drafts, multi, batch, outs, plp_seqs, requests,
                          (t0, t_sched, t_prep, t_dispatch), overlapped=prev is not None)
 
     def _commit(self, cur: "_Launched") -> None:
@@ -331,7 +329,7 @@ class LLMEngine:
 
     def _complete(self, cur: "_Launched") -> list[RequestOutput]:
         """Reads a launched step's sampled rows and processes them: tokens, stops, outputs."""
-        sched, drafts, bucket, multi, rows = cur.sched, cur.drafts, cur.bucket, cur.multi, cur.batch.rows
+        sched, drafts, bucket, multi, rows = cur.sched, cur.drafts, cur.batch.bucket, cur.multi, cur.batch.rows
         t0, t_sched, t_prep, t_dispatch = cur.times
         t_wait = time.perf_counter()
         sampled = jax.device_get([cur.outs[k] for k in SAMPLED_OUTPUTS])
@@ -567,13 +565,18 @@ class LLMEngine:
             spec_accepted_per_pos=tuple(self.spec_accepted_per_pos))
 
 
+def _drop_pending(seq: Sequence) -> None:
+    """Removes the place async scheduling held for a token that will not be delivered."""
+    if seq.token_ids and seq.token_ids[-1] == PENDING:
+        seq.token_ids.pop()
+
+
 @dataclasses.dataclass
 class _Launched:
     """A dispatched step, until its sampled rows are read back and processed."""
 
     sched: ScheduleOutput
     drafts: dict[int, list[int]]
-    bucket: tuple[int, int]
     multi: bool
     batch: StepBatch
     outs: dict
