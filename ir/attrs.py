@@ -7,7 +7,8 @@ its type and attributes (`param %layers.0.wq : f32[64, 64] role=q`).
 Passes that make params give them roles too: fuse_matmuls' concatenations take the fused role
 of their parts (`FUSED_ROLES`: q/k/v -> qkv, gate/up -> gate_up); quantize_int8's `X.int8` and
 `X.scale` both keep X's role, and tell themselves apart by the recipe attribute each carries
-(`QUANTIZE_INT8` on the int8 weight, `INT8_SCALE` on its per-column scale).
+(`QUANTIZE_INT8` on the int8 weight, `INT8_SCALE` on its per-column scale). bf16_matmuls'
+`X.bf16` keeps X's role, except the [hidden, vocab] copy of a tied embedding, which is an LM head.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ CONCAT = "concat"  # value = concatenation of these source weights on the last a
 QUANTIZE_INT8 = "quantize_int8"  # int8 copy of this source weight
 INT8_SCALE = "int8_scale"  # per-output-column scale of this source weight's int8 copy
 TP_LAYOUT = "tp_layout"  # per-shard column order of a fused, column-split weight
+BF16_COPY = "bf16_copy"  # bf16 copy of this source weight
+BF16_TRANSPOSED = "bf16_transposed"  # ...transposed: the [hidden, vocab] copy of a tied embedding
 
 # Tensor parallelism: the shard pass's annotations and the one mesh axis they name.
 SHARDING, ALL_REDUCE, ALL_GATHER = "sharding", "all_reduce", "all_gather"

@@ -177,3 +177,15 @@ def rewrite(graph: Graph, fn: Callable[[Node, tuple[Node, ...]], Node | None],
         _post_order(out, reachable, _order)
     inputs = tuple(n for n in inputs if id(n) in reachable)
     return Graph(inputs, outputs, graph.meta)
+
+
+def add_params(graph: Graph, after: dict[str, tuple[Node, ...]], order: tuple[Node, ...] | None = None) -> Graph:
+    """`graph` with new param leaves, each group listed right after the leaf it is named under in
+    `order` (default: graph.inputs; a pass that replaced a weight passes its input graph's leaves),
+    so a pass's copies of a weight sit next to their source in the printed IR. Leaves no longer
+    used drop out."""
+    leaves = []
+    for leaf in graph.inputs if order is None else order:
+        leaves.append(leaf)
+        leaves.extend(after.get(leaf.name, ()))
+    return rewrite(graph, lambda n, i: None, new_inputs=tuple(leaves))

@@ -34,6 +34,7 @@ def resolve_dtype(dtype: str, platform: str | None = None) -> str:
     return DTYPE_ALIASES[name]
 
 KERNEL_BACKENDS = ("auto", "xla", "pallas", "interpret")  # auto: Pallas on GPU, XLA elsewhere
+MATMUL_PRECISIONS = ("float32", "bfloat16")  # of an f32 plan's matmuls (EngineConfig.matmul_precision)
 
 # On a CPU there is no device memory to measure; like vLLM's CPU backend (4 GiB KV space by
 # default) we assume a fixed budget, which `device_memory` overrides.
@@ -141,6 +142,10 @@ class EngineConfig:
     static_batch_size: int | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    # "bfloat16": f32 weights gain a bf16 copy, and steps of at least 4 rows multiply in bf16 with
+    # f32 accumulation (2-3x XLA:CPU's f32 GEMM rate on CPUs with bf16 units); narrower steps, and
+    # everything but the matmuls, stay f32. Weight memory grows by half (passes/bf16_matmuls.py).
+    matmul_precision: str = "float32"
     seed: int = 0
     num_kv_blocks: int | None = None
     device_memory: int | None = None  # bytes of one device; measured on GPU, CPU_DEVICE_MEMORY on CPU
@@ -185,6 +190,9 @@ class EngineConfig:
             raise ValueError(f"scheduling must be continuous, dynamic or static, got {self.scheduling!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
+                             f"got {self.matmul_precision!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                              f"got {self.kernel_backend!r}")

@@ -25,6 +25,7 @@ class PipelineOptions:
     scan_layers: bool = False  # the executor scans the repeated layers (see runtime.worker.executor)
     num_kv_blocks: int | None = None
     quantization: str | None = None
+    matmul_precision: str = "float32"  # "bfloat16": wide steps multiply in bf16 (passes.bf16_matmuls)
     tensor_parallel_size: int = 1
     # How the executor lowers paged_attention (see passes.plan_memory); sizes its workspace.
     paged_attention_lowering: str = "chunked"
@@ -32,6 +33,7 @@ class PipelineOptions:
 
 def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], Graph]]]:
     """The passes in order, bound to the options they need."""
+    from passes.bf16_matmuls import bf16_matmuls
     from passes.quantize_int8 import quantize_int8
     from passes.shard import shard
 
@@ -43,6 +45,7 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
         # Phase 3: fewer, larger matmuls; optional weight compression.
         ("fuse_matmuls", fuse_matmuls),
         ("quantize_int8", quantize_int8 if opts.quantization == "int8" else _identity),
+        ("bf16_matmuls", bf16_matmuls if opts.matmul_precision == "bfloat16" else _identity),
         # Phase 4: distribution over devices.
         ("shard", partial(shard, tp=opts.tensor_parallel_size)),
         # Phase 5: memory planning (sizes the KV pool).

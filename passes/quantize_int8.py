@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ir import Graph, Node, make_node, rewrite
+from ir import Graph, Node, add_params, make_node, rewrite
 from ir.attrs import INT8_SCALE, QUANTIZE_INT8
 from ir.graph import freeze_attrs
 
@@ -36,11 +36,4 @@ def quantize_int8(graph: Graph) -> Graph:
         return make_node("matmul_int8", (ins[0], wq, sc))
 
     out = rewrite(graph, fn)
-    if not new_leaves:
-        return graph
-    leaves = []
-    for leaf in graph.inputs:
-        leaves.append(leaf)
-        if leaf.name in new_leaves:
-            leaves.extend(new_leaves[leaf.name])
-    return rewrite(out, lambda n, i: None, new_inputs=tuple(leaves))
+    return add_params(out, new_leaves, order=graph.inputs) if new_leaves else graph

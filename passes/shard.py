@@ -327,7 +327,7 @@ def _replicated(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> No
 
 # op -> rule; an op not listed must see only replicated inputs (_replicated).
 OP_RULES = {
-    "matmul": _matmul, "matmul_int8": _matmul,
+    "matmul": _matmul, "matmul_int8": _matmul, "matmul_bf16": _matmul,
     "embedding": _embedding,
     "add": _add,
     "slice": _slice, "rope": _whole_last_dim, "rms_norm": _whole_last_dim,

@@ -52,6 +52,28 @@ def tiny_llm(seed: int = 2, check_invariants: bool = True, config=None, tokenize
     return LLM.from_plan(plan, check_invariants=check_invariants)
 
 
+def one_step_logits(graph, weights, seed: int = 0) -> np.ndarray:
+    """Logits of one prefill step of `graph` (4 sequences x 4 random tokens, KV pools zeroed), jitted with
+    no mesh: a sharded graph computes on one device what its annotations say."""
+    import jax
+
+    from runtime.worker.executor import build_step, to_device_params
+    from runtime.worker.params import materialize
+
+    T, S, M = 16, 4, 8
+    rng = np.random.default_rng(seed)
+    inputs = {"tokens": rng.integers(0, 256, T).astype(np.int32),
+              "positions": np.tile(np.arange(4), 4).astype(np.int32),
+              "slot_mapping": (np.repeat(np.arange(4), 4) * 16 * M + np.tile(np.arange(4), 4)).astype(np.int32),
+              "block_tables": (np.arange(S)[:, None] * M + np.arange(M)[None, :]).astype(np.int32),
+              "context_lens": np.full(S, 4, np.int32), "cu_q_lens": np.arange(0, T + 1, 4).astype(np.int32),
+              "logits_indices": np.arange(3, T, 4).astype(np.int32)}
+    state = {x.name: np.zeros((32,) + tuple(x.shape[1:]), np.float32)
+             for x in graph.runtime_inputs if "_pool." in x.name}
+    outs, _ = jax.jit(build_step(graph))(to_device_params(graph, materialize(graph, weights)), state, inputs)
+    return np.asarray(outs["logits"])
+
+
 def tiny_bpe_tokenizer():
     """A byte-level BPE of 262 tokens (the 256 bytes, 5 merges, <eos> = 261): a real tokenizer for
     fast tests of structured outputs."""

@@ -24,6 +24,7 @@ from models.config import get_preset
 from models.llama import lower
 from models.weights import random_weights
 from passes import pipeline as pipeline_mod
+from passes.bf16_matmuls import bf16_matmuls
 from passes.fuse_attention import fuse_attention
 from passes.fuse_matmuls import fuse_matmuls
 from passes.insert_paged_kv import insert_paged_kv
@@ -314,13 +315,14 @@ output logits = %0
         (insert_paged_kv, plain), (insert_paged_kv, textbook), (insert_paged_kv, paged),
         (fuse_matmuls, plain), (fuse_matmuls, fuse_matmuls(paged)),
         (quantize_int8, no_int8), (quantize_int8, quantize_int8(paged)),
+        (bf16_matmuls, lower(get_preset("tiny"), "bf16")), (bf16_matmuls, bf16_matmuls(paged)),
         (plan, plain), (plan, fused),
     ]
     for fn, g in cases:
         assert fn(g) is g, getattr(fn, "__name__", fn)
     opts = PipelineOptions()
     for name, fn in build_pipeline(opts):
-        if name in ("quantize_int8", "shard"):  # off by default: identity
+        if name in ("quantize_int8", "bf16_matmuls", "shard"):  # off by default: identity
             assert fn(paged) is paged
 
 

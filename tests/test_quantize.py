@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import golden_arrays, golden_prompts
+from conftest import golden_arrays, golden_prompts, one_step_logits
 from ir import DTYPE_BYTES, print_graph
 from models.config import get_preset
 from models.llama import lower
@@ -94,22 +94,10 @@ def test_weight_bytes_halve_bf16_and_quarter_f32():
 def test_int8_with_tensor_parallel_on_one_device():
     """quantize_int8 then shard: int8 weights and their scales take the same column layouts,
     and the sharded graph computes what the unsharded int8 graph computes."""
-    import jax
-
     from models.weights import random_weights
-    from runtime.worker.executor import build_step, to_device_params
-    from runtime.worker.params import materialize
 
     cfg = get_preset("tiny")
     weights = random_weights(cfg, seed=3)
-    rng = np.random.default_rng(0)
-    T, S, M = 16, 4, 8
-    inputs = {"tokens": rng.integers(0, 256, T).astype(np.int32),
-              "positions": np.tile(np.arange(4), 4).astype(np.int32),
-              "slot_mapping": (np.repeat(np.arange(4), 4) * 16 * M + np.tile(np.arange(4), 4)).astype(np.int32),
-              "block_tables": (np.arange(S)[:, None] * M + np.arange(M)[None, :]).astype(np.int32),
-              "context_lens": np.full(S, 4, np.int32), "cu_q_lens": np.arange(0, T + 1, 4).astype(np.int32),
-              "logits_indices": np.arange(3, T, 4).astype(np.int32)}
     logits = {}
     for tp in (1, 2, 4):
         g = graph_for(cfg, "int8", tp=tp)
@@ -117,10 +105,7 @@ def test_int8_with_tensor_parallel_on_one_device():
             text = print_graph(g)
             assert 'param %layers.0.wqkv.scale : f32[' in text and '"shards": ' + str(tp) in text
             assert 'param %layers.0.w_down.scale : f32[64] {int8_scale="layers.0.w_down", sharding=[null]}' in text
-        state = {x.name: np.zeros((32,) + tuple(x.shape[1:]), np.float32)
-                 for x in g.runtime_inputs if "_pool." in x.name}
-        outs, _ = jax.jit(build_step(g))(to_device_params(g, materialize(g, weights)), state, inputs)
-        logits[tp] = np.asarray(outs["logits"])
+        logits[tp] = one_step_logits(g, weights)
     for tp in (2, 4):
         np.testing.assert_allclose(logits[tp], logits[1], **SAME_MATH_F32)
 

@@ -30,7 +30,8 @@ from ir import parse_graph, print_graph, verify  # noqa: E402
 from models.config import get_preset  # noqa: E402
 from models.llama import lower  # noqa: E402
 from passes.pipeline import PipelineOptions, run_pipeline  # noqa: E402
-from tolerances import PROMPT_LOGPROBS_TP, SAME_MATH_F32
+from conftest import one_step_logits  # noqa: E402
+from tolerances import PROMPT_LOGPROBS_TP, SAME_MATH_F32  # noqa: E402
 
 SMALL_ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=48)
 HLO_BUCKET = (16, 4)
@@ -126,30 +127,11 @@ def test_intermediate_must_divide():
 
 def test_sharded_graph_same_logits_on_one_device():
     """The sharded graph means the same thing unsharded: column layouts and slices agree."""
-    import jax
-
     from models.weights import random_weights
-    from runtime.worker.executor import build_step, to_device_params
-    from runtime.worker.params import materialize
 
-    rng = np.random.default_rng(0)
     for cfg, tps in ((tiny(), (2, 4)), (tiny_8q4kv(), (4,)), (tiny(qkv_bias=True), (4,))):
         weights = random_weights(cfg, seed=1)
-        T, S, M = 16, 4, 8
-        inputs = {"tokens": rng.integers(0, 256, T).astype(np.int32),
-                  "positions": np.tile(np.arange(4), 4).astype(np.int32),
-                  "slot_mapping": (np.repeat(np.arange(4), 4) * 16 * M + np.tile(np.arange(4), 4)).astype(np.int32),
-                  "block_tables": (np.arange(S)[:, None] * M + np.arange(M)[None, :]).astype(np.int32),
-                  "context_lens": np.full(S, 4, np.int32), "cu_q_lens": np.arange(0, T + 1, 4).astype(np.int32),
-                  "logits_indices": np.arange(3, T, 4).astype(np.int32)}
-        results = {}
-        for tp in (1,) + tps:
-            g = compiled_graph(cfg, tp)
-            params = to_device_params(g, materialize(g, weights))
-            state = {x.name: np.zeros((32,) + tuple(x.shape[1:]), np.float32)
-                     for x in g.runtime_inputs if "_pool." in x.name}
-            outs, _ = jax.jit(build_step(g))(params, state, inputs)
-            results[tp] = np.asarray(outs["logits"])
+        results = {tp: one_step_logits(compiled_graph(cfg, tp), weights) for tp in (1,) + tps}
         for tp in tps:
             np.testing.assert_allclose(results[tp], results[1], **SAME_MATH_F32)
 

@@ -1,7 +1,8 @@
 """Materializes the weights a compiled graph's params name, applying the passes' recorded transforms.
 
 Passes never touch weight values: a fused or quantized param records where it comes from
-(`concat=[...]`, `quantize_int8=name`, `int8_scale=name`, and the `shard` pass's column order
+(`concat=[...]`, `quantize_int8=name`, `int8_scale=name`, `bf16_copy=name` (with
+`bf16_transposed` for a tied head's copy), and the `shard` pass's column order
 `tp_layout={...}`), and this module computes it once.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir import Graph, Node
-from ir.attrs import CONCAT, INT8_SCALE, QUANTIZE_INT8, TP_LAYOUT
+from ir.attrs import BF16_COPY, BF16_TRANSPOSED, CONCAT, INT8_SCALE, QUANTIZE_INT8, TP_LAYOUT
 
 
 def quantize_int8_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -41,11 +42,12 @@ def tp_column_layout(w: np.ndarray, parts, repeat, head_dim: int, shards: int) -
 
 def materialize(graph: Graph, weights: dict[str, np.ndarray],
                 progress=None) -> dict[str, np.ndarray]:
-    """Returns {param name: array} for every param of the graph (host numpy, f32 or int8)."""
+    """Returns {param name: array} for every param of the graph (host numpy, f32 or int8; a bf16
+    copy is cast when it goes to the device)."""
     int8_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def base(node: Node) -> np.ndarray:
-        src = node.attr(QUANTIZE_INT8) or node.attr(INT8_SCALE) or node.name
+        src = node.attr(QUANTIZE_INT8) or node.attr(INT8_SCALE) or node.attr(BF16_COPY) or node.name
         if node.attr(CONCAT):
             return np.concatenate([weights[s] for s in node.attr(CONCAT)], axis=-1)
         if src not in weights:
@@ -62,6 +64,8 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
             v = int8_cache[src][0 if p.attr(QUANTIZE_INT8) else 1]
         else:
             v = base(p)
+        if p.attr(BF16_TRANSPOSED):
+            v = np.ascontiguousarray(np.asarray(v).T)
         if p.attr(TP_LAYOUT):
             lay = dict(p.attr(TP_LAYOUT))
             v = tp_column_layout(v, lay["parts"], lay["repeat"], lay["head_dim"], lay["shards"])
