@@ -4,7 +4,9 @@ one-token bucket (runtime/core/buckets.py) and the compute limit of batched deco
     .venv/bin/python scripts/bench_cpu_matmul.py
 
 - Weight streaming at M rows: 30 MLP-like layers (576 -> 1536 -> 576, f32) and the tied LM head
-  (576 x 49,152), as GB/s of weights read; one row takes XLA:CPU's matrix-vector path.
+  (576 x 49,152), as GB/s of weights read; one row takes XLA:CPU's matrix-vector path. The same
+  with bf16 weights and inputs, f32 accumulation (`matmul_precision=bfloat16`'s wide-step path):
+  the rows from which it wins set passes.bf16_matmuls.BF16_MIN_ROWS.
 - GEMM throughput, f32 and bf16 (f32 accumulation), in GFLOP/s at M = 1, 64 and 512.
 Medians; run on a quiet machine (uptime < 1). Prints one JSON line per measurement.
 """
@@ -41,20 +43,28 @@ def main() -> None:
     downs = [jnp.asarray(rng.standard_normal((FFN, HIDDEN)) * 0.02, jnp.float32) for _ in range(LAYERS)]
     head = jnp.asarray(rng.standard_normal((HIDDEN, VOCAB)) * 0.02, jnp.float32)
 
+    def dot(x, w):  # bf16 weights: bf16 inputs, f32 accumulation
+        return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
     @jax.jit
     def layers(x, ups, downs):
         for up, down in zip(ups, downs):
-            x = x + jnp.dot(jax.nn.silu(jnp.dot(x, up)), down)
+            x = x + dot(jax.nn.silu(dot(x, up)), down)
         return x
 
-    logits = jax.jit(lambda x, w: jnp.dot(x, w))
+    logits = jax.jit(dot)
+    as_bf16 = lambda ws: [w.astype(jnp.bfloat16) for w in ws]  # noqa: E731
+    ups_b, downs_b, head_b = as_bf16(ups), as_bf16(downs), head.astype(jnp.bfloat16)
     layer_bytes = sum(w.nbytes for w in ups + downs)
-    for m in (1, 2, 4, 8, 16, 64):
+    for m in (1, 2, 3, 4, 8, 16, 64):
         x = jnp.ones((m, HIDDEN), jnp.float32)
         t_layers, t_head = median_s(layers, x, ups, downs), median_s(logits, x, head)
+        tb_layers, tb_head = median_s(layers, x, ups_b, downs_b), median_s(logits, x, head_b)
         print(json.dumps({"case": "weight streaming", "rows": m, "layers_ms": round(t_layers * 1e3, 2),
                           "layers_GBps": round(layer_bytes / t_layers / 1e9, 1), "head_ms": round(t_head * 1e3, 2),
-                          "head_GBps": round(head.nbytes / t_head / 1e9, 1)}), flush=True)
+                          "head_GBps": round(head.nbytes / t_head / 1e9, 1),
+                          "bf16_layers_ms": round(tb_layers * 1e3, 2), "bf16_head_ms": round(tb_head * 1e3, 2)}),
+              flush=True)
     for m in (1, 64, 512):
         for dtype in (jnp.float32, jnp.bfloat16):
             x = jnp.asarray(rng.standard_normal((m, HIDDEN)), dtype)

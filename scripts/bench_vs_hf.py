@@ -1,7 +1,7 @@
 """Our engine against HF transformers on SmolLM2-135M (f32, greedy, CPU), in one process: the ratios
 issue 13 asks for, each a median over interleaved rounds.
 
-    .venv/bin/python scripts/bench_vs_hf.py [--rounds 3] [--skip-batch]
+    .venv/bin/python scripts/bench_vs_hf.py [--rounds 3] [--skip-batch] [--matmul-precision bfloat16]
 
 - TTFT of a 512-token prompt: ours `LLM.generate(max_tokens=1)`; HF one forward pass + argmax.
 - Batch-1 decode rate: 128 tokens after a 32-token prompt (`ignore_eos`); HF `generate()`.
@@ -56,10 +56,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-batch", action="store_true", help="skip the 64-sequence case (the slowest)")
+    ap.add_argument("--matmul-precision", default="float32", choices=("float32", "bfloat16"),
+                    help="our engine's matmul_precision (HF stays f32)")
     args = ap.parse_args()
     cfg, weights, tok = load_model("smollm2-135m")
     plan = compile_plan(None, EngineConfig(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512,
-                                           num_kv_blocks=2000), weights=weights, config=cfg, tokenizer=tok)
+                                           num_kv_blocks=2000, matmul_precision=args.matmul_precision),
+                        weights=weights, config=cfg, tokenizer=tok)
     llm = LLM.from_plan(plan)
     hf = hf_model(cfg, weights)
     rng = np.random.default_rng(0)

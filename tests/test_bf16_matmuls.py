@@ -100,6 +100,22 @@ def test_pass_rewrites_every_f32_matmul_and_adds_half_the_bytes():
     assert f"min_rows={BF16_MIN_ROWS}" in text
 
 
+def test_ir_dump_shows_the_pass(capsys):
+    """`python -m ir.dump --matmul-precision bfloat16 --after bf16_matmuls`: the copies next to their
+    sources, and the IR text parses back to itself."""
+    from ir import dump, parse_graph
+
+    assert dump.main(["--model", "tiny", "--after", "bf16_matmuls", "--matmul-precision", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("IR after bf16_matmuls:\n")
+    body = out.split("\n", 1)[1]
+    assert print_graph(parse_graph(body)) == body
+    lines = body.splitlines()
+    src = next(i for i, line in enumerate(lines) if line.startswith("param %layers.0.w_down :"))
+    assert lines[src + 1].startswith("param %layers.0.w_down.bf16 : bf16[")
+    assert "= matmul_bf16(%" in body and "= matmul(" not in body
+
+
 def test_pass_leaves_bf16_plans_and_int8_weights_alone():
     cfg = get_preset("tiny").replace(tie_embeddings=True)
     bf16 = graph_for(cfg, "bfloat16", dtype="bf16")
