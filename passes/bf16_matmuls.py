@@ -15,7 +15,8 @@ from ir.attrs import BF16_COPY, BF16_TRANSPOSED, ROLE, Role, role_of
 from ir.graph import freeze_attrs
 
 # Rows from which a step's matmuls take the bf16 path (BENCHMARKS.md, "bf16 matmuls for wide
-# steps": on the 2-core CI machine bf16 wins from 4 rows; at 1-2 rows f32 is faster).
+# steps", scripts/bench_cpu_matmul.py): on the 2-core CI machine bf16 is 7x slower at one row,
+# about even at two, and ahead from three or four.
 BF16_MIN_ROWS = 4
 
 
@@ -44,4 +45,6 @@ def bf16_matmuls(graph: Graph, min_rows: int = BF16_MIN_ROWS) -> Graph:
         return make_node("matmul_bf16", (ins[0], w, copies[w.name]), attrs)
 
     out = rewrite(graph, fn)
-    return add_params(out, {name: (copy,) for name, copy in copies.items()}, order=graph.inputs) if copies else graph
+    if not copies:
+        return graph
+    return add_params(out, {name: (copy,) for name, copy in copies.items()}, order=graph.inputs)
