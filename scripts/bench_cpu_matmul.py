@@ -6,7 +6,8 @@ one-token bucket (runtime/core/buckets.py) and the compute limit of batched deco
 - Weight streaming at M rows: 30 MLP-like layers (576 -> 1536 -> 576, f32) and the tied LM head
   (576 x 49,152), as GB/s of weights read; one row takes XLA:CPU's matrix-vector path. The same
   with bf16 weights and inputs, f32 accumulation (`matmul_precision=bfloat16`'s wide-step path):
-  the rows from which it wins set passes.bf16_matmuls.BF16_MIN_ROWS.
+  the rows from which it wins set passes.bf16_matmuls.BF16_MIN_ROWS. And one row from bf16 weights
+  stored [out, in], the layout in which XLA:CPU's bf16 matrix-vector product is fast.
 - GEMM throughput, f32 and bf16 (f32 accumulation), in GFLOP/s at M = 1, 64 and 512.
 Medians; run on a quiet machine (uptime < 1). Prints one JSON line per measurement.
 """
@@ -65,6 +66,16 @@ def main() -> None:
                           "head_GBps": round(head.nbytes / t_head / 1e9, 1),
                           "bf16_layers_ms": round(tb_layers * 1e3, 2), "bf16_head_ms": round(tb_head * 1e3, 2)}),
               flush=True)
+    # One row from bf16 weights stored [out, in] (x @ w.T): XLA:CPU's bf16 matrix-vector path is
+    # fast only in this layout (and slow in it from two rows up).
+    ups_t, downs_t = [w.T.copy() for w in ups_b], [w.T.copy() for w in downs_b]
+    head_t = head_b.T.copy()
+    layers_t = jax.jit(lambda x, ups, downs: layers(x, [u.T for u in ups], [d.T for d in downs]))
+    logits_t = jax.jit(lambda x, w: dot(x, w.T))
+    x = jnp.ones((1, HIDDEN), jnp.float32)
+    t_layers, t_head = median_s(layers_t, x, ups_t, downs_t), median_s(logits_t, x, head_t)
+    print(json.dumps({"case": "one row, bf16 weights stored [out, in]", "layers_ms": round(t_layers * 1e3, 2),
+                      "head_ms": round(t_head * 1e3, 2)}), flush=True)
     for m in (1, 64, 512):
         for dtype in (jnp.float32, jnp.bfloat16):
             x = jnp.asarray(rng.standard_normal((m, HIDDEN)), dtype)
