@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -192,10 +193,7 @@ def _matmul_bf16_impl(x, w, w_bf16, *, min_rows, transpose_b=False):
     from `w_bf16` ([in, out], w's bf16 copy) with f32 accumulation, where CPUs with bf16 units
     (avx512_bf16, AMX) run 2-3x the f32 GEMM rate; fewer rows keep the f32 weight, whose
     one-row product XLA:CPU runs faster than the bf16 one."""
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
-    if rows < min_rows:
+    if math.prod(x.shape[:-1]) < min_rows:
         return _matmul_impl(x, w, transpose_b=transpose_b)
     y = jnp.matmul(x.astype(jnp.bfloat16), w_bf16, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)

@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from models.engine_config import MATMUL_PRECISIONS as PRECISIONS  # noqa: E402
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.entrypoints.llm import LLM  # noqa: E402
 from runtime.plan import compile_plan  # noqa: E402
 
-PRECISIONS = ("float32", "bfloat16")
 
 
 def timed(fn) -> float:

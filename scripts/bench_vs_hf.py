@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from models.engine_config import MATMUL_PRECISIONS  # noqa: E402
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.bench import hf_model  # noqa: E402
@@ -56,7 +57,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-batch", action="store_true", help="skip the 64-sequence case (the slowest)")
-    ap.add_argument("--matmul-precision", default="float32", choices=("float32", "bfloat16"),
+    ap.add_argument("--matmul-precision", default="float32", choices=MATMUL_PRECISIONS,
                     help="our engine's matmul_precision (HF stays f32)")
     args = ap.parse_args()
     cfg, weights, tok = load_model("smollm2-135m")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from models.engine_config import MATMUL_PRECISIONS  # noqa: E402
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
@@ -38,7 +39,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--worst", type=int, default=6, help="list this many of the slowest first tokens")
-    ap.add_argument("--matmul-precision", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--matmul-precision", default="float32", choices=MATMUL_PRECISIONS)
     args = ap.parse_args()
     cfg, weights, tok = load_model("smollm2-135m")
     engine_config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
