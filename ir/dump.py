@@ -29,8 +29,8 @@ from models.engine_config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
 # Engine flags shared with every other CLI (models.cli: names, units, dtype aliases). A dump
 # plans for the CPU budget and float32 unless told otherwise, so its output doesn't depend on the
 # machine it runs on.
-DUMP_ENGINE_FIELDS = ("dtype", "tensor_parallel_size", "quantization", "matmul_precision", "block_size",
-                      "max_model_len", "max_num_batched_tokens", "max_num_seqs", "memory_utilization", "device_memory")
+DUMP_ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "tensor_parallel_size", "quantization", "matmul_precision",
+                      "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "memory_utilization", "device_memory")
 
 
 def parse_bucket(text: str) -> tuple[int, int]:
@@ -109,6 +109,7 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
                            device_memory_bytes=args.device_memory,
                            memory_utilization=args.memory_utilization, reserve_bytes=args.reserve,
                            quantization=args.quantization, matmul_precision=args.matmul_precision,
+                           kv_dtype=None if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype),
                            tensor_parallel_size=args.tensor_parallel_size)
     graph = lower(config, resolve_dtype(args.dtype))
     stages = [("lower", graph)]

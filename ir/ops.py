@@ -497,7 +497,9 @@ def _kv_write(inputs, attrs):
     _same_dim(pool.shape[3], new.shape[2], "kv_write head_dim must agree")
     _same_dim(new.shape[0], slots.shape[0], "kv_write needs one slot per token")
     _int_idx(slots, "kv_write slot_mapping")
-    _need(pool.dtype == new.dtype, f"kv_write dtypes must agree: {pool.dtype} vs {new.dtype}")
+    # The pool may be narrower than the new K/V (a bf16 KV cache of an f32 model): written rounded.
+    _need(_float(pool.dtype) and _float(new.dtype), f"kv_write needs floating point pool and K/V, got "
+          f"{pool.dtype} and {new.dtype}")
     return pool.shape, pool.dtype
 
 
@@ -507,7 +509,7 @@ def kv_write_reference(pool, new, slots):
     nb, bs = pool.shape[0], pool.shape[1]
     flat = pool.reshape((nb * bs,) + pool.shape[2:])
     slots = jnp.where(slots < 0, nb * bs, slots)
-    flat = flat.at[slots].set(new, mode="drop")
+    flat = flat.at[slots].set(new.astype(pool.dtype), mode="drop")
     return flat.reshape(pool.shape)
 
 

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from models.engine_config import CPU_DEVICE_MEMORY, DTYPE_ALIASES, KERNEL_BACKENDS, MATMUL_PRECISIONS, EngineConfig
+from models.engine_config import (CPU_DEVICE_MEMORY, DTYPE_ALIASES, KERNEL_BACKENDS, KV_CACHE_DTYPES,
+                                  MATMUL_PRECISIONS, EngineConfig)
 
 USER_ERROR_EXIT = 2  # argparse's exit code for a bad command line
 
@@ -138,6 +139,9 @@ _ENGINE_FLAGS = (
      dict(choices=MATMUL_PRECISIONS, help="bfloat16: an f32 plan's steps of 4+ rows multiply in bf16 from a bf16 "
           "copy of the weights, with f32 accumulation (2-3x faster GEMMs on CPUs with avx512_bf16/AMX; weight "
           "memory x1.5); default float32")),
+    ("kv_cache_dtype", ("--kv-cache-dtype",),
+     dict(choices=KV_CACHE_DTYPES, help="auto (the model's dtype) or bfloat16: K/V stored in bf16, attention "
+          "computed in f32 (twice the KV blocks; wide decode steps read half the bytes)")),
     ("seed", ("--seed",), dict(type=int)),
     ("kernel_backend", ("--kernel-backend",), dict(choices=KERNEL_BACKENDS)),
     ("scan_layers", ("--scan-layers",),

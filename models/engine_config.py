@@ -35,6 +35,8 @@ def resolve_dtype(dtype: str, platform: str | None = None) -> str:
 
 KERNEL_BACKENDS = ("auto", "xla", "pallas", "interpret")  # auto: Pallas on GPU, XLA elsewhere
 MATMUL_PRECISIONS = ("float32", "bfloat16")  # of an f32 plan's matmuls (EngineConfig.matmul_precision)
+# vLLM's --kv-cache-dtype names that we run: auto is the model's dtype. (vLLM's fp8 ones are not built.)
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 # On a CPU there is no device memory to measure; like vLLM's CPU backend (4 GiB KV space by
 # default) we assume a fixed budget, which `device_memory` overrides.
@@ -146,6 +148,9 @@ class EngineConfig:
     # f32 accumulation (2-3x XLA:CPU's f32 GEMM rate on CPUs with bf16 units); narrower steps, and
     # everything but the matmuls, stay f32. Weight memory grows by half (passes/bf16_matmuls.py).
     matmul_precision: str = "float32"
+    # vLLM's --kv-cache-dtype. "bfloat16": K/V stored in bf16 (half the bytes of f32: twice the KV
+    # blocks, and half the bytes a decode step's attention reads); attention still computes in f32.
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     num_kv_blocks: int | None = None
     device_memory: int | None = None  # bytes of one device; measured on GPU, CPU_DEVICE_MEMORY on CPU
@@ -193,6 +198,9 @@ class EngineConfig:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
                              f"got {self.kernel_backend!r}")
@@ -218,6 +226,10 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def kv_dtype(self) -> str:
+        """The KV pools' IR dtype: the model's (`auto`) or kv_cache_dtype's."""
+        return self.dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype)
 
     def async_blockers(self) -> list[str]:
         """The settings that rule out async scheduling: multi-step decode and speculative decoding

@@ -9,8 +9,11 @@ from ir.attrs import NEW_KV_WRITTEN
 T, S, B, M = "T", "S", "B", "M"
 
 
-def insert_paged_kv(graph: Graph, block_size: int = 16) -> Graph:
+def insert_paged_kv(graph: Graph, block_size: int = 16, kv_dtype: str | None = None) -> Graph:
     """kv_cache_update/attention on [S, L, h, d] caches -> kv_write/paged_attention on [B, bs, h, d] pools.
+
+    The pools take `kv_dtype` (None: the caches' own dtype). kv_write rounds the new K/V to it, and
+    paged_attention reads the pools whatever their dtype, computing in f32.
 
     Each paged_attention records `new_kv_written=true`: the pools it reads are the kv_write results
     of this step's own k/v, so a kernel may find the new tokens' keys and values in the pool.
@@ -31,7 +34,7 @@ def insert_paged_kv(graph: Graph, block_size: int = 16) -> Graph:
             if cache.name in pools:
                 continue
             pool_name = cache.name.replace("_cache", "_pool")
-            pool = input_node(pool_name, (B, block_size) + tuple(cache.shape[2:]), cache.dtype)
+            pool = input_node(pool_name, (B, block_size) + tuple(cache.shape[2:]), kv_dtype or cache.dtype)
             pools[cache.name] = pool
             pool_inputs.append(pool)
 

@@ -26,6 +26,7 @@ class PipelineOptions:
     num_kv_blocks: int | None = None
     quantization: str | None = None
     matmul_precision: str = "float32"  # "bfloat16": wide steps multiply in bf16 (passes.bf16_matmuls)
+    kv_dtype: str | None = None  # the KV pools' dtype (EngineConfig.kv_cache_dtype); None: the model's
     tensor_parallel_size: int = 1
     # How the executor lowers paged_attention (see passes.plan_memory); sizes its workspace.
     paged_attention_lowering: str = "chunked"
@@ -41,7 +42,7 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
         # Phase 1: pattern fusion on the textbook graph.
         ("fuse_attention", fuse_attention),
         # Phase 2: memory layout of the KV cache.
-        ("insert_paged_kv", partial(insert_paged_kv, block_size=opts.block_size)),
+        ("insert_paged_kv", partial(insert_paged_kv, block_size=opts.block_size, kv_dtype=opts.kv_dtype)),
         # Phase 3: fewer, larger matmuls; optional weight compression.
         ("fuse_matmuls", fuse_matmuls),
         ("quantize_int8", quantize_int8 if opts.quantization == "int8" else _identity),

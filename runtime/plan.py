@@ -65,7 +65,7 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         device_memory_bytes=total, memory_limit_bytes=limit, memory_utilization=engine.memory_utilization,
         reserve_bytes=engine.reserve_bytes, num_kv_blocks=engine.num_kv_blocks,
         quantization=engine.quantization, matmul_precision=engine.matmul_precision,
-        tensor_parallel_size=engine.tensor_parallel_size,
+        kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
         scan_layers=engine.scans_layers())
 
 

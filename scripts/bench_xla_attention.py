@@ -2,10 +2,12 @@
 layer of SmolLM2-135M's shape, on the step shapes the engine runs; optionally against another
 checkout's lowering in the same process, which is the only fair comparison on a shared machine.
 
-    .venv/bin/python scripts/bench_xla_attention.py [--baseline-root /path/to/other/checkout]
+    .venv/bin/python scripts/bench_xla_attention.py [--baseline-root /path/to/other/checkout] [--bf16-pools]
 
 Prints one markdown row per case: milliseconds (median of --iters), and with a baseline its
-milliseconds and the largest difference between the two outputs.
+milliseconds and the largest difference between the two outputs. With --bf16-pools, also this
+checkout over the same pools rounded to bf16, stored as the engine stores them on CPU
+(`--kv-cache-dtype bfloat16`), against the f32 pools in the same process.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline-root", type=Path, default=None, help="another checkout to time in this process")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--bf16-pools", action="store_true", help="also time the pools stored in bf16")
     args = ap.parse_args()
     from runtime.worker import kernels
 
@@ -98,9 +101,15 @@ def main() -> int:
     rng = np.random.default_rng(0)
     shape = (POOL_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     pool = (jnp.asarray(rng.standard_normal(shape, np.float32)), jnp.asarray(rng.standard_normal(shape, np.float32)))
+    bf16_pool = None
+    if args.bf16_pools:
+        store = kernels.pool_storage_dtype(jnp.bfloat16, "xla")
+        bf16_pool = tuple(x.astype(jnp.bfloat16) if store == jnp.bfloat16
+                          else jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), store) for x in pool)
     print(f"load average {os.getloadavg()[0]:.2f}")
-    print("| step | this checkout (ms) |" + (" baseline (ms) | max diff |" if base else ""))
-    print("|---|---|" + ("---|---|" if base else ""))
+    print("| step | this checkout (ms) |" + (" baseline (ms) | max diff |" if base else "")
+          + (" bf16 pools (ms) | speedup | max diff |" if bf16_pool else ""))
+    print("|---|---|" + ("---|---|" if base else "") + ("---|---|---|" if bf16_pool else ""))
     for name, tokens, seqs, q_lens, ctx in CASES:
         case = make_case(tokens, seqs, q_lens, ctx, pool)
         ms, out = timed(kernels, case, args.iters)
@@ -108,6 +117,9 @@ def main() -> int:
         if base:
             ms_b, out_b = timed(base, case, args.iters)
             row += f" {ms_b:.2f} | {float(jnp.abs(out - out_b).max()):.1e} |"
+        if bf16_pool:
+            ms_h, out_h = timed(kernels, make_case(tokens, seqs, q_lens, ctx, bf16_pool), args.iters)
+            row += f" {ms_h:.2f} | {ms / ms_h:.2f}x | {float(jnp.abs(out - out_h).max()):.1e} |"
         print(row, flush=True)
     return 0
 

@@ -37,6 +37,71 @@ def golden_arrays(name: str) -> dict[str, np.ndarray]:
     return dict(np.load(GOLDEN_DIR / f"{name}.npz"))
 
 
+def _hidden_states(runner, ids: list[int], bucket: tuple[int, int]) -> np.ndarray:
+    """Runs one sequence through the plan's step in chunks of the bucket's token count (KV in
+    blocks 0, 1, ...) and returns every position's final hidden state (before the last norm)."""
+    T, S = bucket
+    bs, M = runner.block_size, runner.max_blocks_per_seq
+    n = len(ids)
+    assert -(-n // bs) <= min(M, runner.num_blocks)
+    tables = np.zeros((S, M), np.int32)
+    tables[0] = np.arange(M)
+    rows = []
+    for start in range(0, n, T):
+        c = min(T, n - start)
+        pos = np.arange(start, start + c)
+        tokens = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slots = np.full(T, -1, np.int32)
+        tokens[:c], positions[:c], slots[:c] = ids[start:start + c], pos, pos  # blocks 0..k in order
+        ctx = np.zeros(S, np.int32)
+        ctx[0] = start + c
+        cu = np.full(S + 1, c, np.int32)
+        cu[0] = 0
+        outs = runner.execute(bucket, {"tokens": tokens, "positions": positions, "slot_mapping": slots,
+                                       "block_tables": tables, "context_lens": ctx, "cu_q_lens": cu,
+                                       "logits_indices": np.zeros(S, np.int32)})
+        rows.append(np.asarray(outs["hidden"])[:c])
+    return np.concatenate(rows)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def golden_teacher_forced(runner) -> tuple[int, int, dict[str, float]]:
+    """Each golden prompt and its fp32 greedy continuation through `runner` in 32-token chunks
+    (later chunks read the earlier ones from the KV pools), the plan's own head on the positions
+    from the prompt's last on: (positions whose top-1 is the golden next token, positions, and per
+    prompt KL(fp32 || ours) of the last prompt position's distribution)."""
+    agree, total, kls = 0, 0, {}
+    for p in golden_prompts():
+        g = golden_arrays(p["name"])
+        prompt, gen = g["prompt_ids"].tolist(), g["gen_ids"].tolist()
+        logits = runner.lm_head(_hidden_states(runner, prompt + gen[:-1], (32, 4))[len(prompt) - 1:])
+        agree += int(np.sum(logits.argmax(-1) == np.asarray(gen)))
+        total += len(gen)
+        lp_ref, lp = _log_softmax(g["last_logits"]), _log_softmax(logits[0])
+        kls[p["name"]] = float(np.sum(np.exp(lp_ref) * (lp_ref - lp)))
+    return agree, total, kls
+
+
+def golden_free_running(llm, max_tokens: int = 32) -> list[tuple[list[int], list[int]]]:
+    """(our greedy tokens, the golden fp32 ones) for each golden prompt, generated through `llm`."""
+    from runtime import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    names = [p["name"] for p in golden_prompts()]
+    outs = llm.generate([golden_arrays(n)["prompt_ids"].tolist() for n in names], params)
+    return [(o.outputs[0].token_ids, golden_arrays(n)["gen_ids"].tolist()[:max_tokens]) for n, o in zip(names, outs)]
+
+
+def first_divergence(ours: list[int], golden: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(ours, golden)) if a != b), len(golden))
+
+
 def tiny_llm(seed: int = 2, check_invariants: bool = True, config=None, tokenizer=None, **engine):
     """LLM over `config` (the tiny preset by default) with random weights (`seed`), `tokenizer`
     if given, and these EngineConfig fields: the tests' one way to build a small engine."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import golden_arrays, golden_prompts, one_step_logits, tiny_llm
+from conftest import first_divergence, golden_free_running, golden_teacher_forced, one_step_logits, tiny_llm
 from ir import OPS, print_graph
 from models.config import get_preset
 from models.llama import lower
@@ -198,31 +198,14 @@ def test_smollm2_bf16_accuracy(bf16_llm):
     the next-token choice agrees at >= 95% of the positions, and KL(fp32 || bf16) of each prompt's
     last-position distribution is small. Free-running greedy through the engine: the first token
     after every prompt agrees."""
-    from test_quantize import _hidden_states, _log_softmax
-
     llm = bf16_llm
-    runner = llm.engine.runner
-    agree, total, kls = 0, 0, {}
-    for p in golden_prompts():
-        g = golden_arrays(p["name"])
-        prompt, gen = g["prompt_ids"].tolist(), g["gen_ids"].tolist()
-        hidden = _hidden_states(runner, prompt + gen[:-1], (32, 4))
-        logits = runner.lm_head(hidden[len(prompt) - 1:])  # >= 4 rows: the head's bf16 path too
-        agree += int(np.sum(logits.argmax(-1) == np.asarray(gen)))
-        total += len(gen)
-        lp_ref, lp = _log_softmax(g["last_logits"]), _log_softmax(logits[0])
-        kls[p["name"]] = float(np.sum(np.exp(lp_ref) * (lp_ref - lp)))
+    agree, total, kls = golden_teacher_forced(llm.engine.runner)  # >= 4 rows: the head's bf16 path too
     print(f"\nbf16 matmuls vs fp32 teacher-forced top-1 agreement: {agree}/{total} = {agree / total:.3f}; "
           f"last-position KL(fp32 || bf16): " + ", ".join(f"{k} {v:.5f}" for k, v in kls.items()))
     assert agree / total >= 0.95
     assert all(np.isfinite(v) and 0 <= v < 0.005 for v in kls.values()), kls  # measured <= 0.0003
 
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    prompts = [golden_arrays(p["name"])["prompt_ids"].tolist() for p in golden_prompts()]
-    first_diff = []
-    for p, o in zip(golden_prompts(), llm.generate(prompts, params)):
-        gen = golden_arrays(p["name"])["gen_ids"].tolist()
-        first_diff.append(next((i for i, (a, b) in enumerate(zip(o.outputs[0].token_ids, gen)) if a != b), len(gen)))
+    first_diff = [first_divergence(toks, gen) for toks, gen in golden_free_running(llm)]
     print(f"bf16 matmuls free-running greedy: first divergence from fp32 at {first_diff}")
     assert min(first_diff) >= 8 and sum(d == 32 for d in first_diff) >= 3  # measured: all 32, all 4
     assert llm.engine.stats().num_recompiles == 0

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import golden_arrays, golden_prompts, one_step_logits
+from conftest import first_divergence, golden_free_running, golden_teacher_forced, one_step_logits
 from ir import DTYPE_BYTES, print_graph
 from models.config import get_preset
 from models.llama import lower
@@ -112,44 +112,6 @@ def test_int8_with_tensor_parallel_on_one_device():
 
 # ----------------------------------------------------------------------------- SmolLM2 accuracy
 
-def _hidden_states(runner, ids: list[int], bucket: tuple[int, int]) -> np.ndarray:
-    """Runs one sequence through the plan's step in chunks of the bucket's token count (KV in
-    blocks 0, 1, ...) and returns every position's final hidden state (before the last norm)."""
-    T, S = bucket
-    bs, M = runner.block_size, runner.max_blocks_per_seq
-    n = len(ids)
-    assert -(-n // bs) <= min(M, runner.num_blocks)
-    tables = np.zeros((S, M), np.int32)
-    tables[0] = np.arange(M)
-    rows = []
-    for start in range(0, n, T):
-        c = min(T, n - start)
-        pos = np.arange(start, start + c)
-        tokens = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slots = np.full(T, -1, np.int32)
-        tokens[:c], positions[:c], slots[:c] = ids[start:start + c], pos, pos  # blocks 0..k in order
-        ctx = np.zeros(S, np.int32)
-        ctx[0] = start + c
-        cu = np.full(S + 1, c, np.int32)
-        cu[0] = 0
-        outs = runner.execute(bucket, {"tokens": tokens, "positions": positions, "slot_mapping": slots,
-                                       "block_tables": tables, "context_lens": ctx, "cu_q_lens": cu,
-                                       "logits_indices": np.zeros(S, np.int32)})
-        rows.append(np.asarray(outs["hidden"])[:c])
-    return np.concatenate(rows)
-
-
-def _logits(runner, hidden: np.ndarray, eps: float) -> np.ndarray:
-    return runner.lm_head(hidden)  # the graph's own head, int8 and all (eps is the graph's)
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 @pytest.fixture(scope="module")
 def int8_llm(smollm2):
     from runtime.plan import compile_plan
@@ -167,22 +129,8 @@ def test_smollm2_int8_accuracy(int8_llm):
     (test_engine checks tokens exactly and logits to 1e-3). Teacher-forced: the int8 model reads
     the fp32 greedy continuation and must pick the same next token at >= 90% of the positions.
     KL(fp32 || int8) of each prompt's last-position distribution is reported and must be small."""
-    from runtime import SamplingParams
-
     llm = int8_llm
-    runner = llm.engine.runner
-    eps = llm.plan.config.rms_eps
-    agree, total, kls = 0, 0, {}
-    for p in golden_prompts():
-        g = golden_arrays(p["name"])
-        prompt, gen = g["prompt_ids"].tolist(), g["gen_ids"].tolist()
-        logits = _logits(runner, _hidden_states(runner, prompt + gen[:-1], (32, 4)), eps)
-        preds = logits[len(prompt) - 1:].argmax(-1)
-        agree += int(np.sum(preds == np.asarray(gen)))
-        total += len(gen)
-        lp_ref = _log_softmax(g["last_logits"])
-        lp_q = _log_softmax(logits[len(prompt) - 1])
-        kls[p["name"]] = float(np.sum(np.exp(lp_ref) * (lp_ref - lp_q)))
+    agree, total, kls = golden_teacher_forced(llm.engine.runner)
     rate = agree / total
     print(f"\nint8 vs fp32 teacher-forced top-1 agreement: {agree}/{total} = {rate:.3f}; "
           f"last-position KL(fp32 || int8): " + ", ".join(f"{k} {v:.5f}" for k, v in kls.items()))
@@ -190,15 +138,9 @@ def test_smollm2_int8_accuracy(int8_llm):
     assert all(np.isfinite(v) and 0 <= v < 0.1 for v in kls.values()), kls
 
     # Free-running greedy through the engine (the served path): report how far it follows fp32.
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    prompts = [golden_arrays(p["name"])["prompt_ids"].tolist() for p in golden_prompts()]
-    outs = llm.generate(prompts, params)
-    same, first_diff = 0, []
-    for p, o in zip(golden_prompts(), outs):
-        gen = golden_arrays(p["name"])["gen_ids"].tolist()
-        toks = o.outputs[0].token_ids
-        same += sum(a == b for a, b in zip(toks, gen))
-        first_diff.append(next((i for i, (a, b) in enumerate(zip(toks, gen)) if a != b), len(gen)))
+    runs = golden_free_running(llm)
+    same = sum(a == b for toks, gen in runs for a, b in zip(toks, gen))
+    first_diff = [first_divergence(toks, gen) for toks, gen in runs]
     print(f"int8 free-running greedy: {same}/{total} positions equal to fp32; first divergence at "
           f"{first_diff}")
     assert llm.engine.stats().num_recompiles == 0

@@ -12,8 +12,38 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ir.ops import kv_write_reference
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
                                 XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
+
+
+# XLA:CPU has no bf16 gather or scatter: it runs one on the whole operand widened to f32 and, for a
+# scatter, narrowed back. On a KV pool that is the pool's size in conversions per kv_write and per
+# attention call (26 ms for one 4 GiB-budget SmolLM2 layer's write, against 15 us in f32). So on
+# CPU a bf16 pool is stored as its uint16 bits: its writes and gathers move 2-byte integers, and
+# the gathered K/V are widened by a shift, since bf16 is the top half of an f32.
+BF16_BITS = jnp.uint16
+
+
+def pool_storage_dtype(dtype, backend: str):
+    """The array dtype that holds a KV pool of jnp `dtype` under `backend` (see BF16_BITS)."""
+    if dtype == jnp.bfloat16 and backend == "xla" and jax.default_backend() == "cpu":
+        return BF16_BITS
+    return dtype
+
+
+def _f32(x):
+    """K/V values in f32; uint16 values are bf16 bits (BF16_BITS)."""
+    if x.dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+    return x.astype(jnp.float32)
+
+
+def kv_write_xla(pool, new, slots):
+    """kv_write into a pool in its storage dtype: a uint16 pool takes the bits of bf16-rounded K/V."""
+    if pool.dtype == BF16_BITS:
+        new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), BF16_BITS)
+    return kv_write_reference(pool, new, slots)
 
 
 def _token_layout(cu_q_lens, context_lens, num_tokens):
@@ -110,14 +140,14 @@ def _chunk_update(i, qf, seq, limit, carry, *, tables, k_pool, v_pool, chunk_blo
         # [S, chunk, kvh, d] once per sequence; the score axis is (sequence, slot).
         k = jnp.take(k_pool, cols, axis=0, mode="clip").reshape(s * chunk_tokens, num_kv_heads, head_dim)
         v = jnp.take(v_pool, cols, axis=0, mode="clip").reshape(s * chunk_tokens, num_kv_heads, head_dim)
-        sc = jnp.einsum("tgrd,mgd->tgrm", qf, k.astype(jnp.float32))
+        sc = jnp.einsum("tgrd,mgd->tgrm", qf, _f32(k))
         same_seq = jnp.repeat(jnp.arange(s), chunk_tokens)[None, :] == seq[:, None]
         visible = (same_seq & (jnp.tile(kpos, s)[None, :] < limit[:, None]))[:, None, None, :]
     else:
         blocks = jnp.take(cols, seq, axis=0)  # [T, C]
         k = jnp.take(k_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
         v = jnp.take(v_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
-        sc = jnp.einsum("tgrd,tlgd->tgrl", qf, k.astype(jnp.float32))
+        sc = jnp.einsum("tgrd,tlgd->tgrl", qf, _f32(k))
         visible = (kpos[None, :] < limit[:, None])[:, None, None, :]
     return _merge(carry, sc, visible, v, "tgrl,lgd->tgrd" if dense else "tgrl,tlgd->tgrd")
 
@@ -131,7 +161,7 @@ def _merge(carry, sc, visible, v, pv_spec):
     new_mx = jnp.maximum(mx, jnp.max(sc, axis=-1))
     p = jnp.exp(sc - new_mx[..., None])
     corr = jnp.exp(mx - new_mx)
-    pv = jnp.einsum(pv_spec, p, v.astype(jnp.float32))
+    pv = jnp.einsum(pv_spec, p, _f32(v))
     return new_mx, den * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 
@@ -195,7 +225,7 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
         visible = mine[:, None] & (kpos[None, :] < seq_limit[sq])  # [tile, chunk]
         q = jax.lax.dynamic_slice_in_dim(qg, win, tile, axis=1).reshape(num_kv_heads, tile * n_rep, head_dim)
         old = tuple(jax.lax.dynamic_slice_in_dim(x, win, tile, axis=1) for x in state)
-        sc = jnp.einsum("gqd,gld->gql", q, head_major(kc).astype(jnp.float32))
+        sc = jnp.einsum("gqd,gld->gql", q, _f32(head_major(kc)))
         sc = sc.reshape(num_kv_heads, tile, n_rep, c2_tokens)
         new = _merge(old, sc, visible[None, :, None, :], head_major(vc), "gtrl,gld->gtrd")
         keep = lambda a, b: jnp.where(mine.reshape((1, tile) + (1,) * (a.ndim - 2)), a, b)  # noqa: E731
@@ -212,14 +242,14 @@ def _self_attention(qf, k_new, v_new, seq, pos):
     head the leading batch axis (as in _split_walk)."""
     t, num_kv_heads, n_rep, head_dim = qf.shape
     qg = jnp.moveaxis(qf, 1, 0).reshape(num_kv_heads, t * n_rep, head_dim)
-    sc = jnp.einsum("gqd,gud->gqu", qg, jnp.moveaxis(k_new, 1, 0).astype(jnp.float32))
+    sc = jnp.einsum("gqd,gud->gqu", qg, _f32(jnp.moveaxis(k_new, 1, 0)))
     sc = sc.reshape(num_kv_heads, t, n_rep, t)
     valid = pos >= 0
     visible = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[None, :] & valid[:, None]
     sc = jnp.where(visible[None, :, None, :], sc, -jnp.inf)
     mx = jnp.maximum(jnp.max(sc, axis=-1), -1e30)
     p = jnp.exp(sc - mx[..., None])
-    acc = jnp.einsum("gtru,gud->gtrd", p, jnp.moveaxis(v_new, 1, 0).astype(jnp.float32))
+    acc = jnp.einsum("gtru,gud->gtrd", p, _f32(jnp.moveaxis(v_new, 1, 0)))
     return tuple(jnp.moveaxis(x, 0, 1) for x in (mx, jnp.sum(p, axis=-1), acc))
 
 
@@ -241,7 +271,7 @@ def _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, block_size: int):
 def lowerings(backend: str) -> dict:
     """op name -> implementation for the given backend (`xla`, `pallas` or `interpret`)."""
     if backend == "xla":
-        return {"paged_attention": paged_attention_xla}
+        return {"paged_attention": paged_attention_xla, "kv_write": kv_write_xla}
     import pallas_kernels as pk
 
     interpret = backend == "interpret"
@@ -255,10 +285,13 @@ def lowerings(backend: str) -> dict:
         #     so a decode row wastes no tile rows;
         #   prefill-shaped buckets: tiles of several tokens of one sequence, so each KV page is
         #     read once per tile rather than once per token.
+        #   a KV cache narrower than the model (kv_cache_dtype=bfloat16 on an f32 plan): q goes to
+        #     the kernel in the pools' dtype; its products accumulate in f32 all the same.
         t, s = q.shape[0], context_lens.shape[0]
         blocks = pk.PagedAttentionBlockSizes(block_q=1) if t <= s else None
-        return pk.paged_attention(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens,
-                                  sm_scale=scale, block_sizes=blocks, interpret=interpret)
+        out = pk.paged_attention(q.astype(k_pool.dtype), k_pool, v_pool, block_tables, context_lens, cu_q_lens,
+                                 sm_scale=scale, block_sizes=blocks, interpret=interpret)
+        return out.astype(q.dtype)
 
     def attention(q, k_cache, v_cache, seq_ids, positions, *, scale, causal, num_kv_heads, head_dim):
         if not causal:

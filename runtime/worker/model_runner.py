@@ -17,8 +17,8 @@ import numpy as np
 from ir import bind_shape
 from ir.head import HEAD_INPUT, head_graph
 from passes.plan_memory import MemoryPlan
-from runtime.worker.executor import JNP_DTYPES, build_step, state_names, step_layout
-from runtime.worker import sampler
+from runtime.worker.executor import JNP_DTYPES, build_step, resolve_backend, state_names, step_layout
+from runtime.worker import kernels, sampler
 
 log = logging.getLogger("runtime.worker.model_runner")
 
@@ -241,7 +241,8 @@ class ModelRunner:
             leaf = by_name[names[0]]
             shape = bind_shape(leaf.shape, {"B": self.num_blocks * len(names)})
             device = self.mesh.node_sharding(leaf) if self.mesh is not None else None
-            state[key] = jnp.zeros(shape, JNP_DTYPES[leaf.dtype], device=device)
+            dtype = kernels.pool_storage_dtype(JNP_DTYPES[leaf.dtype], resolve_backend(self.backend))
+            state[key] = jnp.zeros(shape, dtype, device=device)
         return state
 
     def kv_cache_bytes(self) -> int:

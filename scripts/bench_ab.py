@@ -1,0 +1,144 @@
+"""Two engine configurations of SmolLM2-135M (f32 plan, greedy, CPU) in one process: two engines
+over the same weights, rounds interleaved, medians, the variant's speedup over the base.
+
+    .venv/bin/python scripts/bench_ab.py [--base KEY=VALUE ...] [--variant KEY=VALUE ...]
+                                         [--rounds 3] [--cases ttft,batch1,seqs64,long]
+
+KEY=VALUE pairs are EngineConfig fields. The default variant is `matmul_precision=bfloat16` against
+the default engine (what this script measured under its old name, bench_matmul_precision.py).
+Both engines run without prefix caching (every round's prompts are new anyway) and with 2,000
+KV blocks each, unless told otherwise. Cases:
+- ttft: TTFT of a 512-token prompt (`max_tokens=1`, a new prompt each round);
+- batch1: batch-1 decode rate, 128 tokens after a 32-token prompt (`ignore_eos`);
+- seqs64: 64 sequences x 64 tokens, end to end (prefill included); with the share of the 64
+  sequences whose greedy tokens agree between the two engines (first round);
+- long: decode rate of 32 sequences at 384-512 tokens of context: the same 32 prompts of 384
+  tokens run to 1 and to 129 tokens, and the difference is 128 decode steps.
+Run on a quiet machine (uptime < 1); prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from models.weights import load_model  # noqa: E402
+from runtime import SamplingParams  # noqa: E402
+from runtime.config import EngineConfig  # noqa: E402
+from runtime.entrypoints.llm import LLM  # noqa: E402
+from runtime.plan import compile_plan  # noqa: E402
+
+CASES = ("ttft", "batch1", "seqs64", "long")
+COMMON = dict(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=2000,
+              enable_prefix_caching=False)
+
+
+def parse_pairs(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
+        low = value.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                out[key] = value
+    return out
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", nargs="*", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--variant", nargs="*", default=["matmul_precision=bfloat16"], metavar="KEY=VALUE")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default="ttft,batch1,seqs64", help=f"comma-separated, of {', '.join(CASES)}")
+    args = ap.parse_args()
+    cases = args.cases.split(",")
+    if set(cases) - set(CASES):
+        raise SystemExit(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: {', '.join(CASES)}")
+    configs = {"base": COMMON | parse_pairs(args.base), "variant": COMMON | parse_pairs(args.variant)}
+    print(json.dumps({"configs": configs}), flush=True)
+    cfg, weights, tok = load_model("smollm2-135m")
+    llms = {name: LLM.from_plan(compile_plan(None, EngineConfig(**kw), weights=weights, config=cfg, tokenizer=tok))
+            for name, kw in configs.items()}
+    rng = np.random.default_rng(0)
+    prompt = lambda n: rng.integers(100, 40000, n).tolist()  # noqa: E731
+    greedy = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
+
+    def report(name, runs, unit, higher_is_better, **extra):
+        med = {p: statistics.median(v) for p, v in runs.items()}
+        ratio = med["variant"] / med["base"] if higher_is_better else med["base"] / med["variant"]
+        print(json.dumps({"case": name, "unit": unit, **{p: round(m, 3) for p, m in med.items()},
+                          "variant_speedup": round(ratio, 2), "rounds": {p: [round(x, 3) for x in v] for p, v in runs.items()},
+                          "load_avg_1m": round(os.getloadavg()[0], 2), **extra}), flush=True)
+
+    if "ttft" in cases:
+        runs = {p: [] for p in llms}
+        for llm in llms.values():
+            llm.generate([prompt(512)], greedy(1))
+        for _ in range(args.rounds):
+            p = prompt(512)
+            for name, llm in llms.items():
+                runs[name].append(timed(lambda: llm.generate([p], greedy(1))))
+        report("TTFT, 512-token prompt", runs, "s", higher_is_better=False)
+
+    if "batch1" in cases:
+        p = prompt(32)
+        runs = {p: [] for p in llms}
+        for llm in llms.values():
+            llm.generate([p], greedy(128))
+        for _ in range(args.rounds):
+            for name, llm in llms.items():
+                ttft = timed(lambda: llm.generate([p], greedy(1)))
+                runs[name].append(127 / (timed(lambda: llm.generate([p], greedy(128))) - ttft))
+        report("batch-1 decode", runs, "tok/s", higher_is_better=True)
+
+    if "seqs64" in cases:
+        runs = {p: [] for p in llms}
+        for llm in llms.values():
+            llm.generate([prompt(64) for _ in range(64)], greedy(64))
+        same = None
+        for _ in range(args.rounds):
+            prompts = [prompt(64) for _ in range(64)]
+            outs = {}
+            for name, llm in llms.items():
+                runs[name].append(64 * 64 / timed(lambda: outs.__setitem__(name, llm.generate(prompts, greedy(64)))))
+            if same is None:
+                same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs["base"], outs["variant"]))
+        report("64 sequences x 64 tokens", runs, "tok/s", higher_is_better=True, same_greedy_tokens=f"{same}/64")
+
+    if "long" in cases:
+        runs = {p: [] for p in llms}
+        for llm in llms.values():
+            llm.generate([prompt(384) for _ in range(32)], greedy(8))
+        for _ in range(args.rounds):
+            prompts = [prompt(384) for _ in range(32)]
+            for name, llm in llms.items():
+                first = timed(lambda: llm.generate(prompts, greedy(1)))
+                runs[name].append(32 * 128 / (timed(lambda: llm.generate(prompts, greedy(129))) - first))
+        report("32 sequences decoding at 384-512 tokens of context", runs, "tok/s", higher_is_better=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
