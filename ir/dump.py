@@ -30,7 +30,8 @@ from models.engine_config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
 # plans for the CPU budget and float32 unless told otherwise, so its output doesn't depend on the
 # machine it runs on.
 DUMP_ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "tensor_parallel_size", "quantization", "matmul_precision",
-                      "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "memory_utilization", "device_memory")
+                      "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                      "memory_utilization", "device_memory")
 
 
 def parse_bucket(text: str) -> tuple[int, int]:

@@ -89,7 +89,8 @@ def main() -> int:
         med = {p: statistics.median(v) for p, v in runs.items()}
         ratio = med["variant"] / med["base"] if higher_is_better else med["base"] / med["variant"]
         print(json.dumps({"case": name, "unit": unit, **{p: round(m, 3) for p, m in med.items()},
-                          "variant_speedup": round(ratio, 2), "rounds": {p: [round(x, 3) for x in v] for p, v in runs.items()},
+                          "variant_speedup": round(ratio, 2),
+                          "rounds": {p: [round(x, 3) for x in v] for p, v in runs.items()},
                           "load_avg_1m": round(os.getloadavg()[0], 2), **extra}), flush=True)
 
     if "ttft" in cases:
@@ -124,7 +125,8 @@ def main() -> int:
             for name, llm in llms.items():
                 runs[name].append(64 * 64 / timed(lambda: outs.__setitem__(name, llm.generate(prompts, greedy(64)))))
             if same is None:
-                same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs["base"], outs["variant"]))
+                same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
+                           for a, b in zip(outs["base"], outs["variant"]))
         report("64 sequences x 64 tokens", runs, "tok/s", higher_is_better=True, same_greedy_tokens=f"{same}/64")
 
     if "long" in cases:

@@ -87,7 +87,8 @@ def test_pools_take_the_kv_dtype_and_the_plan_holds_twice_the_blocks():
 def test_tensor_parallel_splits_bf16_pools_by_kv_head():
     g = graph_for("bf16", tp=2)
     assert {p.dtype for p in pools_of(g)} == {"bf16"}
-    assert all(p.attr("sharding") == (None, None, "tp", None) for p in pools_of(g)), [p.attr("sharding") for p in pools_of(g)]
+    shardings = [p.attr("sharding") for p in pools_of(g)]
+    assert all(x == (None, None, "tp", None) for x in shardings), shardings
 
 
 def test_ir_dump_flag_and_text_round_trip(capsys):
@@ -120,9 +121,10 @@ def test_kv_write_rounds_to_the_pool_and_the_bits_form_matches(blocks, bs, kvh, 
     slots[::3] = -1  # padding tokens write nothing
     pool = jnp.asarray(rng.standard_normal((blocks, bs, kvh, d)), jnp.bfloat16)
     ref = kv_write_reference(pool, new, jnp.asarray(slots))
-    flat, old = np.asarray(ref.astype(jnp.float32)).reshape(-1, kvh, d), np.asarray(pool.astype(jnp.float32)).reshape(-1, kvh, d)
+    as_f32 = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
+    flat, old = as_f32(ref).reshape(-1, kvh, d), as_f32(pool).reshape(-1, kvh, d)
     written = slots >= 0
-    np.testing.assert_array_equal(flat[slots[written]], np.asarray(new.astype(jnp.bfloat16).astype(jnp.float32))[written])
+    np.testing.assert_array_equal(flat[slots[written]], as_f32(new.astype(jnp.bfloat16))[written])
     untouched = np.setdiff1d(np.arange(blocks * bs), slots[written])
     np.testing.assert_array_equal(flat[untouched], old[untouched])
     # The XLA lowering on a pool of bf16 bits writes the same bits.
@@ -166,10 +168,11 @@ def test_xla_attention_over_bf16_bits_matches_the_reference(bucket, q_lens, ctx)
     attrs = dict(scale=d ** -0.5, num_kv_heads=kvh, block_size=bs, head_dim=d)
     args = (jnp.asarray(tables), jnp.asarray(ctx), jnp.asarray(cu))
     ref = paged_attention_reference(q, k_pool, v_pool, *args, **attrs)
-    got = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, k_new=k_new, v_new=v_new))(q, bits(k_pool), bits(v_pool), *args)
+    xla = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, k_new=k_new, v_new=v_new))
+    got = xla(q, bits(k_pool), bits(v_pool), *args)
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(ref)[live], **SAME_MATH_F32)
     # The same lowering over the bf16 pools themselves (GPU's XLA path) computes the same.
-    same = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, k_new=k_new, v_new=v_new))(q, k_pool, v_pool, *args)
+    same = xla(q, k_pool, v_pool, *args)
     np.testing.assert_allclose(np.asarray(same), np.asarray(got), **BITWISE)
 
 
