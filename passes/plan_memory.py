@@ -270,6 +270,7 @@ class MemoryPlan:
     # What the allocator can still hand out (JAX's preallocation fraction minus what is held),
     # when it is less than utilization x device memory. None: no separate limit (CPU).
     memory_limit_bytes: int | None = None
+    kv_dtype: str | None = None  # the KV pools' IR dtype (kv_cache_dtype); None in plans saved before it
 
     @property
     def budget_bytes(self) -> int:
@@ -309,7 +310,8 @@ class MemoryPlan:
             f"  - reserve              {mib(self.reserve_bytes)}",
             f"  = KV cache             {mib(self.num_kv_blocks * self.kv_bytes_per_block)}"
             f"  ({self.num_kv_blocks} blocks x {self.block_size} tokens,"
-            f" {self.kv_bytes_per_block / self.block_size / 1024:.1f} KiB/token)",
+            f" {self.kv_bytes_per_block / self.block_size / 1024:.1f} KiB/token"
+            f"{', ' + self.kv_dtype if self.kv_dtype else ''})",
             f"  max concurrent seqs at max_model_len={self.max_model_len}: {self.max_concurrent_seqs}",
         ]
         if self.buckets:
@@ -352,9 +354,10 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
     peak = max((b.total_bytes for b in per_bucket), default=0)
     w = weight_bytes(graph)
     per_block = kv_bytes_per_block(graph)
+    kv_dtypes = sorted({x.dtype for x in graph.runtime_inputs if "_pool." in x.name})
     plan = MemoryPlan(device_memory_bytes, memory_utilization, reserve_bytes, w, peak, per_block,
                       block_size, 0, max_model_len, 0, tuple(per_bucket), tensor_parallel_size,
-                      memory_limit_bytes)
+                      memory_limit_bytes, ",".join(kv_dtypes) or None)
     budget = plan.budget_bytes - w - peak - reserve_bytes
     blocks = max(budget // per_block, 0) if per_block else 0
     if num_kv_blocks is not None:

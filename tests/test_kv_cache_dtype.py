@@ -80,6 +80,10 @@ def test_pools_take_the_kv_dtype_and_the_plan_holds_twice_the_blocks():
     assert plans["bf16"].kv_bytes_per_block * 2 == plans["f32"].kv_bytes_per_block
     blocks = {k: p.num_kv_blocks for k, p in plans.items()}
     assert blocks["f32"] > 10 and 2 * blocks["f32"] <= blocks["bf16"] <= 2 * blocks["f32"] + 1, blocks
+    # The plan's report names the KV dtype.
+    for name, plan in plans.items():
+        assert plan.kv_dtype == name
+        assert f"KiB/token, {name})" in plan.table()
     # A bf16 model with a bf16 KV cache: the same graph as `auto`.
     assert print_graph(graph_for("bf16", dtype="bf16")) == print_graph(graph_for(None, dtype="bf16"))
 
