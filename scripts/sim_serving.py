@@ -1,6 +1,7 @@
 """The serving benchmark's arrivals, in process: where each request's time to first token went.
 
     .venv/bin/python scripts/sim_serving.py --rate 1.0 [--max-num-seqs 16] [--rate inf] [--matmul-precision bfloat16]
+        [--kv-cache-dtype bfloat16]
 
 Poisson arrivals at `--rate` requests/s (the seeded gaps `runtime.bench serve` draws; inf: all at
 once, the offline rate) of the `mixed` workload go straight into one LLMEngine on SmolLM2-135M
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from models.engine_config import MATMUL_PRECISIONS  # noqa: E402
+from models.engine_config import KV_CACHE_DTYPES, MATMUL_PRECISIONS  # noqa: E402
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
@@ -40,11 +41,12 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--worst", type=int, default=6, help="list this many of the slowest first tokens")
     ap.add_argument("--matmul-precision", default="float32", choices=MATMUL_PRECISIONS)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     args = ap.parse_args()
     cfg, weights, tok = load_model("smollm2-135m")
     engine_config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                                 matmul_precision=args.matmul_precision)
+                                 matmul_precision=args.matmul_precision, kv_cache_dtype=args.kv_cache_dtype)
     llm = LLM.from_plan(compile_plan(None, engine_config, weights=weights, config=cfg, tokenizer=tok),
                         warm_execute=True)
     engine = llm.engine
@@ -73,7 +75,8 @@ def main() -> int:
                     len(o.outputs[0].token_ids), rid) for rid, o in done.items()), reverse=True)
     ttft = np.array([r[0] for r in rows])
     out_tokens = sum(r[4] for r in rows)
-    print(f"matmul_precision {args.matmul_precision}, rate {args.rate} req/s, max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens}-token steps: "
+    print(f"matmul_precision {args.matmul_precision}, kv_cache_dtype {args.kv_cache_dtype}, rate {args.rate} req/s, "
+          f"max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens}-token steps: "
           f"{out_tokens / elapsed:.1f} output tok/s over {elapsed:.1f} s; TTFT p50 {np.median(ttft):.2f} "
           f"p90 {np.percentile(ttft, 90):.2f} p99 {np.percentile(ttft, 99):.2f} max {ttft.max():.2f} s")
     for r in rows[:args.worst]:
