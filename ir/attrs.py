@@ -19,6 +19,7 @@ ROLE = "role"
 CONCAT = "concat"  # value = concatenation of these source weights on the last axis
 QUANTIZE_INT8 = "quantize_int8"  # int8 copy of this source weight
 INT8_SCALE = "int8_scale"  # per-output-column scale of this source weight's int8 copy
+INT8_TRANSPOSED = "int8_transposed"  # ...of the transposed source: a tied embedding's [hidden, vocab]
 TP_LAYOUT = "tp_layout"  # per-shard column order of a fused, column-split weight
 BF16_COPY = "bf16_copy"  # bf16 copy of this source weight
 BF16_TRANSPOSED = "bf16_transposed"  # ...transposed: the [hidden, vocab] copy of a tied embedding

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from models.engine_config import (CPU_DEVICE_MEMORY, DTYPE_ALIASES, KERNEL_BACKENDS, KV_CACHE_DTYPES,
-                                  MATMUL_PRECISIONS, EngineConfig)
+                                  MATMUL_PRECISIONS, QUANTIZATIONS, EngineConfig)
 
 USER_ERROR_EXIT = 2  # argparse's exit code for a bad command line
 
@@ -134,7 +134,10 @@ _ENGINE_FLAGS = (
     ("scheduling", ("--scheduling",), dict(help="continuous (default), dynamic or static")),
     ("max_waiting_ms", ("--max-waiting-ms",), dict(type=float)),
     ("tensor_parallel_size", ("--tensor-parallel-size", "-tp"), dict(type=int)),
-    ("quantization", ("--quantization",), dict(default=None, choices=(None, "int8"))),
+    ("quantization", ("--quantization",),
+     dict(default=None, choices=QUANTIZATIONS, help="int8: int8 weights (a quarter of f32's bytes), widened in the "
+          "product; w8a8: int8 weights and activations quantized per token at run time, an int8 x int8 product "
+          "(2-3x faster matmuls than f32 on CPUs with VNNI/AMX-INT8)")),
     ("matmul_precision", ("--matmul-precision",),
      dict(choices=MATMUL_PRECISIONS, help="bfloat16: an f32 plan's steps of 4+ rows multiply in bf16 from a bf16 "
           "copy of the weights, with f32 accumulation (2-3x faster GEMMs on CPUs with avx512_bf16/AMX; weight "

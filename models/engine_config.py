@@ -37,6 +37,9 @@ KERNEL_BACKENDS = ("auto", "xla", "pallas", "interpret")  # auto: Pallas on GPU,
 MATMUL_PRECISIONS = ("float32", "bfloat16")  # of an f32 plan's matmuls (EngineConfig.matmul_precision)
 # vLLM's --kv-cache-dtype names that we run: auto is the model's dtype. (vLLM's fp8 ones are not built.)
 KV_CACHE_DTYPES = ("auto", "bfloat16")
+# Weight quantization (passes.quantize_int8): int8 weight-only, or W8A8 (int8 weights, and each
+# step's activations quantized per row to int8 at run time: an int8 x int8 product).
+QUANTIZATIONS = (None, "int8", "w8a8")
 
 # On a CPU there is no device memory to measure; like vLLM's CPU backend (4 GiB KV space by
 # default) we assume a fixed budget, which `device_memory` overrides.
@@ -193,8 +196,9 @@ class EngineConfig:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.scheduling not in ("continuous", "dynamic", "static"):
             raise ValueError(f"scheduling must be continuous, dynamic or static, got {self.scheduling!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
+                             f"got {self.quantization!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}")

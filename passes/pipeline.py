@@ -35,6 +35,7 @@ class PipelineOptions:
 def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], Graph]]]:
     """The passes in order, bound to the options they need."""
     from passes.bf16_matmuls import bf16_matmuls
+    from ir.ops import INT8_ACTIVATIONS
     from passes.quantize_int8 import quantize_int8
     from passes.shard import shard
 
@@ -45,7 +46,8 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
         ("insert_paged_kv", partial(insert_paged_kv, block_size=opts.block_size, kv_dtype=opts.kv_dtype)),
         # Phase 3: fewer, larger matmuls; optional weight compression.
         ("fuse_matmuls", fuse_matmuls),
-        ("quantize_int8", quantize_int8 if opts.quantization == "int8" else _identity),
+        ("quantize_int8", {"int8": quantize_int8, "w8a8": partial(quantize_int8, activations=INT8_ACTIVATIONS)}
+         .get(opts.quantization, _identity)),
         ("bf16_matmuls", bf16_matmuls if opts.matmul_precision == "bfloat16" else _identity),
         # Phase 4: distribution over devices.
         ("shard", partial(shard, tp=opts.tensor_parallel_size)),

@@ -1,39 +1,64 @@
-"""Rewrites matmul(x, param w) into matmul_int8(x, w_int8, scale): per-output-channel symmetric int8."""
+"""Rewrites matmul(x, param w) into matmul_int8(x, w_int8, scale): per-output-channel symmetric int8.
+
+Two modes (EngineConfig.quantization):
+- "int8", weight-only: the weights are stored in int8 and widened to the activations' dtype in
+  the product. A quarter of f32's weight bytes; on XLA:CPU slower than f32 (the widening).
+- "w8a8": the same int8 weights, and each row of the activations quantized to int8 at run time
+  (`activations="i8"` on the op), so the product is int8 x int8 with int32 accumulation. CPUs
+  with VNNI/AMX-INT8 run it 2-3x faster than f32 (BENCHMARKS.md, "W8A8"). A tied LM head also
+  gets an int8 copy, of the transposed embedding, since its product is a fifth of a small
+  model's weight reads per token.
+"""
 
 from __future__ import annotations
 
 from ir import Graph, Node, add_params, make_node, rewrite
-from ir.attrs import INT8_SCALE, QUANTIZE_INT8
+from ir.attrs import INT8_SCALE, INT8_TRANSPOSED, QUANTIZE_INT8, ROLE, Role, role_of
 from ir.graph import freeze_attrs
+from ir.ops import INT8_ACTIVATIONS
 
 
-def quantize_int8(graph: Graph) -> Graph:
-    """Weight-only int8 for every matmul whose weight is a 2-D param; embeddings stay as they are.
+def quantize_int8(graph: Graph, activations: str | None = None) -> Graph:
+    """Int8 weights for every matmul whose weight is a 2-D param; embeddings stay as they are.
 
     Symmetric per output channel: w ~= w_int8 * scale[None, :], computed at compile time by
-    runtime.worker.params from the recipe each new param carries. A tied LM head (a transposed matmul
-    on the embedding table) stays: the lookup needs the table in full precision, so an int8
-    copy would add bytes rather than save them.
+    runtime.worker.params from the recipe each new param carries. Weight-only (`activations`
+    None): a tied LM head (a transposed matmul on the embedding table) stays, since the lookup
+    needs the table in full precision and an int8 copy would add bytes rather than save them.
+    With `activations="i8"` (W8A8) the head is rewritten too, from an int8 copy of the transposed
+    table ([hidden, vocab], `int8_transposed`, the LM head's role).
 
     Both new params keep the source's role (and its other attributes); `quantize_int8=src` marks
     the int8 weight and `int8_scale=src` its scale.
     """
+    if activations not in (None, INT8_ACTIVATIONS):
+        raise ValueError(f"activations must be None or {INT8_ACTIVATIONS!r}, got {activations!r}")
     new_leaves: dict[str, tuple[Node, Node]] = {}
 
     def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
-        if node.op != "matmul" or ins[1].op != "param" or node.attr("transpose_b"):
+        if node.op != "matmul" or ins[1].op != "param":
+            return None
+        transposed = bool(node.attr("transpose_b"))
+        if transposed and activations is None:
             return None
         w = ins[1]
         if w.name not in new_leaves:
             # Keep the source's role and recipe (e.g. concat of q/k/v) so the runtime can rebuild it.
             recipe = {k: v for k, v in w.attrs if k != "name"}
+            shape = tuple(w.shape)
+            if transposed:
+                recipe[INT8_TRANSPOSED] = True
+                shape = shape[::-1]
+                if role_of(w) == Role.EMBED:
+                    recipe[ROLE] = Role.LM_HEAD
             wq = Node("param", (), freeze_attrs({**recipe, "name": w.name + ".int8",
-                                                 QUANTIZE_INT8: w.name}), w.shape, "i8")
+                                                 QUANTIZE_INT8: w.name}), shape, "i8")
             sc = Node("param", (), freeze_attrs({**recipe, "name": w.name + ".scale",
-                                                 INT8_SCALE: w.name}), (w.shape[1],), "f32")
+                                                 INT8_SCALE: w.name}), (shape[1],), "f32")
             new_leaves[w.name] = (wq, sc)
         wq, sc = new_leaves[w.name]
-        return make_node("matmul_int8", (ins[0], wq, sc))
+        attrs = {"activations": activations} if activations else {}
+        return make_node("matmul_int8", (ins[0], wq, sc), attrs)
 
     out = rewrite(graph, fn)
     return add_params(out, new_leaves, order=graph.inputs) if new_leaves else graph

@@ -135,7 +135,7 @@ class Plan:
         if self.memory.num_kv_blocks * self.engine.block_size < self.engine.max_model_len:
             # Only advice that changes something: no "--dtype bfloat16" for a bf16 plan, no int8 twice.
             shrink = [opt for opt, done in (("--dtype bfloat16", self.engine.dtype != "f32"),
-                                            ("--quantization int8", self.engine.quantization == "int8")) if not done]
+                                            ("--quantization int8", self.engine.quantization is not None)) if not done]
             lines.append(f"does not fit: the KV cache cannot hold one {self.engine.max_model_len}-token "
                          "sequence; raise --device-memory, --memory-utilization or --tensor-parallel-size, "
                          + (f"use {' or '.join(shrink)}, " if shrink else "") + "or lower --max-model-len")

@@ -88,6 +88,18 @@ def golden_teacher_forced(runner) -> tuple[int, int, dict[str, float]]:
     return agree, total, kls
 
 
+def golden_llm(smollm2, **engine):
+    """An LLM on the real SmolLM2 sized for the golden accuracy tests (the longest golden prompt,
+    293 tokens, plus 32 generated; 32-token steps), with these EngineConfig fields."""
+    from runtime.config import EngineConfig
+    from runtime.entrypoints.llm import LLM
+    from runtime.plan import compile_plan
+
+    config, weights, tok = smollm2
+    args = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64) | engine
+    return LLM.from_plan(compile_plan(None, EngineConfig(**args), weights=weights, config=config, tokenizer=tok))
+
+
 def golden_free_running(llm, max_tokens: int = 32) -> list[tuple[list[int], list[int]]]:
     """(our greedy tokens, the golden fp32 ones) for each golden prompt, generated through `llm`."""
     from runtime import SamplingParams

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import first_divergence, golden_free_running, golden_teacher_forced, one_step_logits, tiny_llm
+from conftest import (first_divergence, golden_free_running, golden_llm, golden_teacher_forced, one_step_logits,
+                      tiny_llm)
 from ir import OPS, print_graph
 from models.config import get_preset
 from models.llama import lower
@@ -179,26 +180,13 @@ def test_engine_follows_f32(scan):
 
 # ----------------------------------------------------------------------------- SmolLM2 accuracy
 
-@pytest.fixture(scope="module")
-def bf16_llm(smollm2):
-    from runtime.config import EngineConfig
-    from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
-
-    config, weights, tok = smollm2
-    plan = compile_plan(None, EngineConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32,
-                                           num_kv_blocks=64, matmul_precision="bfloat16"),
-                        weights=weights, config=config, tokenizer=tok)
-    return LLM.from_plan(plan)
-
-
 @pytest.mark.slow
-def test_smollm2_bf16_accuracy(bf16_llm):
+def test_smollm2_bf16_accuracy(smollm2):
     """Against the golden fp32 continuations. Teacher-forced in 32-token chunks (the bf16 path):
     the next-token choice agrees at >= 95% of the positions, and KL(fp32 || bf16) of each prompt's
     last-position distribution is small. Free-running greedy through the engine: the first token
     after every prompt agrees."""
-    llm = bf16_llm
+    llm = golden_llm(smollm2, matmul_precision="bfloat16")
     agree, total, kls = golden_teacher_forced(llm.engine.runner)  # >= 4 rows: the head's bf16 path too
     print(f"\nbf16 matmuls vs fp32 teacher-forced top-1 agreement: {agree}/{total} = {agree / total:.3f}; "
           f"last-position KL(fp32 || bf16): " + ", ".join(f"{k} {v:.5f}" for k, v in kls.items()))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import first_divergence, golden_free_running, golden_teacher_forced, tiny_llm
+from conftest import first_divergence, golden_free_running, golden_llm, golden_teacher_forced, tiny_llm
 from ir import OPS, parse_graph, print_graph
 from models.config import get_preset
 from models.llama import lower
@@ -221,14 +221,7 @@ def test_smollm2_bf16_kv_cache_accuracy(smollm2):
     """The real model with f32 weights and a bf16 KV cache, against the golden fp32 continuations:
     teacher-forced in 32-token chunks (each chunk reads the earlier ones from the bf16 pools), the
     next-token choice agrees at >= 97% of the positions; free-running greedy follows fp32."""
-    from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
-
-    config, weights, tok = smollm2
-    plan = compile_plan(None, EngineConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32,
-                                           num_kv_blocks=64, kv_cache_dtype="bfloat16"),
-                        weights=weights, config=config, tokenizer=tok)
-    llm = LLM.from_plan(plan)
+    llm = golden_llm(smollm2, kv_cache_dtype="bfloat16")
     runner = llm.engine.runner
     assert {x.dtype for x in runner.state.values()} == {np.dtype(BF16_BITS)}
     agree, total, kls = golden_teacher_forced(runner)

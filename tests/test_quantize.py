@@ -9,19 +9,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 
-from conftest import first_divergence, golden_free_running, golden_teacher_forced, one_step_logits
+from conftest import first_divergence, golden_free_running, golden_llm, golden_teacher_forced, one_step_logits
 from ir import DTYPE_BYTES, print_graph
 from models.config import get_preset
 from models.llama import lower
 from passes.pipeline import PipelineOptions, run_pipeline
 from passes.plan_memory import weight_bytes
 from tolerances import SAME_MATH_F32
-
-# Engine shape for the accuracy test: the longest golden prompt (293 tokens) plus 32 generated.
-ACC_ARGS = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
-
 
 def graph_for(cfg, quantization=None, dtype="f32", tp=1):
     opts = PipelineOptions(max_model_len=128, buckets=((16, 4),), num_kv_blocks=32,
@@ -112,24 +107,12 @@ def test_int8_with_tensor_parallel_on_one_device():
 
 # ----------------------------------------------------------------------------- SmolLM2 accuracy
 
-@pytest.fixture(scope="module")
-def int8_llm(smollm2):
-    from runtime.plan import compile_plan
-    from runtime.config import EngineConfig
-    from runtime.entrypoints.llm import LLM
-
-    config, weights, tok = smollm2
-    plan = compile_plan(None, EngineConfig(**ACC_ARGS, quantization="int8"), weights=weights,
-                        config=config, tokenizer=tok)
-    return LLM.from_plan(plan)
-
-
-def test_smollm2_int8_accuracy(int8_llm):
+def test_smollm2_int8_accuracy(smollm2):
     """Against the fp32 engine, whose greedy tokens and last-position logits are the golden ones
     (test_engine checks tokens exactly and logits to 1e-3). Teacher-forced: the int8 model reads
     the fp32 greedy continuation and must pick the same next token at >= 90% of the positions.
     KL(fp32 || int8) of each prompt's last-position distribution is reported and must be small."""
-    llm = int8_llm
+    llm = golden_llm(smollm2, quantization="int8")
     agree, total, kls = golden_teacher_forced(llm.engine.runner)
     rate = agree / total
     print(f"\nint8 vs fp32 teacher-forced top-1 agreement: {agree}/{total} = {rate:.3f}; "

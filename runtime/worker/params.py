@@ -1,7 +1,8 @@
 """Materializes the weights a compiled graph's params name, applying the passes' recorded transforms.
 
 Passes never touch weight values: a fused or quantized param records where it comes from
-(`concat=[...]`, `quantize_int8=name`, `int8_scale=name`, `bf16_copy=name` (with
+(`concat=[...]`, `quantize_int8=name`, `int8_scale=name` (with `int8_transposed` for a tied
+head's W8A8 copy, quantized per vocab column), `bf16_copy=name` (with
 `bf16_transposed` for a tied head's copy), and the `shard` pass's column order
 `tp_layout={...}`), and this module computes it once.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ir import Graph, Node
-from ir.attrs import BF16_COPY, BF16_TRANSPOSED, CONCAT, INT8_SCALE, QUANTIZE_INT8, TP_LAYOUT
+from ir.attrs import BF16_COPY, BF16_TRANSPOSED, CONCAT, INT8_SCALE, INT8_TRANSPOSED, QUANTIZE_INT8, TP_LAYOUT
 
 
 def quantize_int8_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +45,7 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
                 progress=None) -> dict[str, np.ndarray]:
     """Returns {param name: array} for every param of the graph (host numpy, f32 or int8; a bf16
     copy is cast when it goes to the device)."""
-    int8_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    int8_cache: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray]] = {}
 
     def base(node: Node) -> np.ndarray:
         src = node.attr(QUANTIZE_INT8) or node.attr(INT8_SCALE) or node.attr(BF16_COPY) or node.name
@@ -59,9 +60,11 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
     for p in (progress(params) if progress else params):
         src = p.attr(QUANTIZE_INT8) or p.attr(INT8_SCALE)
         if src:
-            if src not in int8_cache:
-                int8_cache[src] = quantize_int8_weight(base(p))
-            v = int8_cache[src][0 if p.attr(QUANTIZE_INT8) else 1]
+            key = (src, bool(p.attr(INT8_TRANSPOSED)))
+            if key not in int8_cache:
+                w = base(p)
+                int8_cache[key] = quantize_int8_weight(np.asarray(w).T if key[1] else w)
+            v = int8_cache[key][0 if p.attr(QUANTIZE_INT8) else 1]
         else:
             v = base(p)
         if p.attr(BF16_TRANSPOSED):
