@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
+from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul
 
 
 class IRError(ValueError):
@@ -199,14 +200,6 @@ def _matmul_bf16_impl(x, w, w_bf16, *, min_rows, transpose_b=False):
     return y.astype(x.dtype)
 
 
-# matmul_int8's `activations` attribute: "i8" quantizes each row of x to int8 at run time
-# (symmetric, one scale per row) and multiplies int8 x int8 with int32 accumulation (W8A8).
-INT8_ACTIVATIONS = "i8"
-# Rows below which a W8A8 product is padded with zero rows: XLA:CPU's int8 GEMM runs one row
-# 10x slower than 2-4 rows (BENCHMARKS.md, "W8A8"), and a padded row costs next to nothing.
-W8A8_MIN_ROWS = 4
-
-
 @op("matmul_int8", 3)
 def _matmul_int8(inputs, attrs):
     x, w, scale = inputs
@@ -220,32 +213,13 @@ def _matmul_int8(inputs, attrs):
     return tuple(x.shape[:-1]) + (w.shape[1],), x.dtype
 
 
-def quantize_rows_int8(x):
-    """Symmetric per-row int8 of x [..., K]: (q int8, scale f32 [..., 1]) with x ~= q * scale;
-    an all-zero row gets scale 1."""
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-    return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
-
-
 @impl("matmul_int8")
 def _matmul_int8_impl(x, w, scale, *, activations=None):
     if activations is None:
         # Weight-only int8: widen in-register to the activation dtype, scale the output columns.
         y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
-    # W8A8: each row quantized with its own scale, an int8 x int8 -> int32 product, then both
-    # scales. Steps of fewer than W8A8_MIN_ROWS rows are padded (zero rows quantize to zeros).
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = math.prod(lead)
-    x2 = x.reshape(rows, k)
-    if rows < W8A8_MIN_ROWS:
-        x2 = jnp.pad(x2, ((0, W8A8_MIN_ROWS - rows), (0, 0)))
-    q, row_scale = quantize_rows_int8(x2)
-    acc = jax.lax.dot(q, w, preferred_element_type=jnp.int32)
-    y = acc[:rows].astype(jnp.float32) * row_scale[:rows] * scale.astype(jnp.float32)
-    return y.reshape(lead + (w.shape[1],)).astype(x.dtype)
+    return w8a8_matmul(x, w, scale)  # activations="i8": W8A8 (ir.int8)
 
 
 def _broadcastable_suffix(a: Shape, b: Shape) -> bool:

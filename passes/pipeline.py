@@ -35,7 +35,7 @@ class PipelineOptions:
 def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], Graph]]]:
     """The passes in order, bound to the options they need."""
     from passes.bf16_matmuls import bf16_matmuls
-    from ir.ops import INT8_ACTIVATIONS
+    from ir.int8 import INT8_ACTIVATIONS
     from passes.quantize_int8 import quantize_int8
     from passes.shard import shard
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ir import Graph, Node, add_params, make_node, rewrite
 from ir.attrs import INT8_SCALE, INT8_TRANSPOSED, QUANTIZE_INT8, ROLE, Role, role_of
 from ir.graph import freeze_attrs
-from ir.ops import INT8_ACTIVATIONS
+from ir.int8 import INT8_ACTIVATIONS
 
 
 def quantize_int8(graph: Graph, activations: str | None = None) -> Graph:

@@ -15,7 +15,7 @@ import pytest
 from conftest import (first_divergence, golden_free_running, golden_llm, golden_teacher_forced, one_step_logits,
                       tiny_llm)
 from ir import OPS, print_graph
-from ir.ops import INT8_ACTIVATIONS, W8A8_MIN_ROWS
+from ir.int8 import INT8_ACTIVATIONS, W8A8_MIN_ROWS
 from models.config import get_preset
 from models.llama import lower
 from passes.pipeline import PipelineOptions, run_pipeline

@@ -1,0 +1,39 @@
+"""The int8 numerics of matmul_int8's W8A8 form (`activations="i8"`, quantization=w8a8): each row of
+the activations quantized to int8 at run time, an int8 x int8 product with int32 accumulation."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# matmul_int8's `activations` value that asks for per-row int8 activations.
+INT8_ACTIVATIONS = "i8"
+# Rows below which a W8A8 product is padded with zero rows: XLA:CPU's int8 GEMM runs one row
+# 10x slower than 2-4 rows (BENCHMARKS.md, "W8A8"), and a padded row costs next to nothing.
+W8A8_MIN_ROWS = 4
+
+
+def quantize_rows_int8(x):
+    """Symmetric per-row int8 of x [..., K]: (q int8, scale f32 [..., 1]) with x ~= q * scale;
+    an all-zero row gets scale 1."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
+
+
+def w8a8_matmul(x, w, scale):
+    """x [..., K] @ (w int8 [K, N] * scale [N]): each row quantized with its own scale, an int8 x
+    int8 -> int32 product, then both scales; in x's dtype. Steps of fewer than W8A8_MIN_ROWS rows
+    are padded (zero rows quantize to zeros, and are dropped after the product)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    x2 = x.reshape(rows, k)
+    if rows < W8A8_MIN_ROWS:
+        x2 = jnp.pad(x2, ((0, W8A8_MIN_ROWS - rows), (0, 0)))
+    q, row_scale = quantize_rows_int8(x2)
+    acc = jax.lax.dot(q, w, preferred_element_type=jnp.int32)
+    y = acc[:rows].astype(jnp.float32) * row_scale[:rows] * scale.astype(jnp.float32)
+    return y.reshape(lead + (w.shape[1],)).astype(x.dtype)
