@@ -220,9 +220,18 @@ def test_tiny_tp_engines_match_tp1():
             np.testing.assert_allclose(out["prompt_lp"], ref["prompt_lp"], **PROMPT_LOGPROBS_TP)
             assert out["recompiles"] == 0
             if tp != "1":
-                check_collectives(out, attention_split=True, layers_in_hlo=1)  # scanned
+                if name.endswith("w8a8"):
+                    # Each row-split matmul (o, down) all-reduces its input's per-token max (the
+                    # scale spans the whole row) and its int32 partial products; then the
+                    # embedding's sum and the logits' gather, as in f32.
+                    t, s = HLO_BUCKET
+                    assert sorted(map(tuple, out["collectives"])) == sorted(
+                        [(f"f32[{t}]", "all-reduce"), (f"s32[{t},64]", "all-reduce")] * 2
+                        + [(f"f32[{t},64]", "all-reduce"), (f"f32[{s},256]", "all-gather")]), out["collectives"]
+                else:
+                    check_collectives(out, attention_split=True, layers_in_hlo=1)  # scanned
                 # Each device holds only its shard of a split weight.
-                sfx = ".int8" if name.endswith("int8") else ""
+                sfx = ".int8" if name.endswith(("int8", "w8a8")) else ""
                 # Per-layer weights are stacked [num_layers, ...] for the scan over layers.
                 assert out["local_shapes"]["layers.*.w_down" + sfx] == [2, 128 // int(tp), 64]
                 assert out["local_shapes"]["lm_head" + sfx] == [64, 256 // int(tp)]
@@ -285,7 +294,9 @@ def child_tiny() -> dict:
     models = {}
     for name, cfg, tps, quant in (("tiny_4q2kv", tiny(), (1, 2, 4), None),
                                   ("tiny_8q4kv", tiny_8q4kv(), (1, 4), None),
-                                  ("tiny_4q2kv_int8", tiny(), (1, 2), "int8")):
+                                  ("tiny_4q2kv_int8", tiny(), (1, 2), "int8"),
+                                  # W8A8: a row-split matmul's per-token scale spans the whole row.
+                                  ("tiny_4q2kv_w8a8", tiny(), (1, 2), "w8a8")):
         w = random_weights(cfg, seed=0)
         cases = {}
         for tp in tps:
