@@ -1,7 +1,7 @@
 """The serving benchmark's arrivals, in process: where each request's time to first token went.
 
     .venv/bin/python scripts/sim_serving.py --rate 1.0 [--max-num-seqs 16] [--rate inf] [--matmul-precision bfloat16]
-        [--kv-cache-dtype bfloat16]
+        [--kv-cache-dtype bfloat16] [--quantization w8a8]
 
 Poisson arrivals at `--rate` requests/s (the seeded gaps `runtime.bench serve` draws; inf: all at
 once, the offline rate) of the `mixed` workload go straight into one LLMEngine on SmolLM2-135M
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from models.engine_config import KV_CACHE_DTYPES, MATMUL_PRECISIONS  # noqa: E402
+from models.engine_config import KV_CACHE_DTYPES, MATMUL_PRECISIONS, QUANTIZATIONS  # noqa: E402
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
@@ -42,11 +42,13 @@ def main() -> int:
     ap.add_argument("--worst", type=int, default=6, help="list this many of the slowest first tokens")
     ap.add_argument("--matmul-precision", default="float32", choices=MATMUL_PRECISIONS)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     args = ap.parse_args()
     cfg, weights, tok = load_model("smollm2-135m")
     engine_config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                                 matmul_precision=args.matmul_precision, kv_cache_dtype=args.kv_cache_dtype)
+                                 matmul_precision=args.matmul_precision, kv_cache_dtype=args.kv_cache_dtype,
+                                 quantization=args.quantization)
     llm = LLM.from_plan(compile_plan(None, engine_config, weights=weights, config=cfg, tokenizer=tok),
                         warm_execute=True)
     engine = llm.engine
