@@ -77,7 +77,7 @@ def main() -> int:
                     len(o.outputs[0].token_ids), rid) for rid, o in done.items()), reverse=True)
     ttft = np.array([r[0] for r in rows])
     out_tokens = sum(r[4] for r in rows)
-    print(f"matmul_precision {args.matmul_precision}, kv_cache_dtype {args.kv_cache_dtype}, rate {args.rate} req/s, "
+    print(f"matmul_precision {args.matmul_precision}, kv_cache_dtype {args.kv_cache_dtype}, quantization {args.quantization}, rate {args.rate} req/s, "
           f"max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens}-token steps: "
           f"{out_tokens / elapsed:.1f} output tok/s over {elapsed:.1f} s; TTFT p50 {np.median(ttft):.2f} "
           f"p90 {np.percentile(ttft, 90):.2f} p99 {np.percentile(ttft, 99):.2f} max {ttft.max():.2f} s")
