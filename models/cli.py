@@ -137,7 +137,7 @@ _ENGINE_FLAGS = (
     ("quantization", ("--quantization",),
      dict(default=None, choices=QUANTIZATIONS, help="int8: int8 weights (a quarter of f32's bytes), widened in the "
           "product; w8a8: int8 weights and activations quantized per token at run time, an int8 x int8 product "
-          "(2-3x faster matmuls than f32 on CPUs with VNNI/AMX-INT8)")),
+          "(1.5-3x faster matmuls than f32 on CPUs with VNNI/AMX-INT8)")),
     ("matmul_precision", ("--matmul-precision",),
      dict(choices=MATMUL_PRECISIONS, help="bfloat16: an f32 plan's steps of 4+ rows multiply in bf16 from a bf16 "
           "copy of the weights, with f32 accumulation (2-3x faster GEMMs on CPUs with avx512_bf16/AMX; weight "

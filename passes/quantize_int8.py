@@ -5,7 +5,7 @@ Two modes (EngineConfig.quantization):
   the product. A quarter of f32's weight bytes; on XLA:CPU slower than f32 (the widening).
 - "w8a8": the same int8 weights, and each row of the activations quantized to int8 at run time
   (`activations="i8"` on the op), so the product is int8 x int8 with int32 accumulation. CPUs
-  with VNNI/AMX-INT8 run it 2-3x faster than f32 (BENCHMARKS.md, "W8A8"). A tied LM head also
+  with VNNI/AMX-INT8 run it 1.5-3x faster than f32 (BENCHMARKS.md, "W8A8"). A tied LM head also
   gets an int8 copy, of the transposed embedding, since its product is a fifth of a small
   model's weight reads per token.
 """
