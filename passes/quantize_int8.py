@@ -15,7 +15,6 @@ from __future__ import annotations
 from ir import Graph, Node, add_params, make_node, rewrite
 from ir.attrs import INT8_SCALE, INT8_TRANSPOSED, QUANTIZE_INT8, ROLE, Role, role_of
 from ir.graph import freeze_attrs
-from ir.int8 import INT8_ACTIVATIONS
 
 
 def quantize_int8(graph: Graph, activations: str | None = None) -> Graph:
@@ -31,8 +30,6 @@ def quantize_int8(graph: Graph, activations: str | None = None) -> Graph:
     Both new params keep the source's role (and its other attributes); `quantize_int8=src` marks
     the int8 weight and `int8_scale=src` its scale.
     """
-    if activations not in (None, INT8_ACTIVATIONS):
-        raise ValueError(f"activations must be None or {INT8_ACTIVATIONS!r}, got {activations!r}")
     new_leaves: dict[str, tuple[Node, Node]] = {}
 
     def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
