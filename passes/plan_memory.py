@@ -95,7 +95,9 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
             c = _chunk_tokens(node, env, chunk_blocks)
             s = env["S"]
             # Before the loop, prefill-shaped buckets score the step's tokens against each other:
-            # scores and their exponentials [T, hq, T] in f32, and the mask [T, T].
+            # scores and their exponentials [T, hq, T] in f32, and the mask [T, T]. The lowering
+            # does it in query tiles below the diagonal (kernels.SELF_TILE), a bit over half of
+            # that; the full square stays the bound, since independent tiles may run at once.
             own = 2 * t * hq * t * F32 + t * t if uses_new_kv(t, s) else 0
             if own:
                 # The walk over earlier context goes per sequence (kernels._split_walk). Decode

@@ -6,6 +6,9 @@ over the same weights, rounds interleaved, medians, the variant's speedup over t
 
 KEY=VALUE pairs are EngineConfig fields. The default variant is `matmul_precision=bfloat16` against
 the default engine (what this script measured under its old name, bench_matmul_precision.py).
+With `--base-kernels DIR`, the base engine is built with another checkout's attention lowerings
+(DIR/runtime/worker/kernels.py), so that a change to them is measured against the old code in the
+same process; the variant's config is then the base's unless `--variant` says otherwise.
 Both engines run without prefix caching (every round's prompts are new anyway) and with 2,000
 KV blocks each, unless told otherwise. Cases:
 - ttft: TTFT of a 512-token prompt (`max_tokens=1`, a new prompt each round);
@@ -20,6 +23,7 @@ Run on a quiet machine (uptime < 1); prints one JSON line per case.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,6 +33,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_xla_attention, for --base-kernels
 
 import numpy as np  # noqa: E402
 
@@ -60,6 +65,21 @@ def parse_pairs(pairs: list[str]) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def base_kernels(root: Path | None):
+    """While open, the engine's attention lowerings come from `root`'s kernels module (if given)."""
+    if root is None:
+        yield
+        return
+    from bench_xla_attention import load_baseline
+    from runtime.worker import kernels
+    saved, kernels.lowerings = kernels.lowerings, load_baseline(root.resolve()).lowerings
+    try:
+        yield
+    finally:
+        kernels.lowerings = saved
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -69,18 +89,25 @@ def timed(fn) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", nargs="*", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--variant", nargs="*", default=["matmul_precision=bfloat16"], metavar="KEY=VALUE")
+    ap.add_argument("--variant", nargs="*", default=None, metavar="KEY=VALUE")
+    ap.add_argument("--base-kernels", type=Path, default=None, metavar="DIR",
+                    help="build the base engine with DIR's runtime/worker/kernels.py (another checkout)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default="ttft,batch1,seqs64", help=f"comma-separated, of {', '.join(CASES)}")
     args = ap.parse_args()
     cases = args.cases.split(",")
     if set(cases) - set(CASES):
         raise SystemExit(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: {', '.join(CASES)}")
+    if args.variant is None:
+        args.variant = args.base if args.base_kernels else ["matmul_precision=bfloat16"]
     configs = {"base": COMMON | parse_pairs(args.base), "variant": COMMON | parse_pairs(args.variant)}
     print(json.dumps({"configs": configs}), flush=True)
     cfg, weights, tok = load_model("smollm2-135m")
-    llms = {name: LLM.from_plan(compile_plan(None, EngineConfig(**kw), weights=weights, config=cfg, tokenizer=tok))
-            for name, kw in configs.items()}
+    llms = {}
+    for name, kw in configs.items():
+        with base_kernels(args.base_kernels if name == "base" else None):  # engines compile as they are built
+            llms[name] = LLM.from_plan(compile_plan(None, EngineConfig(**kw), weights=weights, config=cfg,
+                                                    tokenizer=tok))
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(100, 40000, n).tolist()  # noqa: E731
     greedy = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731

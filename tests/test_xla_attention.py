@@ -13,7 +13,7 @@ import pytest
 from ir.ops import paged_attention_reference
 from pallas_kernels.testing import cu_from_lens, random_paged_cache
 from passes.plan_memory import XLA_POOL_TILE, XLA_ROW_GROUP, uses_new_kv
-from runtime.worker.kernels import paged_attention_xla
+from runtime.worker.kernels import SELF_TILE, paged_attention_xla
 from tolerances import KERNEL
 
 BS, KVH, QH, D = 16, 2, 6, 32
@@ -67,6 +67,9 @@ CASES = [  # (q_lens, prior, bucket tokens, bucket seqs)
     # padding rows, a row count that is not a multiple of the group, and empty slots.
     ([1] * 13, [0, 300, 17, 5, 129, 128, 640, 1, 33, 256, 90, 400, 2], 16, 16),
     ([1] * 11, [70, 3, 900, 15, 15, 260, 0, 44, 511, 8, 127], 12, 12),
+    # Past SELF_TILE tokens the step's own attention goes in query tiles: prompts and a
+    # continuation that straddle tile boundaries, a decode row, padding in the last tile.
+    ([150, 1, 99, 2, 30], [0, 40, 0, 10, 70], 300, 8),
 ]
 
 
@@ -86,6 +89,20 @@ def test_xla_lowering_matches_the_reference(q_lens, prior, t, s, with_new_kv):
     out = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, **extra))(q, kp, vp, tables, ctx, cu)
     np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(ref)[:n], **KERNEL[jnp.dtype(jnp.float32)])
     assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_self_attention_skips_the_blocks_above_the_diagonal():
+    """A 512-token prefill scores each query tile only against the keys up to its own end: the
+    score matmuls add up to (1 + 2 + 3 + 4) / 16 of the full [T, T] square, not all of it."""
+    t = 4 * SELF_TILE
+    q, kp, vp, tables, ctx, cu, k_new, v_new, _ = _case(np.random.default_rng(3), [t - 12], [0], t, 4)
+    attrs = dict(scale=D ** -0.5, num_kv_heads=KVH, block_size=BS, head_dim=D, k_new=k_new, v_new=v_new)
+    jaxpr = jax.make_jaxpr(lambda *a: paged_attention_xla(*a, **attrs))(q, kp, vp, tables, ctx, cu)
+    scores = [e.outvars[0].aval.shape for e in jaxpr.eqns
+              if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[-1] % SELF_TILE == 0
+              and e.outvars[0].aval.shape[-2] % (SELF_TILE * QH // KVH) == 0]
+    assert sorted(s[-1] for s in scores) == [SELF_TILE * i for i in (1, 2, 3, 4)]
+    assert all(s[-2] == SELF_TILE * QH // KVH for s in scores)
 
 
 def test_new_kv_path_reads_no_pool_for_a_fresh_prompt():
