@@ -24,7 +24,7 @@ from ir.graph import Graph
 from ir.printer import print_graph
 from models.cli import (ArgumentParser, UserError, add_engine_args, check_max_model_len, parse_memory,
                         resolve_model_config, run_main)
-from models.engine_config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
+from models.engine_config import CPU_DEVICE_MEMORY, EngineConfig
 
 # Engine flags shared with every other CLI (models.cli: names, units, dtype aliases). A dump
 # plans for the CPU budget and float32 unless told otherwise, so its output doesn't depend on the
@@ -106,13 +106,14 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
     buckets = tuple(args.bucket) if args.bucket else tuple(sorted({
         (args.max_num_batched_tokens, min(args.max_num_seqs, args.max_num_batched_tokens)),
         (min(args.max_num_seqs, args.max_num_batched_tokens),) * 2}))
+    dtypes = EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)  # the model's and the KV pools'
     opts = PipelineOptions(block_size=args.block_size, max_model_len=max_model_len, buckets=buckets,
                            device_memory_bytes=args.device_memory,
                            memory_utilization=args.memory_utilization, reserve_bytes=args.reserve,
                            quantization=args.quantization, matmul_precision=args.matmul_precision,
-                           kv_dtype=None if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype),
+                           kv_dtype=dtypes.kv_dtype(),
                            tensor_parallel_size=args.tensor_parallel_size)
-    graph = lower(config, resolve_dtype(args.dtype))
+    graph = lower(config, dtypes.dtype)
     stages = [("lower", graph)]
     try:
         final = run_pipeline(graph, opts, on_pass=lambda i, name, g: stages.append((name, g)))
