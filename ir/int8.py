@@ -24,15 +24,15 @@ def quantize_rows_int8(x):
     return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
 
 
-def w8a8_matmul(x, w, scale):
+def w8a8_matmul(x, w, scale, min_rows: int = W8A8_MIN_ROWS):
     """x [..., K] @ (w int8 [K, N] * scale [N]): each row quantized with its own scale, an int8 x
-    int8 -> int32 product, then both scales; in x's dtype. Steps of fewer than W8A8_MIN_ROWS rows
+    int8 -> int32 product, then both scales; in x's dtype. Steps of fewer than `min_rows` rows
     are padded (zero rows quantize to zeros, and are dropped after the product)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     x2 = x.reshape(rows, k)
-    if rows < W8A8_MIN_ROWS:
-        x2 = jnp.pad(x2, ((0, W8A8_MIN_ROWS - rows), (0, 0)))
+    if rows < min_rows:
+        x2 = jnp.pad(x2, ((0, min_rows - rows), (0, 0)))
     q, row_scale = quantize_rows_int8(x2)
     acc = jax.lax.dot(q, w, preferred_element_type=jnp.int32)
     y = acc[:rows].astype(jnp.float32) * row_scale[:rows] * scale.astype(jnp.float32)

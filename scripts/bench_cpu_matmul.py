@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ir import OPS  # noqa: E402
-from ir.int8 import INT8_ACTIVATIONS, quantize_rows_int8  # noqa: E402
+from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul  # noqa: E402
 from runtime.worker.params import quantize_int8_weight  # noqa: E402
 
 HIDDEN, FFN, VOCAB, LAYERS = 576, 1536, 49152, 30
@@ -77,8 +77,7 @@ def main() -> None:
     def w8a8(x, wq, padded=True):
         if padded:
             return OPS["matmul_int8"].impl(x, *wq, activations=INT8_ACTIVATIONS)
-        q, row_scale = quantize_rows_int8(x)
-        return jax.lax.dot(q, wq[0], preferred_element_type=jnp.int32).astype(jnp.float32) * row_scale * wq[1]
+        return w8a8_matmul(x, *wq, min_rows=1)
 
     def layers_w8a8(padded):
         def f(x, ups, downs):
