@@ -33,7 +33,9 @@ def resolve_dtype(dtype: str, platform: str | None = None) -> str:
         raise ValueError(f"dtype must be one of {['auto'] + sorted(DTYPE_ALIASES)}, got {dtype!r}")
     return DTYPE_ALIASES[name]
 
-KERNEL_BACKENDS = ("auto", "xla", "pallas", "interpret")  # auto: Pallas on GPU, XLA elsewhere
+# auto: Pallas on GPU; on CPU, cpp (the XLA lowerings with decode attention in our C++ kernel,
+# runtime.worker.cpp_kernels) where a C++ compiler can build it, else xla (XLA lowerings only).
+KERNEL_BACKENDS = ("auto", "xla", "cpp", "pallas", "interpret")
 MATMUL_PRECISIONS = ("float32", "bfloat16")  # of an f32 plan's matmuls (EngineConfig.matmul_precision)
 # vLLM's --kv-cache-dtype names that we run: auto is the model's dtype. (vLLM's fp8 ones are not built.)
 KV_CACHE_DTYPES = ("auto", "bfloat16")

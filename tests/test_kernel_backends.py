@@ -1,4 +1,5 @@
-"""The executor's kernel backends agree: the tiny model through interpreted Pallas kernels == XLA."""
+"""The executor's kernel backends agree: the tiny model through interpreted Pallas kernels, and
+through our C++ decode kernel (cpp), == XLA."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def step_logits(llm: LLM, sched_steps):
     return out
 
 
-def test_interpret_kernels_match_xla_end_to_end():
-    xla, interp = tiny_llm("xla"), tiny_llm("interpret")
+@pytest.mark.parametrize("other", ["interpret", "cpp"])
+def test_interpret_kernels_match_xla_end_to_end(other):
+    xla, interp = tiny_llm("xla"), tiny_llm(other)
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 33)]
     for llm in (xla, interp):
         for i, p in enumerate(prompts):
@@ -49,8 +51,9 @@ def test_interpret_kernels_match_xla_end_to_end():
         np.testing.assert_allclose(y, x, **BACKENDS_F32)
 
 
-def test_interpret_generation_matches_xla_with_prefix_hits():
-    xla, interp = tiny_llm("xla"), tiny_llm("interpret")
+@pytest.mark.parametrize("other", ["interpret", "cpp"])
+def test_interpret_generation_matches_xla_with_prefix_hits(other):
+    xla, interp = tiny_llm("xla"), tiny_llm(other)
     shared = list(range(10, 42))  # two full blocks, reused by the second request
     prompts = [shared + [50, 51], shared + [60, 61, 62]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)

@@ -148,9 +148,11 @@ ATTENTION_CASES = [
 
 
 @pytest.mark.parametrize("bucket,q_lens,ctx", ATTENTION_CASES)
-def test_xla_attention_over_bf16_bits_matches_the_reference(bucket, q_lens, ctx):
+@pytest.mark.parametrize("row_kernel", [False, True], ids=["xla", "cpp"])
+def test_xla_attention_over_bf16_bits_matches_the_reference(bucket, q_lens, ctx, row_kernel):
     """paged_attention_xla over pools stored as bf16 bits equals the jnp reference over the same
-    pools in bf16 (both widen to f32 and compute in f32), including the new-K/V path of prefills."""
+    pools in bf16 (both widen to f32 and compute in f32), including the new-K/V path of prefills;
+    also with its per-row walks in our C++ kernel (kernel_backend="cpp"), which reads the bits."""
     (t, s), heads, kvh, d, bs, m = bucket, 6, 2, 32, 16, 8
     blocks = s * m + 3
     rng = np.random.default_rng(t + s)
@@ -172,9 +174,11 @@ def test_xla_attention_over_bf16_bits_matches_the_reference(bucket, q_lens, ctx)
     attrs = dict(scale=d ** -0.5, num_kv_heads=kvh, block_size=bs, head_dim=d)
     args = (jnp.asarray(tables), jnp.asarray(ctx), jnp.asarray(cu))
     ref = paged_attention_reference(q, k_pool, v_pool, *args, **attrs)
-    xla = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, k_new=k_new, v_new=v_new))
+    xla = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, k_new=k_new, v_new=v_new, row_kernel=row_kernel))
     got = xla(q, bits(k_pool), bits(v_pool), *args)
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(ref)[live], **SAME_MATH_F32)
+    if row_kernel:
+        return  # the kernel reads bf16 bits only; bf16 pools themselves are GPU's
     # The same lowering over the bf16 pools themselves (GPU's XLA path) computes the same.
     same = xla(q, k_pool, v_pool, *args)
     np.testing.assert_allclose(np.asarray(same), np.asarray(got), **BITWISE)
@@ -183,6 +187,7 @@ def test_xla_attention_over_bf16_bits_matches_the_reference(bucket, q_lens, ctx)
 def test_storage_dtype_is_bits_only_for_bf16_under_xla_on_cpu():
     assert pool_storage_dtype(jnp.bfloat16, "xla") == BF16_BITS  # these tests run on CPU
     assert pool_storage_dtype(jnp.float32, "xla") == jnp.float32
+    assert pool_storage_dtype(jnp.bfloat16, "cpp") == BF16_BITS
     assert pool_storage_dtype(jnp.bfloat16, "interpret") == jnp.bfloat16  # the Pallas kernels read bf16
     assert pool_storage_dtype(jnp.bfloat16, "pallas") == jnp.bfloat16
 
@@ -193,14 +198,15 @@ def _run(llm, prompts, params):
     return [(c.token_ids, c.logprobs) for o in llm.generate(prompts, params) for c in o.outputs]
 
 
-@pytest.mark.parametrize("backend,scan", [("xla", False), ("xla", True), ("interpret", False)])
+@pytest.mark.parametrize("backend,scan", [("xla", False), ("xla", True), ("cpp", False), ("cpp", True),
+                                          ("interpret", False)])
 def test_engine_follows_the_f32_cache(backend, scan):
     """The tiny model end to end (chunked prefill, decode, prefix hits): greedy tokens equal the f32
     cache's, chosen logprobs within bf16 rounding of K/V; the pools hold bf16 (as bits on XLA:CPU)."""
     engine = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64,
                   scan_layers=scan, kernel_backend=backend)
     f32, bf16 = tiny_llm(**engine), tiny_llm(**engine, kv_cache_dtype="bfloat16")
-    stored = BF16_BITS if backend == "xla" else jnp.bfloat16
+    stored = BF16_BITS if backend in ("xla", "cpp") else jnp.bfloat16
     assert {x.dtype for x in bf16.engine.runner.state.values()} == {np.dtype(stored)}
     assert bf16.engine.runner.kv_cache_bytes() * 2 == f32.engine.runner.kv_cache_bytes()
     shared = list(range(3, 40))

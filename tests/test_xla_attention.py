@@ -80,11 +80,13 @@ def test_row_group_cases_span_several_groups():
 
 @pytest.mark.parametrize("q_lens,prior,t,s", CASES)
 @pytest.mark.parametrize("with_new_kv", [False, True])
-def test_xla_lowering_matches_the_reference(q_lens, prior, t, s, with_new_kv):
+@pytest.mark.parametrize("row_kernel", [False, True], ids=["xla", "cpp"])
+def test_xla_lowering_matches_the_reference(q_lens, prior, t, s, with_new_kv, row_kernel):
+    """Also with the per-row walks in our C++ kernel (kernel_backend="cpp")."""
     rng = np.random.default_rng(sum(q_lens) * 31 + sum(prior))
     q, kp, vp, tables, ctx, cu, k_new, v_new, n = _case(rng, q_lens, prior, t, s)
-    attrs = dict(scale=D ** -0.5, num_kv_heads=KVH, block_size=BS, head_dim=D)
-    ref = paged_attention_reference(q, kp, vp, tables, ctx, cu, **attrs)
+    attrs = dict(scale=D ** -0.5, num_kv_heads=KVH, block_size=BS, head_dim=D, row_kernel=row_kernel)
+    ref = paged_attention_reference(q, kp, vp, tables, ctx, cu, **{k: v for k, v in attrs.items() if k != "row_kernel"})
     extra = dict(k_new=k_new, v_new=v_new) if with_new_kv else {}
     out = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, **extra))(q, kp, vp, tables, ctx, cu)
     np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(ref)[:n], **KERNEL[jnp.dtype(jnp.float32)])
@@ -117,7 +119,8 @@ def test_new_kv_path_reads_no_pool_for_a_fresh_prompt():
     np.testing.assert_array_equal(np.asarray(clean)[:n], np.asarray(nan)[:n])
 
 
-def test_pool_walk_stops_at_the_last_token_with_context():
+@pytest.mark.parametrize("row_kernel", [False, True], ids=["xla", "cpp"])
+def test_pool_walk_stops_at_the_last_token_with_context(row_kernel):
     """Decode rows, then fresh prompts: the walk over earlier context covers only the tile of the
     decode rows. Pool blocks of a fresh prompt past that tile set to NaN change nothing (a walk
     over every token would gather them: 0 x NaN)."""
@@ -125,7 +128,8 @@ def test_pool_walk_stops_at_the_last_token_with_context():
     q_lens, prior = [1] * 6 + [58, 120], [9, 30, 2, 17, 64, 100, 0, 0]
     q, kp, vp, tables, ctx, cu, k_new, v_new, n = _case(rng, q_lens, prior, 192, 16)
     assert uses_new_kv(192, 16) and sum(q_lens[:7]) == XLA_POOL_TILE
-    attrs = dict(scale=D ** -0.5, num_kv_heads=KVH, block_size=BS, head_dim=D, k_new=k_new, v_new=v_new)
+    attrs = dict(scale=D ** -0.5, num_kv_heads=KVH, block_size=BS, head_dim=D, k_new=k_new, v_new=v_new,
+                 row_kernel=row_kernel)
     f = jax.jit(lambda *a: paged_attention_xla(*a, **attrs))
     clean = f(q, kp, vp, tables, ctx, cu)
     fresh_blocks = np.asarray(tables)[7, :-(-120 // BS)]

@@ -21,11 +21,19 @@ JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32
 
 
 def resolve_backend(backend: str) -> str:
-    """`auto` means Pallas kernels on GPU and XLA everywhere else."""
+    """`auto` means Pallas kernels on GPU; on CPU, our C++ decode kernel if it builds here, else XLA."""
+    from runtime.worker import cpp_kernels
+
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        return "cpp" if cpp_kernels.available() else "xla"
+    if backend == "cpp":
+        if jax.default_backend() != "cpu":
+            raise ValueError(f"kernel backend 'cpp' runs on CPU only, not on {jax.default_backend()}")
+        cpp_kernels.ensure()
     return backend
 
 

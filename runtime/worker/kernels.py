@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ir.ops import kv_write_reference
+from runtime.worker import cpp_kernels
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
                                 XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
 
@@ -30,7 +31,7 @@ SELF_TILE = 128
 
 def pool_storage_dtype(dtype, backend: str):
     """The array dtype that holds a KV pool of jnp `dtype` under `backend` (see BF16_BITS)."""
-    if dtype == jnp.bfloat16 and backend == "xla" and jax.default_backend() == "cpu":
+    if dtype == jnp.bfloat16 and backend in ("xla", "cpp") and jax.default_backend() == "cpu":
         return BF16_BITS
     return dtype
 
@@ -62,7 +63,7 @@ def _token_layout(cu_q_lens, context_lens, num_tokens):
 
 def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale,
                         num_kv_heads, block_size, head_dim, chunk_blocks: int = XLA_CHUNK_BLOCKS,
-                        k_new=None, v_new=None):
+                        k_new=None, v_new=None, row_kernel: bool = False):
     """Ragged paged attention as an XLA while-loop over context chunks (online softmax, f32).
 
     With `k_new`/`v_new` (this step's K/V [T, kv_heads, d], already written to the pools) in a
@@ -70,7 +71,11 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     and the loop then covers only the context written by earlier steps (prefix hits, earlier
     chunks), merged into the same online softmax. That walk gathers each sequence's context once
     per chunk (`_split_walk`), not once per token: a fresh prompt reads nothing from the pool, and
-    a chunked continuation at 900 tokens of context costs a few matmuls, not a gather per token."""
+    a chunked continuation at 900 tokens of context costs a few matmuls, not a gather per token.
+
+    With `row_kernel` (kernel_backend="cpp"), the per-row walks (decode rows, and every token of a
+    bucket that does not take the split) run in our C++ kernel, which reads the pool in place
+    (runtime.worker.cpp_kernels), where the head shapes fit it."""
     t = q.shape[0]
     s, m = block_tables.shape
     c = min(chunk_blocks, m)
@@ -80,21 +85,24 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     seq, pos = _token_layout(cu_q_lens, context_lens, t)
     qf = q.astype(jnp.float32).reshape(t, num_kv_heads, n_rep, head_dim) * scale
     pool = dict(tables=tables, k_pool=k_pool, v_pool=v_pool, chunk_blocks=c, block_size=block_size)
+    row_kernel = row_kernel and cpp_kernels.fits(num_kv_heads, n_rep, block_size, head_dim)
     if k_new is not None and uses_new_kv(t, s):
         mx, den, acc = _self_attention(qf, k_new, v_new, seq, pos)
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
         limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
-        den, acc = _split_walk(qf, limit, (mx, den, acc), cu_q_lens, **pool)
+        den, acc = _split_walk(qf, limit, (mx, den, acc), cu_q_lens, **pool, row_kernel=row_kernel)
     else:
         init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
-        den, acc = _pool_walk(qf, seq, pos + 1, init, **pool, dense=s <= XLA_DENSE_MAX_SEQS and t > s)
+        den, acc = _pool_walk(qf, seq, pos + 1, init, **pool, dense=s <= XLA_DENSE_MAX_SEQS and t > s,
+                              row_kernel=row_kernel)
     out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     return out.reshape(q.shape).astype(q.dtype)
 
 
-def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense):
+def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense,
+               row_kernel=False):
     """Online softmax of tokens `qf` [T, kvh, rep, d] (of sequences `seq`) over the pool positions
     below `limit` [T], merged into `init` (max, denominator, accumulator). Returns (denominator,
     accumulator).
@@ -103,7 +111,10 @@ def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, bl
     only as far as its own longest context: one fori_loop over (group, chunk of `chunk_blocks`
     blocks) pairs. A batch of decode rows with mixed context lengths then costs about the sum of
     their contexts, not rows x the longest. The dense few-sequence form walks every token to the
-    largest limit."""
+    largest limit. With `row_kernel` the per-token form is one call of our C++ kernel instead.
+    """
+    if row_kernel and not dense:
+        return _combine(init, cpp_kernels.paged_decode(qf, k_pool, v_pool, tables, seq, limit))[1:]
     chunk = functools.partial(_chunk_update, tables=tables, k_pool=k_pool, v_pool=v_pool,
                               chunk_blocks=chunk_blocks, block_size=block_size, dense=dense)
     chunk_tokens = chunk_blocks * block_size
@@ -155,6 +166,13 @@ def _chunk_update(i, qf, seq, limit, carry, *, tables, k_pool, v_pool, chunk_blo
     return _merge(carry, sc, visible, v, "tgrl,lgd->tgrd" if dense else "tgrl,tlgd->tgrd")
 
 
+def _combine(a, b):
+    """Two online-softmax states (max, denominator, accumulator) over disjoint keys, as one."""
+    mx = jnp.maximum(a[0], b[0])
+    ca, cb = jnp.exp(a[0] - mx), jnp.exp(b[0] - mx)
+    return mx, a[1] * ca + b[1] * cb, a[2] * ca[..., None] + b[2] * cb[..., None]
+
+
 def _merge(carry, sc, visible, v, pv_spec):
     """The online-softmax state `carry` (max, denominator, accumulator) after scores `sc`
     [T, kvh, rep, L] (positions where `visible` is false masked out) with values `v`, contracted
@@ -168,7 +186,8 @@ def _merge(carry, sc, visible, v, pv_spec):
     return new_mx, den * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 
-def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size):
+def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size,
+                row_kernel=False):
     """The pool walk of a prefill-shaped step, in two parts that each gather a sequence's earlier
     context once, never once per token:
 
@@ -191,7 +210,7 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
     row = (q_len == 1) & (seq_limit > 0)
     row_out = _pool_walk(qf[first_tok], jnp.arange(s), jnp.where(row, seq_limit, 0),
                          tuple(x[first_tok] for x in init), tables=tables, k_pool=k_pool, v_pool=v_pool,
-                         chunk_blocks=chunk_blocks, block_size=block_size, dense=False)
+                         chunk_blocks=chunk_blocks, block_size=block_size, dense=False, row_kernel=row_kernel)
     dest = jnp.where(row, first_tok, t)  # other slots write nothing (dropped out of bounds)
     state = (init[0],) + tuple(x.at[dest].set(r, mode="drop") for x, r in zip(init[1:], row_out))
 
@@ -283,9 +302,10 @@ def _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, block_size: int):
 
 
 def lowerings(backend: str) -> dict:
-    """op name -> implementation for the given backend (`xla`, `pallas` or `interpret`)."""
-    if backend == "xla":
-        return {"paged_attention": paged_attention_xla, "kv_write": kv_write_xla}
+    """op name -> implementation for the given backend (`xla`, `cpp`, `pallas` or `interpret`)."""
+    if backend in ("xla", "cpp"):
+        paged = functools.partial(paged_attention_xla, row_kernel=backend == "cpp")
+        return {"paged_attention": paged, "kv_write": kv_write_xla}
     import pallas_kernels as pk
 
     interpret = backend == "interpret"

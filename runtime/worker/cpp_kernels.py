@@ -1,0 +1,131 @@
+"""Our C++ kernels for XLA:CPU, built on first use and called through XLA's FFI.
+
+`kernel_backend="cpp"` (the default on CPU, through `auto`) runs decode attention in
+cpp/paged_decode.cc, which reads K/V from the paged pool in place; everything else stays the XLA
+lowering of runtime.worker.kernels. The source is compiled once per machine with the system's C++
+compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, and cached under
+~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the source, the flags, the compiler,
+jaxlib and the CPU. Without a compiler, `auto` falls back to the plain XLA lowering and says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpp") / "paged_decode.cc"
+TARGET = "jaxserve_paged_decode"
+SYMBOL = "JaxservePagedDecode"
+# -ffast-math lets the compiler call glibc's vector expf; the kernel has no inf or NaN of its own
+# (its running max starts at -1e30, as the XLA lowering's does).
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+# What the kernel's fixed-size scratch holds (cpp/paged_decode.cc); wider shapes take the XLA walk.
+MAX_HEADS, MAX_BLOCK, MAX_DIM = 128, 64, 256
+
+
+class KernelUnavailable(RuntimeError):
+    """The C++ kernels cannot be built or loaded here."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", Path.home() / ".cache" / "jaxserve" / "kernels"))
+
+
+def _cpu_id() -> bytes:
+    """The CPU's model and feature flags: -march=native code is only good on the CPU it was built for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+        return platform.processor().encode()
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise KernelUnavailable("no C++ compiler (set CXX, or install g++)")
+    return cxx
+
+
+def _build() -> Path:
+    """The shared library for this machine, compiled if the cache has none."""
+    cxx = _compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+                                     include.encode(), jax.__version__.encode(), _cpu_id()])).hexdigest()[:16]
+    lib = cache_dir() / f"paged_decode-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the C++ decode-attention kernel (once per machine) into %s", lib)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cxx, *FLAGS, "-I", include, str(SOURCE), "-o", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
+        os.replace(out, lib)  # atomic: processes building at once each install a whole file
+    return lib
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds, loads and registers the kernels once per process; the reason if that failed."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+    except (KernelUnavailable, OSError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+def ensure() -> None:
+    """Raises KernelUnavailable (with the compiler's words) unless the kernels are ready to call."""
+    error = _load()
+    if error is not None:
+        raise KernelUnavailable(error)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels can run here: on the CPU platform, with a working build (said once if not)."""
+    if jax.default_backend() != "cpu":
+        return False
+    error = _load()
+    if error is not None:
+        log.warning("C++ CPU kernels unavailable, decode attention stays in XLA: %s", error)
+    return error is None
+
+
+def fits(num_kv_heads: int, n_rep: int, block_size: int, head_dim: int) -> bool:
+    return num_kv_heads * n_rep <= MAX_HEADS and block_size <= MAX_BLOCK and head_dim <= MAX_DIM
+
+
+def paged_decode(qf, k_pool, v_pool, tables, seq, limit):
+    """The online-softmax state (max, denominator, accumulator) of rows `qf` [T, kvh, rep, d] (f32,
+    scaled) over the pool positions below `limit` [T] of their sequences `seq` [T]; see
+    cpp/paged_decode.cc. The pools are read where they lie."""
+    ensure()  # registered before anything is compiled (or loaded from the compilation cache) to call it
+    t, kvh, rep, d = qf.shape
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((t, kvh, rep), f32), jax.ShapeDtypeStruct((t, kvh, rep), f32),
+           jax.ShapeDtypeStruct((t, kvh, rep, d), f32))
+    return jax.ffi.ffi_call(TARGET, out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
+                                         seq.astype(jnp.int32), limit.astype(jnp.int32))

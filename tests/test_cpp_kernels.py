@@ -1,0 +1,119 @@
+"""Our C++ decode-attention kernel for XLA:CPU (runtime/worker/cpp/paged_decode.cc) against the jnp
+reference: decode rows over poisoned paged pools (a read past a row's context gives NaN), at several
+head shapes, block sizes and ragged contexts, from f32 pools and from bf16 bits; that it reads the
+pool in place (no gather, no copy in the compiled step); and what `auto` does without a compiler."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ir.ops import paged_attention_reference
+from pallas_kernels.testing import random_paged_cache
+from runtime.worker import cpp_kernels, executor
+from runtime.worker.kernels import BF16_BITS, paged_attention_xla
+from tolerances import KERNEL, SAME_MATH_F32
+
+# (query heads, kv heads, head_dim, block_size, contexts): GQA 3:1 like SmolLM2, 4:1 at head_dim 128
+# like Llama-3, MHA, and rows with no context at all (an empty slot).
+SHAPES = [
+    (9, 3, 64, 16, [101, 1, 16, 17, 300, 47, 0, 64, 5, 250, 33]),
+    (8, 2, 128, 16, [1, 2, 15, 31, 129, 200]),
+    (4, 4, 32, 32, [33, 95, 0, 7]),
+    (6, 2, 16, 8, [1, 9, 64, 65, 3]),
+]
+
+
+def _decode_case(rng, heads, kvh, d, bs, ctx):
+    k_pool, v_pool, tables, _ = random_paged_cache(rng, ctx, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                                                   dtype=jnp.float32, poison=True)
+    s = len(ctx)
+    q = jnp.asarray(rng.standard_normal((s, heads, d)), jnp.float32)
+    cu = jnp.arange(s + 1, dtype=jnp.int32) - jnp.asarray([0] + list(np.cumsum(np.asarray(ctx) == 0)), jnp.int32)
+    return q, jnp.asarray(k_pool), jnp.asarray(v_pool), tables, jnp.asarray(ctx, jnp.int32), cu
+
+
+@pytest.mark.parametrize("heads,kvh,d,bs,ctx", SHAPES)
+def test_decode_rows_match_the_reference(heads, kvh, d, bs, ctx):
+    """Decode rows (one new token each, its K/V already in the pool) through the kernel: the poisoned
+    blocks and slots past each context are never read, and a row with no context gives zeros."""
+    rng = np.random.default_rng(len(ctx) * 7 + d)
+    q, kp, vp, tables, ctx_a, cu = _decode_case(rng, heads, kvh, d, bs, ctx)
+    attrs = dict(scale=d ** -0.5, num_kv_heads=kvh, block_size=bs, head_dim=d)
+    ref = paged_attention_reference(q, kp, vp, tables, ctx_a, cu, **attrs)
+    got = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, row_kernel=True))(q, kp, vp, tables, ctx_a, cu)
+    live = np.asarray(ctx) > 0
+    np.testing.assert_allclose(np.asarray(got)[:live.sum()], np.asarray(ref)[:live.sum()],
+                               **KERNEL[jnp.dtype(jnp.float32)])
+    assert np.all(np.isfinite(np.asarray(got)))
+
+
+@pytest.mark.parametrize("heads,kvh,d,bs,ctx", SHAPES[:2])
+def test_bf16_bits_match_the_reference_in_bf16(heads, kvh, d, bs, ctx):
+    """Pools of bf16 bits (the CPU's bf16 KV cache) widen exactly: the same math as the reference
+    over the bf16 pools."""
+    rng = np.random.default_rng(len(ctx) + d)
+    q, kp, vp, tables, ctx_a, cu = _decode_case(rng, heads, kvh, d, bs, ctx)
+    kp, vp = (jnp.where(jnp.isfinite(x), x, 0.0).astype(jnp.bfloat16) for x in (kp, vp))
+    attrs = dict(scale=d ** -0.5, num_kv_heads=kvh, block_size=bs, head_dim=d)
+    ref = paged_attention_reference(q, kp, vp, tables, ctx_a, cu, **attrs)
+    bits = lambda x: jax.lax.bitcast_convert_type(x, BF16_BITS)  # noqa: E731
+    got = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, row_kernel=True))(q, bits(kp), bits(vp), tables, ctx_a, cu)
+    n = int(np.sum(np.asarray(ctx) > 0))
+    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(ref)[:n], **SAME_MATH_F32)
+
+
+def _gathered(hlo: str) -> list[int]:
+    """The element counts of the gathers in compiled HLO text."""
+    sizes = []
+    for ln in hlo.splitlines():
+        if " gather(" in ln:
+            dims = ln.split("=", 1)[1].split("[", 1)[1].split("]", 1)[0]
+            sizes.append(int(np.prod([int(x) for x in dims.split(",") if x])))
+    return sizes
+
+
+def test_the_kernel_reads_the_pool_in_place():
+    """The compiled decode call gathers no K/V and copies no pool: the pools reach the kernel as
+    the buffers themselves (the XLA lowering gathers each row's context into a fresh array)."""
+    rng = np.random.default_rng(0)
+    q, kp, vp, tables, ctx, cu = _decode_case(rng, 9, 3, 64, 16, [40, 70, 3])
+    attrs = dict(scale=0.125, num_kv_heads=3, block_size=16, head_dim=64)
+
+    def hlo(row_kernel):
+        f = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, row_kernel=row_kernel))
+        return f.lower(q, kp, vp, tables, ctx, cu).compile().as_text()
+
+    one_block = 16 * 64  # one block of one kv head
+    xla, cpp = hlo(False), hlo(True)
+    assert max(_gathered(xla)) >= one_block  # the check can fail: the XLA lowering gathers K/V
+    assert max(_gathered(cpp), default=0) < one_block and cpp_kernels.TARGET in cpp
+    pool = "f32[" + ",".join(map(str, kp.shape)) + "]"
+    assert not [ln for ln in cpp.splitlines() if " copy(" in ln and ln.split("=", 1)[1].strip().startswith(pool)]
+
+
+def test_auto_takes_the_kernel_here_and_xla_without_a_compiler(monkeypatch, tmp_path):
+    assert executor.resolve_backend("auto") == "cpp"  # CPU, with g++: the kernel builds
+    # A compiler that fails: the build says why, `cpp` refuses, `auto` falls back to plain XLA.
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(cpp_kernels.KernelUnavailable, match="false"):
+        cpp_kernels._build()
+    monkeypatch.setattr(cpp_kernels, "_load", lambda: "no C++ compiler (set CXX, or install g++)")
+    cpp_kernels.available.cache_clear()
+    try:
+        assert executor.resolve_backend("auto") == "xla"
+        with pytest.raises(cpp_kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
+            executor.resolve_backend("cpp")
+    finally:
+        cpp_kernels.available.cache_clear()
+
+
+def test_a_fresh_cache_builds_a_library_that_loads(monkeypatch, tmp_path):
+    """The build step on its own, into an empty cache: one .so, keyed so a second call reuses it."""
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    lib = cpp_kernels._build()
+    assert lib.parent == tmp_path and lib.suffix == ".so" and lib.stat().st_size > 0
+    assert cpp_kernels._build() == lib and list(tmp_path.iterdir()) == [lib]
