@@ -2,12 +2,14 @@
 layer of SmolLM2-135M's shape, on the step shapes the engine runs; optionally against another
 checkout's lowering in the same process, which is the only fair comparison on a shared machine.
 
-    .venv/bin/python scripts/bench_xla_attention.py [--baseline-root /path/to/other/checkout] [--bf16-pools]
+    .venv/bin/python scripts/bench_xla_attention.py [--baseline-root /path/to/other/checkout] [--bf16-pools] [--cpp]
 
 Prints one markdown row per case: milliseconds (median of --iters), and with a baseline its
 milliseconds and the largest difference between the two outputs. With --bf16-pools, also this
 checkout over the same pools rounded to bf16, stored as the engine stores them on CPU
-(`--kv-cache-dtype bfloat16`), against the f32 pools in the same process.
+(`--kv-cache-dtype bfloat16`), against the f32 pools in the same process. With --cpp, also this
+checkout with its per-row walks in our C++ kernel (`kernel_backend=cpp`), against its XLA walks,
+over the f32 pools and (with --bf16-pools) over the bf16 bits.
 """
 
 from __future__ import annotations
@@ -76,10 +78,10 @@ def make_case(tokens: int, seqs: int, q_lens: list[int], ctx: list[int], pool):
             jnp.asarray(k_new), jnp.asarray(k_new))
 
 
-def timed(mod, args, iters: int):
+def timed(mod, args, iters: int, **extra):
     fn = jax.jit(lambda *a: mod.paged_attention_xla(
         *a[:6], scale=HEAD_DIM ** -0.5, num_kv_heads=KV_HEADS, block_size=BLOCK, head_dim=HEAD_DIM,
-        k_new=a[6], v_new=a[7]))
+        k_new=a[6], v_new=a[7], **extra))
     out = fn(*args).block_until_ready()
     times = []
     for _ in range(iters):
@@ -94,6 +96,7 @@ def main() -> int:
     ap.add_argument("--baseline-root", type=Path, default=None, help="another checkout to time in this process")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bf16-pools", action="store_true", help="also time the pools stored in bf16")
+    ap.add_argument("--cpp", action="store_true", help="also time the per-row walks in our C++ kernel")
     args = ap.parse_args()
     from runtime.worker import kernels
 
@@ -108,8 +111,11 @@ def main() -> int:
                           else jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), store) for x in pool)
     print(f"load average {os.getloadavg()[0]:.2f}")
     print("| step | this checkout (ms) |" + (" baseline (ms) | max diff |" if base else "")
-          + (" bf16 pools (ms) | speedup | max diff |" if bf16_pool else ""))
-    print("|---|---|" + ("---|---|" if base else "") + ("---|---|---|" if bf16_pool else ""))
+            + (" bf16 pools (ms) | speedup | max diff |" if bf16_pool else "")
+          + (" cpp (ms) | speedup | max diff |" if args.cpp else "")
+          + (" cpp, bf16 pools (ms) | speedup over XLA, bf16 pools |" if args.cpp and bf16_pool else ""))
+    print("|---|---|" + ("---|---|" if base else "") + ("---|---|---|" if bf16_pool else "")
+          + ("---|---|---|" if args.cpp else "") + ("---|---|" if args.cpp and bf16_pool else ""))
     for name, tokens, seqs, q_lens, ctx in CASES:
         case = make_case(tokens, seqs, q_lens, ctx, pool)
         ms, out = timed(kernels, case, args.iters)
@@ -118,8 +124,15 @@ def main() -> int:
             ms_b, out_b = timed(base, case, args.iters)
             row += f" {ms_b:.2f} | {float(jnp.abs(out - out_b).max()):.1e} |"
         if bf16_pool:
-            ms_h, out_h = timed(kernels, make_case(tokens, seqs, q_lens, ctx, bf16_pool), args.iters)
+            bf16_case = make_case(tokens, seqs, q_lens, ctx, bf16_pool)
+            ms_h, out_h = timed(kernels, bf16_case, args.iters)
             row += f" {ms_h:.2f} | {ms / ms_h:.2f}x | {float(jnp.abs(out - out_h).max()):.1e} |"
+        if args.cpp:
+            ms_c, out_c = timed(kernels, case, args.iters, row_kernel=True)
+            row += f" {ms_c:.2f} | {ms / ms_c:.2f}x | {float(jnp.abs(out - out_c).max()):.1e} |"
+            if bf16_pool:
+                ms_ch, _ = timed(kernels, bf16_case, args.iters, row_kernel=True)
+                row += f" {ms_ch:.2f} | {ms_h / ms_ch:.2f}x |"
         print(row, flush=True)
     return 0
 
