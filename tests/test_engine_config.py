@@ -62,7 +62,8 @@ def test_choices(field, bad, good):
 
 
 def test_kernel_backends_are_the_flag_choices():
-    assert KERNEL_BACKENDS == ("auto", "xla", "pallas", "interpret")
+    assert KERNEL_BACKENDS == ("auto", "xla", "cpp", "pallas", "interpret")
+    assert _parser().parse_args(["--kernel-backend", "cpp"]).kernel_backend == "cpp"
     with pytest.raises(SystemExit):
         _parser().parse_args(["--kernel-backend", "cuda"])
 
