@@ -111,6 +111,14 @@ def test_auto_takes_the_kernel_here_and_xla_without_a_compiler(monkeypatch, tmp_
         cpp_kernels.available.cache_clear()
 
 
+def test_tensor_parallel_steps_keep_the_xla_walk():
+    """The FFI call has no partitioning rule: under TP, XLA would all-gather the pools to run it
+    (test_shard checks the collectives of a TP step), so `auto` takes XLA and `cpp` says why not."""
+    assert executor.resolve_backend("auto", sharded=True) == "xla"
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        executor.resolve_backend("cpp", sharded=True)
+
+
 def test_a_fresh_cache_builds_a_library_that_loads(monkeypatch, tmp_path):
     """The build step on its own, into an empty cache: one .so, keyed so a second call reuses it."""
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))

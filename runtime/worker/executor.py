@@ -20,8 +20,11 @@ JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32
 
 
 
-def resolve_backend(backend: str) -> str:
-    """`auto` means Pallas kernels on GPU; on CPU, our C++ decode kernel if it builds here, else XLA."""
+def resolve_backend(backend: str, sharded: bool = False) -> str:
+    """`auto` means Pallas kernels on GPU; on CPU, our C++ decode kernel if it builds here, else XLA.
+
+    `sharded` (tensor parallelism): the C++ kernel's FFI call has no partitioning rule, so XLA would
+    gather whole KV pools onto every device to run it; `auto` takes XLA there and `cpp` is refused."""
     from runtime.worker import cpp_kernels
 
     if backend not in KERNEL_BACKENDS:
@@ -29,10 +32,14 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         if jax.default_backend() == "gpu":
             return "pallas"
-        return "cpp" if cpp_kernels.available() else "xla"
+        return "cpp" if not sharded and cpp_kernels.available() else "xla"
     if backend == "cpp":
         if jax.default_backend() != "cpu":
             raise ValueError(f"kernel backend 'cpp' runs on CPU only, not on {jax.default_backend()}")
+        if sharded:
+            raise ValueError("kernel backend 'cpp' runs without tensor parallelism (its FFI call would "
+                             "gather every KV pool onto each device); use 'xla' or 'auto' with "
+                             "tensor_parallel_size > 1")
         cpp_kernels.ensure()
     return backend
 

@@ -134,6 +134,7 @@ class ModelRunner:
 
             mesh = TensorParallelMesh.for_graph(self.graph, engine.tensor_parallel_size)
         self.mesh = mesh
+        self.backend = resolve_backend(self.backend, sharded=mesh is not None)
         self.state_names = state_names(self.graph)
         self.layout = step_layout(self.graph, scan_layers=engine.scans_layers())
         check_fit(plan.memory)  # before any weight or pool reaches the device
