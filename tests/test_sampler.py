@@ -183,3 +183,17 @@ def test_unconstrained_steps_share_one_device_mask():
     assert a.bitmask.shape == (4, 4) and (np.asarray(a.bitmask) == -1).all()
     with pytest.raises(ValueError, match="bitmask must be"):
         build_inputs([], 4, 64, lambda p: [], vocab_size=100, bitmask=np.zeros((4, 3), np.int32))
+
+
+def test_no_conditional_copies_the_logits():
+    """The compiled sampler copies a [S, V] array only for the logit-bias scatter, which writes into
+    its copy: its conditionals return per-row results. (A `cond` that hands the logits back
+    untouched must copy them: 6-7 ms each at 64 x 49,152 on CPU.)"""
+    n, v = 8, 4096
+    si = build_inputs([(SamplingParams(temperature=0), 0, 0, [], 0)] * n, n, 64, lambda p: [2], vocab_size=v)
+    logits = jax.ShapeDtypeStruct((n, v), np.float32)
+    lines = jax.jit(sample_rows).lower(logits, si.arrays()).compile().as_text().splitlines()
+    copies = [ln.split("=")[0].strip() for ln in lines if " copy(" in ln and f"f32[{n},{v}]" in ln.split("copy(")[0]]
+    for name in copies:
+        users = [ln for ln in lines if f"{name}," in ln or f"{name})" in ln]
+        assert users and all("scatter" in u for u in users), (name, users)
