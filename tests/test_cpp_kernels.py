@@ -119,6 +119,18 @@ def test_tensor_parallel_steps_keep_the_xla_walk():
         executor.resolve_backend("cpp", sharded=True)
 
 
+def test_loading_the_kernel_keeps_subnormal_floats(monkeypatch, tmp_path):
+    """A library linked with -ffast-math turns on flush-to-zero for the whole process when it is
+    loaded (gcc's crtfastmath.o): numpy's subnormals would read as 0 from then on, and so did the
+    schemathesis test's float strategies. (XLA:CPU flushes subnormals inside its own steps anyway.)"""
+    import ctypes
+
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    ctypes.CDLL(str(cpp_kernels._build()))  # a fresh load of a fresh build
+    tiny = np.float32(1e-38)
+    assert tiny / np.float32(100) > 0  # 1e-40 is subnormal in f32
+
+
 def test_a_fresh_cache_builds_a_library_that_loads(monkeypatch, tmp_path):
     """The build step on its own, into an empty cache: one .so, keyed so a second call reuses it."""
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))

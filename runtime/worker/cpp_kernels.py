@@ -29,8 +29,11 @@ SOURCE = Path(__file__).with_name("cpp") / "paged_decode.cc"
 TARGET = "jaxserve_paged_decode"
 SYMBOL = "JaxservePagedDecode"
 # -ffast-math lets the compiler call glibc's vector expf; the kernel has no inf or NaN of its own
-# (its running max starts at -1e30, as the XLA lowering's does).
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+# (its running max starts at -1e30, as the XLA lowering's does). It is a compile flag only: linked
+# with it, gcc adds crtfastmath.o, which on load turns on flush-to-zero for the whole process
+# (numpy's and XLA's subnormals too), so the object is linked in a second step without it.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
+LINK_FLAGS = ("-shared",)
 # What the kernel's fixed-size scratch holds (cpp/paged_decode.cc); wider shapes take the XLA walk.
 MAX_HEADS, MAX_BLOCK, MAX_DIM = 128, 64, 256
 
@@ -68,7 +71,7 @@ def _build() -> Path:
     except (OSError, subprocess.CalledProcessError) as e:
         raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
     include = jax.ffi.include_dir()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS + LINK_FLAGS).encode(), version.encode(),
                                      include.encode(), jax.__version__.encode(), _cpu_id()])).hexdigest()[:16]
     lib = cache_dir() / f"paged_decode-{key}.so"
     if lib.exists():
@@ -76,11 +79,12 @@ def _build() -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     log.info("compiling the C++ decode-attention kernel (once per machine) into %s", lib)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        out = Path(tmp) / lib.name
-        cmd = [cxx, *FLAGS, "-I", include, str(SOURCE), "-o", str(out)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
+        obj, out = Path(tmp) / "paged_decode.o", Path(tmp) / lib.name
+        for cmd in ([cxx, *FLAGS, "-I", include, "-c", str(SOURCE), "-o", str(obj)],
+                    [cxx, *LINK_FLAGS, str(obj), "-o", str(out)]):
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise KernelUnavailable(f"building {SOURCE.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
         os.replace(out, lib)  # atomic: processes building at once each install a whole file
     return lib
 
