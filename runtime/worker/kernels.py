@@ -1,4 +1,5 @@
-"""Backend lowerings of the attention ops: a blocked XLA loop on CPU, our Pallas kernels on GPU.
+"""Backend lowerings of the attention ops: a blocked XLA loop on CPU (with its decode rows in our
+C++ kernel under kernel_backend="cpp", runtime.worker.cpp_kernels), our Pallas kernels on GPU.
 
 The jnp references in `ir.ops` gather the whole context of every token at once, which is
 clear but sized by max_model_len. The XLA lowering here walks the context in chunks of
@@ -13,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from ir.ops import kv_write_reference
-from runtime.worker import cpp_kernels
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
                                 XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
+from runtime.worker import cpp_kernels
 
 
 # XLA:CPU has no bf16 gather or scatter: it runs one on the whole operand widened to f32 and, for a
