@@ -79,19 +79,27 @@ def _apply_bitmask(logits, bitmask):
 
 
 def _filter(logits, top_k, top_p, min_p):
-    """Masks logits outside top-k, the top-p nucleus, and below min_p x max prob."""
+    """Masks logits outside top-k, the top-p nucleus, and below min_p x max prob.
+
+    Top-k and top-p sort every row's whole vocabulary (about 1.4 s for 64 rows of SmolLM2's 49,152
+    on the CPU), so the sort runs only when some row asks for either: plain temperature sampling
+    (and min-p) skips it."""
     v = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-    sorted_desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    keep_sorted = (cum - probs) < top_p[:, None]
-    cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+
+    def nucleus(logits):
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+        kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        sorted_desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], sorted_desc, -jnp.inf)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        cum = jnp.cumsum(probs, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        keep_sorted = (cum - probs) < top_p[:, None]
+        cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+    logits = jax.lax.cond(jnp.any((top_k > 0) & (top_k < v)) | jnp.any(top_p < 1), nucleus, lambda l: l, logits)
     p = jax.nn.softmax(logits, axis=-1)
     pmax = jnp.max(p, axis=-1, keepdims=True)
     return jnp.where(p < min_p[:, None] * pmax, -jnp.inf, logits)
