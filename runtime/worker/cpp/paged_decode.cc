@@ -43,6 +43,12 @@ inline float Widen(uint16_t bits) {  // bf16 is the top half of an f32
   return f;
 }
 
+template <typename KV>
+inline void WidenRow(const KV* src, float* dst, int64_t D) {  // one K or V row into f32
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dst[d] = Widen(src[d]);
+}
+
 struct Shape {
   int64_t H, R, D, N, BS, M;
 };
@@ -70,9 +76,7 @@ void Row(int64_t t, const Shape& s, const float* q, const KV* k_pool, const KV* 
     std::copy(m, m + HR, block_max);
     for (int64_t j = 0; j < n; ++j) {  // scores: each K row is read once for its R query heads
       for (int64_t h = 0; h < s.H; ++h) {
-        const KV* k = kb + (j * s.H + h) * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) x[d] = Widen(k[d]);
+        WidenRow(kb + (j * s.H + h) * D, x, D);
         for (int64_t r = 0; r < s.R; ++r) {
           const int64_t i = h * s.R + r;
           const float* qr = qt + i * D;
@@ -102,9 +106,7 @@ void Row(int64_t t, const Shape& s, const float* q, const KV* k_pool, const KV* 
     }
     for (int64_t j = 0; j < n; ++j) {  // values
       for (int64_t h = 0; h < s.H; ++h) {
-        const KV* v = vb + (j * s.H + h) * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) x[d] = Widen(v[d]);
+        WidenRow(vb + (j * s.H + h) * D, x, D);
         for (int64_t r = 0; r < s.R; ++r) {
           const int64_t i = h * s.R + r;
           const float w = p[i][j];
