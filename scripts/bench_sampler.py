@@ -1,0 +1,68 @@
+"""Times the step's sampler (runtime.worker.sampler.sample_rows) alone at 64 rows x SmolLM2's
+49,152 vocabulary, against another version of sampler.py in the same process, and checks that the
+two give the same tokens and logprobs.
+
+    git show <commit>:runtime/worker/sampler.py > /tmp/sampler_old.py
+    .venv/bin/python scripts/bench_sampler.py --baseline /tmp/sampler_old.py [--case greedy]
+
+Cases: greedy, "temperature 0.8", "top-p 0.9 at 0.8", "greedy + presence penalty". Prints the
+medians of 5 rounds of 20 calls each, and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from runtime.core.sampling_params import SamplingParams  # noqa: E402
+from runtime.worker import sampler  # noqa: E402
+
+CASES = {"greedy": SamplingParams(temperature=0), "temperature 0.8": SamplingParams(temperature=0.8),
+         "top-p 0.9 at 0.8": SamplingParams(temperature=0.8, top_p=0.9),
+         "greedy + presence penalty": SamplingParams(temperature=0, presence_penalty=0.5)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", type=Path, required=True, help="another sampler.py")
+    ap.add_argument("--case", choices=list(CASES), default="greedy")
+    args = ap.parse_args()
+    spec = importlib.util.spec_from_file_location("sampler_baseline", args.baseline)
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old
+    spec.loader.exec_module(old)
+    n, v = 64, 49152
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((n, v)).astype(np.float32))
+    rows = [(CASES[args.case], 0, 0, [5, 6, 7], 2)] * n
+    arrays = sampler.build_inputs(rows, n, 1024, lambda p: [2], vocab_size=v).arrays()
+    fns = {"baseline": jax.jit(old.sample_rows), "this checkout": jax.jit(sampler.sample_rows)}
+    outs = {k: f(logits, arrays) for k, f in fns.items()}
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*outs.values()))
+    times = {k: [] for k in fns}
+    for _ in range(5):
+        for k, f in fns.items():
+            ts = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(logits, arrays))
+                ts.append(time.perf_counter() - t0)
+            times[k].append(float(np.median(ts)))
+    med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    print(f"{args.case}: baseline {med['baseline']:.2f} ms, this checkout {med['this checkout']:.2f} ms, "
+          f"{med['baseline'] / med['this checkout']:.2f}x, same outputs: {same}, load {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
