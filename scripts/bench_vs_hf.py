@@ -2,7 +2,8 @@
 issue 13 asks for, each a median over interleaved rounds.
 
     .venv/bin/python scripts/bench_vs_hf.py [--rounds 3] [--skip-batch] [--matmul-precision bfloat16]
-                                            [--quantization w8a8]
+                                            [--quantization w8a8] [--kv-cache-dtype bfloat16]
+                                            [--kernel-backend auto|xla|cpp]
 
 - TTFT of a 512-token prompt: ours `LLM.generate(max_tokens=1)`; HF one forward pass + argmax.
 - Batch-1 decode rate: 128 tokens after a 32-token prompt (`ignore_eos`); HF `generate()`.
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from models.engine_config import MATMUL_PRECISIONS, QUANTIZATIONS  # noqa: E402
+from models.engine_config import KERNEL_BACKENDS, MATMUL_PRECISIONS, QUANTIZATIONS  # noqa: E402
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.bench import hf_model  # noqa: E402
@@ -62,11 +63,15 @@ def main() -> int:
                     help="our engine's matmul_precision (HF stays f32)")
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="our engine's quantization (HF stays f32)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="our engine's kv_cache_dtype (HF stays f32)")
+    ap.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
+                    help="our engine's kernel_backend (auto: cpp on CPU where g++ builds it)")
     args = ap.parse_args()
     cfg, weights, tok = load_model("smollm2-135m")
     plan = compile_plan(None, EngineConfig(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512,
                                            num_kv_blocks=2000, matmul_precision=args.matmul_precision,
-                                           quantization=args.quantization),
+                                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                           kernel_backend=args.kernel_backend),
                         weights=weights, config=cfg, tokenizer=tok)
     llm = LLM.from_plan(plan)
     hf = hf_model(cfg, weights)

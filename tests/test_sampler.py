@@ -50,6 +50,10 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     np.testing.assert_array_equal(tokens2, tokens)
     np.testing.assert_allclose(chosen2, chosen, **SAME_MATH_F32)
     assert not top_ids2.any() and not top_lp2.any()
+    # No row reports logprobs at all: the log-sum-exp is skipped too, and the tokens stay the same.
+    tokens3, chosen3, top_ids3, top_lp3 = draw(lg, [SamplingParams(temperature=0)] * 4)
+    np.testing.assert_array_equal(tokens3, tokens)
+    assert not chosen3.any() and not top_ids3.any() and not top_lp3.any()
 
 
 @pytest.mark.parametrize("vocab", [32, 128, 300, 49152])

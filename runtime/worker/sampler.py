@@ -38,6 +38,7 @@ class SamplerInputs:
     bitmask: np.ndarray | jax.Array
     constrained: bool
     top_logprobs: bool = False  # some row asks for its top logprobs (SamplingParams.logprobs > 0)
+    logprobs: bool = False  # some row reports logprobs (SamplingParams.logprobs is not None)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The step executable's sampling inputs."""
@@ -47,7 +48,8 @@ class SamplerInputs:
                 "pres_penalty": self.pres_penalty, "freq_penalty": self.freq_penalty,
                 "history": self.history, "prompt_lens": self.prompt_lens,
                 "penalize": np.asarray(self.penalties), "bitmask": self.bitmask,
-                "constrained": np.asarray(self.constrained), "top_logprobs": np.asarray(self.top_logprobs)}
+                "constrained": np.asarray(self.constrained), "top_logprobs": np.asarray(self.top_logprobs),
+                "logprobs": np.asarray(self.logprobs)}
 
 
 def input_specs(num_rows: int, max_model_len: int, vocab_size: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -127,7 +129,8 @@ def sample_rows(logits, s: dict):
     (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]). The grammar mask,
     the logit bias and penalty scatters, the top-20 logprobs and the top-k/top-p/min-p sort run
     under `lax.cond`, so a greedy batch that asks for none of them pays for none, and one
-    executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros.
+    executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros; without
+    `logprobs` (no row reports any), the chosen logprobs are zeros too.
 
     Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
     reports them by default; on a constrained row, after the grammar mask, as in vLLM (whose
@@ -164,15 +167,24 @@ def sample_rows(logits, s: dict):
         """The logit bias and penalties where asked, then `pick`."""
         return jax.lax.cond(s["penalize"], lambda l: pick(penalized(biased(l))), lambda l: pick(biased(l)), l)
 
+    def no_top(l):
+        return jnp.zeros((n, NUM_TOP_LOGPROBS), jnp.int32), jnp.zeros((n, NUM_TOP_LOGPROBS), jnp.float32)
+
     def finish(logits):
-        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-        top_lp, top_ids = jax.lax.cond(
-            s["top_logprobs"], lambda l: tuple(jax.lax.top_k(l - lse, NUM_TOP_LOGPROBS)),
-            lambda l: (jnp.zeros((n, NUM_TOP_LOGPROBS), jnp.float32), jnp.zeros((n, NUM_TOP_LOGPROBS), jnp.int32)),
-            logits)
         tokens = jax.lax.cond(s["penalize"] | jnp.any(bias_ids >= 0), choose, pick, logits)
-        chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
-        return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+
+        def logprobs(l):
+            lse = jax.nn.logsumexp(l, axis=-1, keepdims=True)
+            chosen = jnp.take_along_axis(l, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
+            top_ids, top_lp = jax.lax.cond(
+                s["top_logprobs"], lambda l: tuple(reversed(jax.lax.top_k(l - lse, NUM_TOP_LOGPROBS))), no_top, l)
+            return chosen, top_ids.astype(jnp.int32), top_lp
+
+        # The log-sum-exp over the vocabulary (7 ms of a 64-row CPU step) only where some row
+        # reports logprobs.
+        chosen, top_ids, top_lp = jax.lax.cond(s["logprobs"], logprobs,
+                                               lambda l: (jnp.zeros(n, jnp.float32), *no_top(l)), logits)
+        return tokens, chosen, top_ids, top_lp
 
     logits = logits.astype(jnp.float32)
     return jax.lax.cond(s["constrained"], lambda l: finish(_apply_bitmask(l, s["bitmask"])), finish, logits)
@@ -224,7 +236,8 @@ def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], nu
     return SamplerInputs(temp, top_k, top_p, min_p, seeds, counters, bias_ids, bias_vals, rep,
                          pres, freq, history, prompt_lens, penalties,
                          bitmask if constrained else _all_allowed(S, words), constrained,
-                         any((p.logprobs or 0) > 0 for p, *_ in rows))
+                         any((p.logprobs or 0) > 0 for p, *_ in rows),
+                         any(p.logprobs is not None for p, *_ in rows))
 
 
 @functools.lru_cache(maxsize=None)
