@@ -3,7 +3,7 @@
 two give the same tokens (and logprobs, in the case that reports them).
 
     git show <commit>:runtime/worker/sampler.py > /tmp/sampler_old.py
-    .venv/bin/python scripts/bench_sampler.py --baseline /tmp/sampler_old.py [--case greedy]
+    .venv/bin/python scripts/bench_sampler.py --baseline /tmp/sampler_old.py [--case greedy] [--golden DIR]
 
 Cases: greedy, "temperature 0.8", "top-p 0.9 at 0.8", "greedy + presence penalty", "greedy + logprobs".
 Prints the medians of 5 rounds of 20 calls each, and the load average.
@@ -38,13 +38,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", type=Path, required=True, help="another sampler.py")
     ap.add_argument("--case", choices=list(CASES), default="greedy")
+    ap.add_argument("--golden", type=Path, default=None, metavar="DIR",
+                    help="rows of real SmolLM2 logits: each DIR/*.npz's last_logits (../shared/golden), "
+                         "repeated to 64 rows; default: standard normal logits (a flat distribution)")
     args = ap.parse_args()
     spec = importlib.util.spec_from_file_location("sampler_baseline", args.baseline)
     old = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = old
     spec.loader.exec_module(old)
     n, v = 64, 49152
-    logits = jnp.asarray(np.random.default_rng(0).standard_normal((n, v)).astype(np.float32))
+    if args.golden is None:
+        logits = jnp.asarray(np.random.default_rng(0).standard_normal((n, v)).astype(np.float32))
+    else:
+        real = [np.load(f)["last_logits"] for f in sorted(args.golden.glob("*.npz"))]
+        logits = jnp.asarray(np.stack([real[i % len(real)] for i in range(n)]).astype(np.float32))
     rows = [(CASES[args.case], 0, 0, [5, 6, 7], 2)] * n
     arrays = sampler.build_inputs(rows, n, 1024, lambda p: [2], vocab_size=v).arrays()
     fns = {"baseline": jax.jit(old.sample_rows), "this checkout": jax.jit(sampler.sample_rows)}
