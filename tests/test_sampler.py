@@ -277,3 +277,35 @@ def test_top_k_and_top_p_from_a_window_match_the_full_sort(window):
     # The bisection alone, on every row.
     thr = np.asarray(jax.jit(_bisected_thresholds)(logits, np.where(top_k > 0, top_k, v), top_p))
     np.testing.assert_array_equal(logits >= thr[:, None], _nucleus_reference(logits, top_k, top_p))
+
+
+@pytest.mark.parametrize("vocab", [5, 128, 300, 1000])
+def test_inverse_cdf_draws_follow_the_softmax_exactly(vocab):
+    """Temperature draws go by inverse CDF over tiles of 128 tokens: with evenly spaced u, each
+    token is drawn in proportion to its probability (to within one draw), across tile edges and a
+    vocabulary off the tile size; masked (-inf) tokens never, not even at u = 0 or u just below 1."""
+    from runtime.worker.sampler import _inverse_cdf
+
+    rng = np.random.default_rng(vocab)
+    row = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    row[rng.permutation(vocab)[:vocab // 3]] = -np.inf
+    row[np.argmax(row)] += 3.0
+    n = 4096
+    u = np.concatenate([[0.0, np.nextafter(np.float32(1), np.float32(0))], (np.arange(n - 2) + 0.5) / (n - 2)])
+    drawn = np.asarray(jax.jit(_inverse_cdf)(u.astype(np.float32), np.tile(row, (n, 1))))
+    assert np.isfinite(row[drawn]).all()
+    p = np.exp(row.astype(np.float64) - row.max())
+    p /= p.sum()
+    counts = np.bincount(drawn[2:], minlength=vocab)
+    assert np.abs(counts - p * (n - 2)).max() <= 1.5
+
+
+def test_min_p_keeps_what_reaches_its_share_of_the_top_probability():
+    from runtime.worker.sampler import _filter
+
+    lg = rand_logits(3, 4)
+    min_p = np.array([0.0, 0.001, 0.3], np.float32)
+    got = np.isfinite(np.asarray(jax.jit(_filter)(lg, np.zeros(3, np.int32), np.ones(3, np.float32), min_p)))
+    p = np.exp(lg.astype(np.float64) - lg.max(-1, keepdims=True))
+    np.testing.assert_array_equal(got, p >= min_p[:, None])  # p / max p against min_p
+    assert got[0].all() and got[2].sum() < got[1].sum() < V

@@ -163,10 +163,10 @@ def _filter(logits, top_k, top_p, min_p, window: int = TOP_WINDOW):
         return jax.lax.cond(jnp.all(fits), lambda l: thr, lambda l: _bisected_thresholds(l, k, top_p), l)
 
     thr = jax.lax.cond(jnp.any(k < v) | jnp.any(top_p < 1), windowed, lambda l: jnp.full(n, -jnp.inf), logits)
-    logits = jnp.where(logits < thr[:, None], -jnp.inf, logits)
-    p = jax.nn.softmax(logits, axis=-1)
-    pmax = jnp.max(p, axis=-1, keepdims=True)
-    return jnp.where(p < min_p[:, None] * pmax, -jnp.inf, logits)
+    # min-p: p < min_p * max p is l < max l + log(min_p), whatever top-k/top-p left (the maximum
+    # always stays), so no softmax.
+    thr = jnp.maximum(thr, jnp.max(logits, axis=-1) + jnp.log(min_p))
+    return jnp.where(logits < thr[:, None], -jnp.inf, logits)
 
 
 def _argmax(logits, tile: int = 128):
@@ -182,6 +182,36 @@ def _argmax(logits, tile: int = 128):
     best = jnp.argmax(jnp.max(tiles, axis=-1), axis=-1)
     within = jnp.argmax(jnp.take_along_axis(tiles, best[:, None, None], axis=1)[:, 0], axis=-1)
     return (best * tile + within).astype(jnp.int32)
+
+
+def _inverse_cdf(u, logits, tile: int = 128):
+    """One draw per row from softmax(logits), by inverse CDF: the first token whose cumulative
+    mass passes u [S] (uniform in [0, 1)) times the row's mass. The cumulative sums run over
+    tiles of 128 tokens, then within the one tile that holds the crossing. One random number per
+    row instead of a Gumbel draw per token (jax.random.categorical: about 200 ms for 64 x 49,152
+    on the CPU). A token of probability 0 (-inf, masked) is never drawn."""
+    n, v = logits.shape
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    pad = (-v) % tile
+    if pad:
+        probs = jnp.pad(probs, ((0, 0), (0, pad)))
+    tiles = probs.reshape(n, -1, tile)
+    mass = tiles.sum(-1)  # [S, tiles]
+    cum = jnp.cumsum(mass, axis=-1)
+    target = u * cum[:, -1]
+
+    def first_above(c, weights, target):
+        # The first index whose cumulative sum passes the target (strictly, so never a zero
+        # weight), or, where rounding left none, the last index with a positive weight.
+        above = c > target[:, None]
+        last = weights.shape[-1] - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
+        return jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1), last)
+
+    t = first_above(cum, mass, target)
+    before = jnp.where(t > 0, jnp.take_along_axis(cum, jnp.maximum(t - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inside = jnp.take_along_axis(tiles, t[:, None, None], axis=1)[:, 0]  # [S, tile]
+    j = first_above(before[:, None] + jnp.cumsum(inside, axis=-1), inside, target)
+    return (t * tile + j).astype(jnp.int32)
 
 
 def sample_rows(logits, s: dict):
@@ -210,7 +240,7 @@ def sample_rows(logits, s: dict):
         t = jnp.where(temperature > 0, temperature, 1.0)
         l = _filter(l / t[:, None], s["top_k"], s["top_p"], s["min_p"])
         keys = jax.vmap(lambda sd, c: jax.random.fold_in(jax.random.PRNGKey(sd), c))(s["seeds"], s["counters"])
-        return jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, l).astype(jnp.int32)
+        return _inverse_cdf(jax.vmap(lambda k: jax.random.uniform(k, ()))(keys), l)
 
     def pick(l):
         """Greedy rows' argmax and the others' draws: token ids [S]."""
