@@ -3,12 +3,17 @@ over the same weights, rounds interleaved, medians, the variant's speedup over t
 
     .venv/bin/python scripts/bench_ab.py [--base KEY=VALUE ...] [--variant KEY=VALUE ...]
                                          [--rounds 3] [--cases ttft,batch1,seqs64,long]
+                                         [--base-kernels DIR] [--base-sampler FILE]
+                                         [--temperature T --top-p P --seed S]
 
 KEY=VALUE pairs are EngineConfig fields. The default variant is `matmul_precision=bfloat16` against
 the default engine (what this script measured under its old name, bench_matmul_precision.py).
 With `--base-kernels DIR`, the base engine is built with another checkout's attention lowerings
 (DIR/runtime/worker/kernels.py), so that a change to them is measured against the old code in the
 same process; the variant's config is then the base's unless `--variant` says otherwise.
+`--base-sampler FILE` does the same for the sampler (another checkout's runtime/worker/sampler.py).
+Requests are greedy unless `--temperature` (and `--top-p`) say otherwise; sampled requests all take
+`--seed`, so both engines see the same requests.
 Both engines run without prefix caching (every round's prompts are new anyway) and with 2,000
 KV blocks each, unless told otherwise. Cases:
 - ttft: TTFT of a 512-token prompt (`max_tokens=1`, a new prompt each round);
@@ -80,6 +85,26 @@ def base_kernels(root: Path | None):
         kernels.lowerings = saved
 
 
+@contextlib.contextmanager
+def base_sampler(path: Path | None):
+    """While open, the step executables trace `path`'s sample_rows (another sampler.py), if given."""
+    if path is None:
+        yield
+        return
+    import importlib.util
+
+    from runtime.worker import sampler
+    spec = importlib.util.spec_from_file_location("sampler_baseline", path)
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old
+    spec.loader.exec_module(old)
+    saved, sampler.sample_rows = sampler.sample_rows, old.sample_rows
+    try:
+        yield
+    finally:
+        sampler.sample_rows = saved
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -92,6 +117,11 @@ def main() -> int:
     ap.add_argument("--variant", nargs="*", default=None, metavar="KEY=VALUE")
     ap.add_argument("--base-kernels", type=Path, default=None, metavar="DIR",
                     help="build the base engine with DIR's runtime/worker/kernels.py (another checkout)")
+    ap.add_argument("--base-sampler", type=Path, default=None, metavar="FILE",
+                    help="build the base engine with FILE as runtime/worker/sampler.py (another checkout's)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default="ttft,batch1,seqs64", help=f"comma-separated, of {', '.join(CASES)}")
     args = ap.parse_args()
@@ -99,18 +129,24 @@ def main() -> int:
     if set(cases) - set(CASES):
         raise SystemExit(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: {', '.join(CASES)}")
     if args.variant is None:
-        args.variant = args.base if args.base_kernels else ["matmul_precision=bfloat16"]
+        args.variant = args.base if args.base_kernels or args.base_sampler else ["matmul_precision=bfloat16"]
     configs = {"base": COMMON | parse_pairs(args.base), "variant": COMMON | parse_pairs(args.variant)}
     print(json.dumps({"configs": configs}), flush=True)
     cfg, weights, tok = load_model("smollm2-135m")
     llms = {}
     for name, kw in configs.items():
-        with base_kernels(args.base_kernels if name == "base" else None):  # engines compile as they are built
+        with (base_kernels(args.base_kernels if name == "base" else None),  # engines compile as they are built
+              base_sampler(args.base_sampler if name == "base" else None)):
             llms[name] = LLM.from_plan(compile_plan(None, EngineConfig(**kw), weights=weights, config=cfg,
                                                     tokenizer=tok))
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(100, 40000, n).tolist()  # noqa: E731
-    greedy = lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
+
+    def params(m):  # every case's requests: greedy unless --temperature says otherwise
+        if args.temperature == 0:
+            return SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=m,
+                              ignore_eos=True)
 
     def report(name, runs, unit, higher_is_better, **extra):
         med = {p: statistics.median(v) for p, v in runs.items()}
@@ -123,34 +159,34 @@ def main() -> int:
     if "ttft" in cases:
         runs = {p: [] for p in llms}
         for llm in llms.values():
-            llm.generate([prompt(512)], greedy(1))
+            llm.generate([prompt(512)], params(1))
         for _ in range(args.rounds):
             p = prompt(512)
             for name, llm in llms.items():
-                runs[name].append(timed(lambda: llm.generate([p], greedy(1))))
+                runs[name].append(timed(lambda: llm.generate([p], params(1))))
         report("TTFT, 512-token prompt", runs, "s", higher_is_better=False)
 
     if "batch1" in cases:
         p = prompt(32)
         runs = {p: [] for p in llms}
         for llm in llms.values():
-            llm.generate([p], greedy(128))
+            llm.generate([p], params(128))
         for _ in range(args.rounds):
             for name, llm in llms.items():
-                ttft = timed(lambda: llm.generate([p], greedy(1)))
-                runs[name].append(127 / (timed(lambda: llm.generate([p], greedy(128))) - ttft))
+                ttft = timed(lambda: llm.generate([p], params(1)))
+                runs[name].append(127 / (timed(lambda: llm.generate([p], params(128))) - ttft))
         report("batch-1 decode", runs, "tok/s", higher_is_better=True)
 
     if "seqs64" in cases:
         runs = {p: [] for p in llms}
         for llm in llms.values():
-            llm.generate([prompt(64) for _ in range(64)], greedy(64))
+            llm.generate([prompt(64) for _ in range(64)], params(64))
         same = None
         for _ in range(args.rounds):
             prompts = [prompt(64) for _ in range(64)]
             outs = {}
             for name, llm in llms.items():
-                runs[name].append(64 * 64 / timed(lambda: outs.__setitem__(name, llm.generate(prompts, greedy(64)))))
+                runs[name].append(64 * 64 / timed(lambda: outs.__setitem__(name, llm.generate(prompts, params(64)))))
             if same is None:
                 same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
                            for a, b in zip(outs["base"], outs["variant"]))
@@ -159,12 +195,12 @@ def main() -> int:
     if "long" in cases:
         runs = {p: [] for p in llms}
         for llm in llms.values():
-            llm.generate([prompt(384) for _ in range(32)], greedy(8))
+            llm.generate([prompt(384) for _ in range(32)], params(8))
         for _ in range(args.rounds):
             prompts = [prompt(384) for _ in range(32)]
             for name, llm in llms.items():
-                first = timed(lambda: llm.generate(prompts, greedy(1)))
-                runs[name].append(32 * 128 / (timed(lambda: llm.generate(prompts, greedy(129))) - first))
+                first = timed(lambda: llm.generate(prompts, params(1)))
+                runs[name].append(32 * 128 / (timed(lambda: llm.generate(prompts, params(129))) - first))
         report("32 sequences decoding at 384-512 tokens of context", runs, "tok/s", higher_is_better=True)
     return 0
 
