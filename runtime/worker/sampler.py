@@ -219,9 +219,9 @@ def sample_rows(logits, s: dict):
 
     logits [S, V]; `s` holds SamplerInputs' arrays (see `SamplerInputs.arrays`). Returns
     (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]). The grammar mask,
-    the logit bias and penalty scatters, the top-20 logprobs and the top-k/top-p/min-p sort run
-    under `lax.cond`, so a greedy batch that asks for none of them pays for none, and one
-    executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros; without
+    the logit bias and penalty scatters, the logprobs, the temperature draw and the top-k/top-p
+    thresholds run under `lax.cond`, so a greedy batch that asks for none of them pays for none,
+    and one executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros; without
     `logprobs` (no row reports any), the chosen logprobs are zeros too.
 
     Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
