@@ -80,93 +80,31 @@ def _apply_bitmask(logits, bitmask):
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-# Top-k/top-p look at each row's TOP_WINDOW largest logits first (XLA:CPU's TopK, a partial sort:
-# about 18 ms for 64 x 49,152). A step with a row whose k-th logit or nucleus lies past them finds
-# every row's thresholds by bisection instead (about 140-280 ms there). Neither sorts the whole
-# vocabulary, which took 1.4 s for 64 rows on the CPU.
-TOP_WINDOW = 256
-
-
-def _thresholds(logits, k, top_p, window: int):
-    """Per row: the logit below which top-k (`k` tokens; the vocabulary size for none) and then
-    top-p mask, from the row's `window` largest logits; and whether that window was enough (the
-    k-th logit and the nucleus's end lie inside it; always, when the window is the whole row).
-
-    Top-p's probabilities are over the top-k survivors (as HF and vLLM apply top-k first), and the
-    nucleus is the smallest prefix whose mass reaches top_p; the first token always stays."""
-    v = logits.shape[-1]
-    w = min(window, v)
-    desc = jax.lax.top_k(logits, w)[0]
-    inside = k <= w  # the k-th logit is in the window
-    kth = jnp.where(inside, jnp.take_along_axis(desc, jnp.clip(k - 1, 0, w - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
-    kept = jnp.where(jnp.arange(w)[None, :] < k[:, None], desc, -jnp.inf)
-    log_z = jax.nn.logsumexp(kept, axis=-1)
-    if w < v:  # rows without top-k normalize over the whole vocabulary, not the window
-        log_z = jnp.where(inside, log_z, jax.nn.logsumexp(logits, axis=-1))
-    probs = jnp.exp(kept - log_z[:, None])
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-    cutoff = jnp.where(top_p < 1, jnp.min(jnp.where(keep, kept, jnp.inf), axis=-1), -jnp.inf)
-    fits = inside | ((k == v) & ((top_p >= 1) | ~keep[:, -1]))
-    return jnp.maximum(kth, cutoff), fits
-
-
-def _ordered(x):
-    """f32 -> i32 keys in the same order (negative floats' magnitude bits flipped)."""
-    i = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
-
-
-def _unordered(key):
-    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
-
-
-def _largest_true(pred, lo, hi):
-    """Per row, the largest i32 t in [lo, hi] with pred(t) true, for pred true up to some t and
-    false after it (lo where it is nowhere true): 32 halvings cover any i32 range."""
-    def halve(_, bounds):
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (((lo & 1) + (hi & 1) + 1) >> 1)  # ceil((lo + hi) / 2), no overflow
-        ok = pred(mid[:, None])
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
-
-    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
-
-
-def _bisected_thresholds(logits, k, top_p):
-    """`_thresholds` for any k and nucleus, without sorting: the k-th logit is the largest t with
-    at least k logits >= t, and the nucleus's end the largest t whose logits >= t (among top-k's
-    survivors) hold top_p of the mass; each is found by bisection over the logits' bit patterns
-    (32 passes over the row)."""
-    v = logits.shape[-1]
-    keys = _ordered(logits)
-    lo, hi = keys.min(axis=-1), keys.max(axis=-1)
-    kth = jax.lax.cond(jnp.any(k < v), lambda: _largest_true(lambda t: (keys >= t).sum(-1) >= k, lo, hi), lambda: lo)
-    kept = jnp.where(keys >= kth[:, None], logits, -jnp.inf)
-    probs = jnp.exp(kept - jax.nn.logsumexp(kept, axis=-1, keepdims=True))
-    cutoff = _largest_true(lambda t: jnp.where(keys >= t, probs, 0.0).sum(-1) >= top_p, kth, hi)
-    return _unordered(jnp.where(top_p < 1, jnp.maximum(kth, cutoff), kth))
-
-
-def _filter(logits, top_k, top_p, min_p, window: int = TOP_WINDOW):
+def _filter(logits, top_k, top_p, min_p):
     """Masks logits outside top-k, the top-p nucleus, and below min_p x max prob.
 
-    Only a step with a row asking for top-k or top-p looks for thresholds: in each row's `window`
-    largest logits, or by bisection where some row's top-k or nucleus reaches past them. The
-    conditionals return a threshold per row, never [rows, vocab]."""
-    n, v = logits.shape
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    Top-k and top-p sort every row's whole vocabulary (about 1.4 s for 64 rows of SmolLM2's 49,152
+    on the CPU), so the sort runs only when some row asks for either: plain temperature sampling
+    (and min-p) skips it."""
+    v = logits.shape[-1]
 
-    def windowed(l):
-        thr, fits = _thresholds(l, k, top_p, window)
-        if window >= v:
-            return thr
-        return jax.lax.cond(jnp.all(fits), lambda l: thr, lambda l: _bisected_thresholds(l, k, top_p), l)
+    def nucleus(logits):
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+        kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        sorted_desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], sorted_desc, -jnp.inf)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        cum = jnp.cumsum(probs, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        keep_sorted = (cum - probs) < top_p[:, None]
+        cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where(logits < cutoff, -jnp.inf, logits)
 
-    thr = jax.lax.cond(jnp.any(k < v) | jnp.any(top_p < 1), windowed, lambda l: jnp.full(n, -jnp.inf), logits)
-    # min-p: p < min_p * max p is l < max l + log(min_p), whatever top-k/top-p left (the maximum
-    # always stays), so no softmax.
-    thr = jnp.maximum(thr, jnp.max(logits, axis=-1) + jnp.log(min_p))
-    return jnp.where(logits < thr[:, None], -jnp.inf, logits)
+    logits = jax.lax.cond(jnp.any((top_k > 0) & (top_k < v)) | jnp.any(top_p < 1), nucleus, lambda l: l, logits)
+    p = jax.nn.softmax(logits, axis=-1)
+    pmax = jnp.max(p, axis=-1, keepdims=True)
+    return jnp.where(p < min_p[:, None] * pmax, -jnp.inf, logits)
 
 
 def _argmax(logits, tile: int = 128):
@@ -184,44 +122,14 @@ def _argmax(logits, tile: int = 128):
     return (best * tile + within).astype(jnp.int32)
 
 
-def _inverse_cdf(u, logits, tile: int = 128):
-    """One draw per row from softmax(logits), by inverse CDF: the first token whose cumulative
-    mass passes u [S] (uniform in [0, 1)) times the row's mass. The cumulative sums run over
-    tiles of 128 tokens, then within the one tile that holds the crossing. One random number per
-    row instead of a Gumbel draw per token (jax.random.categorical: about 200 ms for 64 x 49,152
-    on the CPU). A token of probability 0 (-inf, masked) is never drawn."""
-    n, v = logits.shape
-    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    pad = (-v) % tile
-    if pad:
-        probs = jnp.pad(probs, ((0, 0), (0, pad)))
-    tiles = probs.reshape(n, -1, tile)
-    mass = tiles.sum(-1)  # [S, tiles]
-    cum = jnp.cumsum(mass, axis=-1)
-    target = u * cum[:, -1]
-
-    def first_above(c, weights, target):
-        # The first index whose cumulative sum passes the target (strictly, so never a zero
-        # weight), or, where rounding left none, the last index with a positive weight.
-        above = c > target[:, None]
-        last = weights.shape[-1] - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
-        return jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1), last)
-
-    t = first_above(cum, mass, target)
-    before = jnp.where(t > 0, jnp.take_along_axis(cum, jnp.maximum(t - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-    inside = jnp.take_along_axis(tiles, t[:, None, None], axis=1)[:, 0]  # [S, tile]
-    j = first_above(before[:, None] + jnp.cumsum(inside, axis=-1), inside, target)
-    return (t * tile + j).astype(jnp.int32)
-
-
 def sample_rows(logits, s: dict):
     """The sampler, traced into the step executable (one dispatch per step).
 
     logits [S, V]; `s` holds SamplerInputs' arrays (see `SamplerInputs.arrays`). Returns
     (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]). The grammar mask,
-    the logit bias and penalty scatters, the logprobs, the temperature draw and the top-k/top-p
-    thresholds run under `lax.cond`, so a greedy batch that asks for none of them pays for none,
-    and one executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros; without
+    the logit bias and penalty scatters, the top-20 logprobs and the top-k/top-p/min-p sort run
+    under `lax.cond`, so a greedy batch that asks for none of them pays for none, and one
+    executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros; without
     `logprobs` (no row reports any), the chosen logprobs are zeros too.
 
     Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
@@ -240,7 +148,7 @@ def sample_rows(logits, s: dict):
         t = jnp.where(temperature > 0, temperature, 1.0)
         l = _filter(l / t[:, None], s["top_k"], s["top_p"], s["min_p"])
         keys = jax.vmap(lambda sd, c: jax.random.fold_in(jax.random.PRNGKey(sd), c))(s["seeds"], s["counters"])
-        return _inverse_cdf(jax.vmap(lambda k: jax.random.uniform(k, ()))(keys), l)
+        return jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, l).astype(jnp.int32)
 
     def pick(l):
         """Greedy rows' argmax and the others' draws: token ids [S]."""
