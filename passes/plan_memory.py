@@ -204,10 +204,11 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "ch
 
 
 # The runtime samples inside the step executable, after the model's temporaries are dead. XLA's
-# temp for the sampler (runtime.worker.sampler.sample_rows) is 8 f32 [rows, vocab] arrays, measured at
-# 4, 16 and 64 rows: the f32 logits, their log-softmax, the biased logits, the penalty counts and
-# the top-k/top-p sort with its softmax and cumsum (both lax.cond branches get buffers).
-SAMPLER_WORKSPACE_ARRAYS = 8
+# temp for the sampler (runtime.worker.sampler.sample_rows) is 6 f32 [rows, vocab] arrays, measured
+# at 4, 16 and 64 rows of a 49,152 vocabulary (6.8, 6.2 and 6.05): the f32 logits, the masked and
+# biased logits, the penalty counts, and the draw's scaled logits, bit-pattern keys and
+# probabilities (both lax.cond branches get buffers).
+SAMPLER_WORKSPACE_ARRAYS = 6
 
 
 def sampler_workspace_bytes(graph: Graph, env: dict[str, int]) -> int:

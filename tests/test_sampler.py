@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jax
+import jax.numpy as jnp
 
 from runtime.worker.sampler import build_inputs, sample_rows
 from runtime.core.sampling_params import SamplingParams
@@ -216,10 +217,10 @@ def _primitives(jaxpr, out=None) -> set[str]:
     return out
 
 
-def test_the_vocabulary_sort_is_conditional():
-    """Top-k/top-p sort each row's whole vocabulary (1.4 s for 64 x 49,152 on CPU): the sort sits
-    under a `cond` that only a row asking for top-k or top-p takes, so plain temperature sampling
-    and min-p skip it."""
+def test_top_k_and_top_p_sort_nothing_and_only_bisect_when_asked():
+    """Sorting 64 rows of SmolLM2's 49,152 logits took 1.4 s on the CPU. `_filter` sorts nothing:
+    top-k/top-p bisect for their thresholds in loops under a `cond` that only a row asking for
+    either takes, so plain temperature sampling and min-p skip them."""
     from runtime.worker.sampler import _filter
 
     n = 4
@@ -229,5 +230,100 @@ def test_the_vocabulary_sort_is_conditional():
     for e in jaxpr.eqns:
         if e.primitive.name != "cond":
             _primitives(type("J", (), {"eqns": [e]})(), outside)
-    assert "sort" not in outside
-    assert "sort" in _primitives(jaxpr)
+    loops = {"while", "scan"}  # fori_loop's, by its trip count
+    assert not loops & outside and loops & _primitives(jaxpr)
+    assert "sort" not in _primitives(jaxpr)
+
+
+def test_the_draw_is_traced_twice_not_once_per_condition():
+    """The sampler compiles into every bucket's step: the filters and the draw appear in the
+    traced sampler twice (with and without penalties), not once per combination of the grammar
+    mask, logit bias and penalty conditions."""
+    from runtime.worker.sampler import input_specs, sample_rows
+
+    n = 4
+    specs = input_specs(n, 16, V)
+    jaxpr = jax.make_jaxpr(sample_rows)(jax.ShapeDtypeStruct((n, V), jnp.float32), specs).jaxpr
+
+    def count(jaxpr, name):
+        total = 0
+        for e in jaxpr.eqns:
+            total += e.primitive.name == name
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else [p]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        total += count(inner, name)
+        return total
+
+    # Per draw: the bisections for top-k and top-p (two fori_loops, `scan` or `while`).
+    assert count(jaxpr, "while") + count(jaxpr, "scan") == 2 * 2
+
+
+def _nucleus_reference(logits, top_k, top_p):
+    """Top-k then top-p as numpy, over each row's fully sorted vocabulary: which logits survive."""
+    out = np.ones(logits.shape, bool)
+    for i, row in enumerate(logits.astype(np.float64)):
+        v = len(row)
+        k = min(top_k[i], v) if top_k[i] > 0 else v
+        desc = np.sort(row)[::-1]
+        kth = desc[k - 1]
+        kept = np.where(np.arange(v) < k, desc, -np.inf)
+        probs = np.exp(kept - kept.max())
+        probs /= probs.sum()
+        keep = (np.cumsum(probs) - probs) < top_p[i]
+        cutoff = np.min(np.where(keep, kept, np.inf)) if top_p[i] < 1 else -np.inf
+        out[i] = row >= max(kth, cutoff)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [37, 1000])
+def test_top_k_and_top_p_by_bisection_match_the_full_sort(vocab):
+    """The thresholds found by bisection keep the same logits as a full sort: rows of peaked and
+    flat logits, top-k small, large and past the vocabulary, wide and narrow nuclei, ties at the
+    top, masked logits, and rows asking for neither beside rows asking for both."""
+    from runtime.worker.sampler import _filter
+
+    rng = np.random.default_rng(vocab)
+    scale = np.array([8.0, 8.0, 0.3, 0.3, 8.0, 0.3, 3.0, 1.0, 8.0, 0.3, 1.0], np.float32)[:, None]
+    logits = (rng.standard_normal((11, vocab)) * scale).astype(np.float32)
+    logits[9, :3] = logits[9].max() + 1.0  # ties at the top
+    logits[6, vocab // 3:] = -np.inf  # masked out (a grammar's bitmask, a logit bias)
+    top_k = np.array([0, 5, 0, 16, 17, 0, vocab - 1, 0, 40, 1, vocab + 5], np.int32)
+    top_p = np.array([0.9, 1.0, 0.5, 0.95, 0.7, 1.0, 0.8, 0.999, 1.0, 0.3, 1.0], np.float32)
+    f = jax.jit(lambda l, k, p: _filter(l, k, p, np.zeros(len(k), np.float32)))
+    for rows in (slice(None), [1, 8], [0, 2, 7], [5, 10]):  # both, top-k alone, top-p alone, neither
+        got = np.isfinite(np.asarray(f(logits[rows], top_k[rows], top_p[rows])))
+        np.testing.assert_array_equal(got, _nucleus_reference(logits[rows], top_k[rows], top_p[rows]))
+
+
+@pytest.mark.parametrize("vocab", [5, 128, 300, 1000])
+def test_inverse_cdf_draws_follow_the_softmax_exactly(vocab):
+    """Temperature draws go by inverse CDF over tiles of 128 tokens: with evenly spaced u, each
+    token is drawn in proportion to its probability (to within 1.5 draws), across tile edges and a
+    vocabulary off the tile size; masked (-inf) tokens never, not even at u = 0 or u just below 1."""
+    from runtime.worker.sampler import _inverse_cdf
+
+    rng = np.random.default_rng(vocab)
+    row = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    row[rng.permutation(vocab)[:vocab // 3]] = -np.inf
+    row[np.argmax(row)] += 3.0
+    n = 4096
+    u = np.concatenate([[0.0, np.nextafter(np.float32(1), np.float32(0))], (np.arange(n - 2) + 0.5) / (n - 2)])
+    drawn = np.asarray(jax.jit(_inverse_cdf)(u.astype(np.float32), np.tile(row, (n, 1))))
+    assert np.isfinite(row[drawn]).all()
+    p = np.exp(row.astype(np.float64) - row.max())
+    p /= p.sum()
+    counts = np.bincount(drawn[2:], minlength=vocab)
+    assert np.abs(counts - p * (n - 2)).max() <= 1.5
+
+
+def test_min_p_keeps_what_reaches_its_share_of_the_top_probability():
+    from runtime.worker.sampler import _filter
+
+    lg = rand_logits(3, 4)
+    min_p = np.array([0.0, 0.001, 0.3], np.float32)
+    got = np.isfinite(np.asarray(jax.jit(_filter)(lg, np.zeros(3, np.int32), np.ones(3, np.float32), min_p)))
+    p = np.exp(lg.astype(np.float64) - lg.max(-1, keepdims=True))
+    np.testing.assert_array_equal(got, p >= min_p[:, None])  # p / max p against min_p
+    assert got[0].all() and got[2].sum() < got[1].sum() < V

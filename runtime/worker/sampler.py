@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry_2x32
 
 from runtime.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -80,31 +81,62 @@ def _apply_bitmask(logits, bitmask):
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _filter(logits, top_k, top_p, min_p):
-    """Masks logits outside top-k, the top-p nucleus, and below min_p x max prob.
+def _ordered(x):
+    """f32 -> i32 keys in the same order (negative floats' magnitude bits flipped)."""
+    i = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
 
-    Top-k and top-p sort every row's whole vocabulary (about 1.4 s for 64 rows of SmolLM2's 49,152
-    on the CPU), so the sort runs only when some row asks for either: plain temperature sampling
-    (and min-p) skips it."""
+
+def _unordered(key):
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
+
+
+def _largest_true(pred, lo, hi):
+    """Per row, the largest i32 t in [lo, hi] with pred(t) true, for pred true up to some t and
+    false after it (lo where it is nowhere true): 32 halvings cover any i32 range."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (((lo & 1) + (hi & 1) + 1) >> 1)  # ceil((lo + hi) / 2), no overflow
+        ok = pred(mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
+
+
+def _thresholds(logits, k, top_p):
+    """Per row, the logit below which top-k (`k` tokens; the vocabulary size for none) and then
+    top-p mask, without sorting the vocabulary (a sort of 64 rows of SmolLM2's 49,152 logits took
+    1.4 s on the CPU). The k-th logit is the largest t with at least k logits >= t; the nucleus's
+    end is the largest t whose logits >= t hold top_p of the mass of top-k's survivors (HF and
+    vLLM apply top-k first), so the first token always stays and ties at the edge stay too. Each
+    is found by bisection over the logits' bit patterns: 32 passes over the rows, under a `cond`
+    that only a row asking for it takes."""
     v = logits.shape[-1]
+    keys = _ordered(logits)
+    lo, hi = keys.min(axis=-1), keys.max(axis=-1)
+    kth = jax.lax.cond(jnp.any(k < v), lambda: _largest_true(lambda t: (keys >= t).sum(-1) >= k, lo, hi),
+                       lambda: lo)
 
-    def nucleus(logits):
-        sorted_desc = -jnp.sort(-logits, axis=-1)
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-        kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-        sorted_desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], sorted_desc, -jnp.inf)
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        cum = jnp.cumsum(probs, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        keep_sorted = (cum - probs) < top_p[:, None]
-        cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-        return jnp.where(logits < cutoff, -jnp.inf, logits)
+    def nucleus():
+        probs = jnp.where(keys >= kth[:, None], jnp.exp(logits - logits.max(axis=-1, keepdims=True)), 0.0)
+        need = top_p * probs.sum(-1)
+        return _largest_true(lambda t: jnp.where(keys >= t, probs, 0.0).sum(-1) >= need, kth, hi)
 
-    logits = jax.lax.cond(jnp.any((top_k > 0) & (top_k < v)) | jnp.any(top_p < 1), nucleus, lambda l: l, logits)
-    p = jax.nn.softmax(logits, axis=-1)
-    pmax = jnp.max(p, axis=-1, keepdims=True)
-    return jnp.where(p < min_p[:, None] * pmax, -jnp.inf, logits)
+    cutoff = jax.lax.cond(jnp.any(top_p < 1), nucleus, lambda: kth)
+    return _unordered(jnp.where(top_p < 1, jnp.maximum(kth, cutoff), kth))
+
+
+def _filter(logits, top_k, top_p, min_p):
+    """Masks logits outside top-k, the top-p nucleus, and below min_p x max prob. The conditionals
+    return a threshold per row, never [rows, vocab]."""
+    n, v = logits.shape
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    thr = jax.lax.cond(jnp.any(k < v) | jnp.any(top_p < 1), lambda l: _thresholds(l, k, top_p),
+                       lambda l: jnp.full(n, -jnp.inf), logits)
+    # min-p: p < min_p * max p is l < max l + log(min_p), whatever top-k/top-p left (the maximum
+    # always stays), so no softmax.
+    thr = jnp.maximum(thr, jnp.max(logits, axis=-1) + jnp.log(min_p))
+    return jnp.where(logits < thr[:, None], -jnp.inf, logits)
 
 
 def _argmax(logits, tile: int = 128):
@@ -122,14 +154,63 @@ def _argmax(logits, tile: int = 128):
     return (best * tile + within).astype(jnp.int32)
 
 
+def _cumsum(x):
+    """Inclusive cumulative sums along the last axis as a product with a triangular matrix: XLA:CPU
+    compiles and runs it faster than its reduce-window cumsum, for the short axes used here."""
+    m = x.shape[-1]
+    tri = (jnp.arange(m)[:, None] <= jnp.arange(m)[None, :]).astype(x.dtype)
+    return jnp.dot(x, tri, precision=jax.lax.Precision.HIGHEST)
+
+
+def _uniforms(seeds, counters):
+    """One uniform in [0, 1) per row: Threefry-2x32 (JAX's counter-based generator) keyed by the
+    row's seed, at the row's output index. One hash per row, where fold_in then uniform takes two
+    and compiles slower (0.21 against 0.34 s, in every bucket's step)."""
+    keys = jnp.stack([seeds, jnp.full_like(seeds, 0x9E3779B9)], axis=-1)
+    counts = jnp.stack([counters.astype(jnp.uint32), jnp.zeros_like(seeds)], axis=-1)
+    bits = jax.vmap(threefry_2x32)(keys, counts)[:, 0]
+    return (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def _inverse_cdf(u, logits, tile: int = 128):
+    """One draw per row from softmax(logits), by inverse CDF: the first token whose cumulative
+    mass passes u [S] (uniform in [0, 1)) times the row's mass. The cumulative sums run over
+    tiles of 128 tokens, then within the one tile that holds the crossing. One random number per
+    row, not a Gumbel number per token (jax.random.categorical: about 110 ms for 64 x 49,152
+    on this CPU, most of it generating 3M random numbers). A token of probability 0 (-inf, masked)
+    is never drawn."""
+    n, v = logits.shape
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    pad = (-v) % tile
+    if pad:
+        probs = jnp.pad(probs, ((0, 0), (0, pad)))
+    tiles = probs.reshape(n, -1, tile)
+    mass = tiles.sum(-1)  # [S, tiles]
+    cum = _cumsum(mass)
+    target = u * cum[:, -1]
+
+    def first_above(c, weights, target):
+        # The first index with a positive weight whose cumulative sum passes the target, or,
+        # where rounding left none, the last index with a positive weight.
+        above = (c > target[:, None]) & (weights > 0)
+        last = weights.shape[-1] - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
+        return jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1), last)
+
+    t = first_above(cum, mass, target)
+    before = jnp.take_along_axis(cum - mass, t[:, None], axis=-1)[:, 0]
+    inside = jnp.take_along_axis(tiles, t[:, None, None], axis=1)[:, 0]  # [S, tile]
+    j = first_above(before[:, None] + _cumsum(inside), inside, target)
+    return (t * tile + j).astype(jnp.int32)
+
+
 def sample_rows(logits, s: dict):
     """The sampler, traced into the step executable (one dispatch per step).
 
     logits [S, V]; `s` holds SamplerInputs' arrays (see `SamplerInputs.arrays`). Returns
     (token ids [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]). The grammar mask,
-    the logit bias and penalty scatters, the top-20 logprobs and the top-k/top-p/min-p sort run
-    under `lax.cond`, so a greedy batch that asks for none of them pays for none, and one
-    executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros; without
+    the logit bias and penalty scatters, the draws, the top-k/top-p bisections and the top-20
+    logprobs run under `lax.cond`, so a greedy batch that asks for none of them pays for none
+    (one argmax), and one executable serves every mix of requests. Without `top_logprobs`, the top rows are zeros; without
     `logprobs` (no row reports any), the chosen logprobs are zeros too.
 
     Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM
@@ -147,8 +228,7 @@ def sample_rows(logits, s: dict):
     def draw(l):
         t = jnp.where(temperature > 0, temperature, 1.0)
         l = _filter(l / t[:, None], s["top_k"], s["top_p"], s["min_p"])
-        keys = jax.vmap(lambda sd, c: jax.random.fold_in(jax.random.PRNGKey(sd), c))(s["seeds"], s["counters"])
-        return jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys, l).astype(jnp.int32)
+        return _inverse_cdf(_uniforms(s["seeds"], s["counters"]), l)
 
     def pick(l):
         """Greedy rows' argmax and the others' draws: token ids [S]."""
@@ -163,31 +243,37 @@ def sample_rows(logits, s: dict):
         return _apply_penalties(l, s["history"], s["prompt_lens"], s["rep_penalty"], s["pres_penalty"],
                                 s["freq_penalty"])
 
-    def choose(l):
-        """The logit bias and penalties where asked, then `pick`."""
-        return jax.lax.cond(s["penalize"], lambda l: pick(penalized(biased(l))), lambda l: pick(biased(l)), l)
+    def masked(l):
+        return _apply_bitmask(l, s["bitmask"])
+
+    def general(l):
+        """Any step with a constrained, biased, penalized or sampling row. (The all-allowed
+        bitmask and empty biases of the other rows change nothing.) `pick` is traced twice here
+        and the filters and draw inside it once each, not once per combination of conditions:
+        the sampler compiles into every bucket's step."""
+        l = biased(masked(l))
+        return jax.lax.cond(s["penalize"], lambda l: pick(penalized(l)), pick, l)
 
     def no_top(l):
         return jnp.zeros((n, NUM_TOP_LOGPROBS), jnp.int32), jnp.zeros((n, NUM_TOP_LOGPROBS), jnp.float32)
 
-    def finish(logits):
-        tokens = jax.lax.cond(s["penalize"] | jnp.any(bias_ids >= 0), choose, pick, logits)
-
-        def logprobs(l):
-            lse = jax.nn.logsumexp(l, axis=-1, keepdims=True)
-            chosen = jnp.take_along_axis(l, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
-            top_ids, top_lp = jax.lax.cond(
-                s["top_logprobs"], lambda l: tuple(reversed(jax.lax.top_k(l - lse, NUM_TOP_LOGPROBS))), no_top, l)
-            return chosen, top_ids.astype(jnp.int32), top_lp
-
-        # The log-sum-exp over the vocabulary (7 ms of a 64-row CPU step) only where some row
-        # reports logprobs.
-        chosen, top_ids, top_lp = jax.lax.cond(s["logprobs"], logprobs,
-                                               lambda l: (jnp.zeros(n, jnp.float32), *no_top(l)), logits)
-        return tokens, chosen, top_ids, top_lp
-
     logits = logits.astype(jnp.float32)
-    return jax.lax.cond(s["constrained"], lambda l: finish(_apply_bitmask(l, s["bitmask"])), finish, logits)
+    special = s["constrained"] | s["penalize"] | jnp.any(bias_ids >= 0) | jnp.any(temperature > 0)
+    tokens = jax.lax.cond(special, general, _argmax, logits)
+
+    def logprobs(l):
+        lse = jax.nn.logsumexp(l, axis=-1, keepdims=True)
+        chosen = jnp.take_along_axis(l, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
+        top_ids, top_lp = jax.lax.cond(
+            s["top_logprobs"], lambda l: tuple(reversed(jax.lax.top_k(l - lse, NUM_TOP_LOGPROBS))), no_top, l)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    # The log-sum-exp over the vocabulary (7 ms of a 64-row CPU step) only where some row
+    # reports logprobs.
+    chosen, top_ids, top_lp = jax.lax.cond(
+        s["logprobs"], lambda l: jax.lax.cond(s["constrained"], lambda l: logprobs(masked(l)), logprobs, l),
+        lambda l: (jnp.zeros(n, jnp.float32), *no_top(l)), logits)
+    return tokens, chosen, top_ids, top_lp
 
 
 def build_inputs(rows: list[tuple[SamplingParams, int, int, list[int], int]], num_rows: int,
