@@ -316,6 +316,9 @@ def test_inverse_cdf_draws_follow_the_softmax_exactly(vocab):
     p /= p.sum()
     counts = np.bincount(drawn[2:], minlength=vocab)
     assert np.abs(counts - p * (n - 2)).max() <= 1.5
+    # A row with no finite logit still draws an id inside the vocabulary (not the padded tile's).
+    dead = np.asarray(jax.jit(_inverse_cdf)(np.array([0.5], np.float32), np.full((1, vocab), -np.inf, np.float32)))
+    assert 0 <= dead[0] < vocab
 
 
 def test_min_p_keeps_what_reaches_its_share_of_the_top_probability():

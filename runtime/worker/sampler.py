@@ -200,7 +200,8 @@ def _inverse_cdf(u, logits, tile: int = 128):
     before = jnp.take_along_axis(cum - mass, t[:, None], axis=-1)[:, 0]
     inside = jnp.take_along_axis(tiles, t[:, None, None], axis=1)[:, 0]  # [S, tile]
     j = first_above(before[:, None] + _cumsum(inside), inside, target)
-    return (t * tile + j).astype(jnp.int32)
+    # A row with no finite logit (NaN logits) still gets an id inside the vocabulary, not a pad slot.
+    return jnp.minimum(t * tile + j, v - 1).astype(jnp.int32)
 
 
 def sample_rows(logits, s: dict):
