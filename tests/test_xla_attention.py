@@ -70,6 +70,10 @@ CASES = [  # (q_lens, prior, bucket tokens, bucket seqs)
     # Past SELF_TILE tokens the step's own attention goes in query tiles: prompts and a
     # continuation that straddle tile boundaries, a decode row, padding in the last tile.
     ([150, 1, 99, 2, 30], [0, 40, 0, 10, 70], 300, 8),
+    # A long prompt over four query tiles, and short prompts packed across tile boundaries
+    # (the seqs64 benchmark's prefill steps), padding last.
+    ([500], [0], 512, 4),
+    ([64] * 7 + [50], [0] * 8, 512, 8),
 ]
 
 
