@@ -24,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -49,77 +50,199 @@ inline void WidenRow(const KV* src, float* dst, int64_t D) {  // one K or V row 
   for (int64_t d = 0; d < D; ++d) dst[d] = Widen(src[d]);
 }
 
+// One block of the online softmax for one query head: the block's scores `pi` [n] become
+// exp(score - new_max) in place, the running max `m` and denominator `l` move on, and the factor
+// that rescales what the accumulator holds so far is returned.
+inline float Softmax(float* pi, int64_t n, float new_max, float& m, float& l) {
+  const float corr = std::exp(m - new_max);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    pi[j] = std::exp(pi[j] - new_max);
+    sum += pi[j];
+  }
+  l = l * corr + sum;
+  m = new_max;
+  return corr;
+}
+
 struct Shape {
   int64_t H, R, D, N, BS, M;
 };
+
+// One row's walk over its blocks; the online-softmax state lives here, and a block body (below)
+// turns one block into scores, then probabilities through Softmax, then adds the values.
+struct RowState {
+  int64_t HR, D;
+  float* a;  // the row's accumulator [HR, D]
+  float m[kMaxHeads], l[kMaxHeads], block_max[kMaxHeads];
+  alignas(64) float p[kMaxHeads][kMaxBlock];  // scores, then probabilities, of one block
+};
+
+template <typename KV, typename Body>
+void Walk(int64_t t, const Shape& s, const KV* k_pool, const KV* v_pool, const int32_t* tables,
+          const int32_t* seq, const int32_t* limit, float* mx, float* den, float* acc, const Body& body) {
+  RowState st;
+  st.HR = s.H * s.R;
+  st.D = s.D;
+  st.a = acc + t * st.HR * s.D;
+  std::fill(st.m, st.m + st.HR, -1e30f);
+  std::fill(st.l, st.l + st.HR, 0.f);
+  std::fill(st.a, st.a + st.HR * s.D, 0.f);
+  const int64_t lim = limit[t], block_stride = s.BS * s.H * s.D;
+  const int32_t* table = tables + static_cast<int64_t>(seq[t]) * s.M;
+  for (int64_t p0 = 0; p0 < lim; p0 += s.BS) {
+    const int64_t block = std::clamp<int64_t>(table[p0 / s.BS], 0, s.N - 1);
+    std::copy(st.m, st.m + st.HR, st.block_max);
+    body(st, k_pool + block * block_stride, v_pool + block * block_stride, std::min<int64_t>(s.BS, lim - p0));
+  }
+  std::copy(st.m, st.m + st.HR, mx + t * st.HR);
+  std::copy(st.l, st.l + st.HR, den + t * st.HR);
+}
+
+// The scalar block body, for any head_dim and block size.
+template <typename KV>
+void ScalarBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, const KV* vb, int64_t n) {
+  const int64_t D = s.D;
+  alignas(64) float x[kMaxDim];  // one K or V row in f32
+  for (int64_t j = 0; j < n; ++j) {  // scores: each K row is read once for its R query heads
+    for (int64_t h = 0; h < s.H; ++h) {
+      WidenRow(kb + (j * s.H + h) * D, x, D);
+      for (int64_t r = 0; r < s.R; ++r) {
+        const int64_t i = h * s.R + r;
+        const float* qr = qt + i * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * x[d];
+        st.p[i][j] = dot;
+        st.block_max[i] = std::max(st.block_max[i], dot);
+      }
+    }
+  }
+  for (int64_t i = 0; i < st.HR; ++i) {  // online softmax: rescale what came before
+    const float corr = Softmax(st.p[i], n, st.block_max[i], st.m[i], st.l[i]);
+    float* ai = st.a + i * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
+  }
+  for (int64_t j = 0; j < n; ++j) {  // values
+    for (int64_t h = 0; h < s.H; ++h) {
+      WidenRow(vb + (j * s.H + h) * D, x, D);
+      for (int64_t r = 0; r < s.R; ++r) {
+        const int64_t i = h * s.R + r;
+        const float w = st.p[i][j];
+        float* ai = st.a + i * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ai[d] += w * x[d];
+      }
+    }
+  }
+}
+
+// The vector path, for head_dim a multiple of 16 (ND 16-float chunks) and blocks a multiple of 16
+// tokens. Scores take 16 tokens at a time: each token's dot is left as 16 partial sums, and one
+// tree of shuffles and adds turns the 16 partial vectors into the 16 scores, so no dot pays a
+// horizontal reduction of its own. Values keep each query head's accumulator in registers across
+// the block. Lanes past a block's last live token are computed from whatever the block holds
+// there, and never read.
+typedef float F16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+
+inline F16 Load16(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline F16 Load16(const uint16_t* p) {  // 16 bf16 values, widened
+  U16x16 u;
+  std::memcpy(&u, p, sizeof u);
+  const U32x16 w = __builtin_convertvector(u, U32x16) << 16;
+  F16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+// Shuffle masks of the reduction tree: at group size g, `lo` takes the first g lanes of each pair
+// of groups in the two inputs' concatenation and `hi` the second g, so lo + hi halves the partial
+// sums per token. After g = 8, 4, 2, 1, lane j holds the whole sum of input j.
+struct Tree {
+  I16 lo[4], hi[4];
+  Tree() {
+    for (int step = 0, g = 8; g >= 1; ++step, g /= 2) {
+      for (int k = 0; k < 16; ++k) {
+        lo[step][k] = (k / g) * 2 * g + k % g;
+        hi[step][k] = (k / g) * 2 * g + g + k % g;
+      }
+    }
+  }
+};
+
+inline F16 Sum16(F16* v) {  // v[16]: lane j of the result is the sum of v[j]'s lanes
+  static const Tree tree;
+  for (int step = 0, n = 16; n > 1; ++step, n /= 2) {
+    for (int k = 0; k < n / 2; ++k) {
+      v[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1], tree.lo[step]) +
+             __builtin_shuffle(v[2 * k], v[2 * k + 1], tree.hi[step]);
+    }
+  }
+  return v[0];
+}
+
+template <int ND, typename KV>
+void VectorBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, const KV* vb, int64_t n) {
+  constexpr int64_t D = ND * 16;
+  const int64_t H = s.H, R = s.R;
+  F16 part[16];
+  for (int64_t i = 0; i < st.HR; ++i) {  // scores, 16 tokens at a time
+    const int64_t h = i / R;
+    F16 qv[ND];
+    for (int c = 0; c < ND; ++c) qv[c] = Load16(qt + i * D + 16 * c);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      for (int jj = 0; jj < 16; ++jj) {
+        const KV* kr = kb + ((j0 + jj) * H + h) * D;
+        F16 sum = qv[0] * Load16(kr);
+        for (int c = 1; c < ND; ++c) sum += qv[c] * Load16(kr + 16 * c);
+        part[jj] = sum;
+      }
+      const F16 scores = Sum16(part);
+      std::memcpy(&st.p[i][j0], &scores, sizeof scores);
+      const int64_t live = std::min<int64_t>(16, n - j0);
+      for (int64_t jj = 0; jj < live; ++jj) st.block_max[i] = std::max(st.block_max[i], st.p[i][j0 + jj]);
+    }
+  }
+  for (int64_t i = 0; i < st.HR; ++i) {  // online softmax, then values into registers
+    const float* pi = st.p[i];
+    const float corr = Softmax(st.p[i], n, st.block_max[i], st.m[i], st.l[i]);
+    F16 av[ND];
+    for (int c = 0; c < ND; ++c) av[c] = Load16(st.a + i * D + 16 * c) * corr;
+    const int64_t h = i / R;
+    for (int64_t j = 0; j < n; ++j) {
+      const KV* vr = vb + (j * H + h) * D;
+      for (int c = 0; c < ND; ++c) av[c] += pi[j] * Load16(vr + 16 * c);
+    }
+    std::memcpy(st.a + i * D, av, sizeof av);
+  }
+}
 
 template <typename KV>
 void Row(int64_t t, const Shape& s, const float* q, const KV* k_pool, const KV* v_pool,
          const int32_t* tables, const int32_t* seq, const int32_t* limit, float* mx, float* den,
          float* acc) {
-  const int64_t HR = s.H * s.R, D = s.D, block_stride = s.BS * s.H * D;
-  const float* qt = q + t * HR * D;
-  float* a = acc + t * HR * D;
-  float m[kMaxHeads], l[kMaxHeads], block_max[kMaxHeads];
-  alignas(64) float p[kMaxHeads][kMaxBlock];  // scores, then probabilities, of one block
-  alignas(64) float x[kMaxDim];               // one K or V row in f32
-  std::fill(m, m + HR, -1e30f);
-  std::fill(l, l + HR, 0.f);
-  std::fill(a, a + HR * D, 0.f);
-  const int64_t lim = limit[t];
-  const int32_t* table = tables + static_cast<int64_t>(seq[t]) * s.M;
-  for (int64_t p0 = 0; p0 < lim; p0 += s.BS) {
-    const int64_t block = std::clamp<int64_t>(table[p0 / s.BS], 0, s.N - 1);
-    const int64_t n = std::min<int64_t>(s.BS, lim - p0);
-    const KV* kb = k_pool + block * block_stride;
-    const KV* vb = v_pool + block * block_stride;
-    std::copy(m, m + HR, block_max);
-    for (int64_t j = 0; j < n; ++j) {  // scores: each K row is read once for its R query heads
-      for (int64_t h = 0; h < s.H; ++h) {
-        WidenRow(kb + (j * s.H + h) * D, x, D);
-        for (int64_t r = 0; r < s.R; ++r) {
-          const int64_t i = h * s.R + r;
-          const float* qr = qt + i * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * x[d];
-          p[i][j] = dot;
-          block_max[i] = std::max(block_max[i], dot);
-        }
-      }
-    }
-    for (int64_t i = 0; i < HR; ++i) {  // online softmax: rescale what came before
-      const float new_max = block_max[i];
-      const float corr = std::exp(m[i] - new_max);
-      float* pi = p[i];
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        pi[j] = std::exp(pi[j] - new_max);
-        sum += pi[j];
-      }
-      l[i] = l[i] * corr + sum;
-      m[i] = new_max;
-      float* ai = a + i * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
-    }
-    for (int64_t j = 0; j < n; ++j) {  // values
-      for (int64_t h = 0; h < s.H; ++h) {
-        WidenRow(vb + (j * s.H + h) * D, x, D);
-        for (int64_t r = 0; r < s.R; ++r) {
-          const int64_t i = h * s.R + r;
-          const float w = p[i][j];
-          float* ai = a + i * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ai[d] += w * x[d];
-        }
-      }
-    }
-  }
-  std::copy(m, m + HR, mx + t * HR);
-  std::copy(l, l + HR, den + t * HR);
+  const float* qt = q + t * s.H * s.R * s.D;
+  auto walk = [&](auto block) { Walk(t, s, k_pool, v_pool, tables, seq, limit, mx, den, acc, block); };
+  auto vector = [&](auto nd) {
+    walk([&](RowState& st, const KV* kb, const KV* vb, int64_t n) {
+      VectorBlock<decltype(nd)::value>(st, s, qt, kb, vb, n);
+    });
+  };
+  if (s.BS % 16 == 0 && s.D == 32) return vector(std::integral_constant<int, 2>());
+  if (s.BS % 16 == 0 && s.D == 64) return vector(std::integral_constant<int, 4>());
+  if (s.BS % 16 == 0 && s.D == 128) return vector(std::integral_constant<int, 8>());
+  walk([&](RowState& st, const KV* kb, const KV* vb, int64_t n) { ScalarBlock(st, s, qt, kb, vb, n); });
 }
+
 
 // Rows are shared out through an atomic counter: the calling thread and helpers on XLA's
 // intra-op pool each take the next row until none is left. A helper that starts late finds none
