@@ -164,30 +164,35 @@ inline F16 Load16(const uint16_t* p) {  // 16 bf16 values, widened
   return v;
 }
 
-// Shuffle masks of the reduction tree: at group size g, `lo` takes the first g lanes of each pair
-// of groups in the two inputs' concatenation and `hi` the second g, so lo + hi halves the partial
-// sums per token. After g = 8, 4, 2, 1, lane j holds the whole sum of input j.
-struct Tree {
-  I16 lo[4], hi[4];
-  Tree() {
-    for (int step = 0, g = 8; g >= 1; ++step, g /= 2) {
-      for (int k = 0; k < 16; ++k) {
-        lo[step][k] = (k / g) * 2 * g + k % g;
-        hi[step][k] = (k / g) * 2 * g + g + k % g;
-      }
-    }
-  }
-};
+// Two-input shuffles with constant lane indices into the inputs' concatenation: GCC's
+// __builtin_shuffle (any GCC with vector extensions), clang's __builtin_shufflevector.
+#if defined(__clang__)
+#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (I16){__VA_ARGS__})
+#endif
 
-inline F16 Sum16(F16* v) {  // v[16]: lane j of the result is the sum of v[j]'s lanes
-  static const Tree tree;
-  for (int step = 0, n = 16; n > 1; ++step, n /= 2) {
-    for (int k = 0; k < n / 2; ++k) {
-      v[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1], tree.lo[step]) +
-             __builtin_shuffle(v[2 * k], v[2 * k + 1], tree.hi[step]);
-    }
+// v[16]: lane j of the result is the sum of v[j]'s lanes. Each step adds the first and the second
+// half of each group of lanes, for two inputs at once (groups of 8, 4, 2, then 1), so after four
+// steps lane j holds input j's whole sum.
+inline F16 Sum16(F16* v) {
+  for (int k = 0; k < 8; ++k) {
+    const F16 a = v[2 * k], b = v[2 * k + 1];
+    v[k] = SHUFFLE16(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE16(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
-  return v[0];
+  for (int k = 0; k < 4; ++k) {
+    const F16 a = v[2 * k], b = v[2 * k + 1];
+    v[k] = SHUFFLE16(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUFFLE16(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int k = 0; k < 2; ++k) {
+    const F16 a = v[2 * k], b = v[2 * k + 1];
+    v[k] = SHUFFLE16(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUFFLE16(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return SHUFFLE16(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE16(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 template <int ND, typename KV>
