@@ -24,16 +24,21 @@ def quantize_rows_int8(x):
     return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
 
 
-def w8a8_matmul(x, w, scale, min_rows: int = W8A8_MIN_ROWS):
+def w8a8_matmul(x, w, scale, min_rows: int = W8A8_MIN_ROWS, product=None):
     """x [..., K] @ (w int8 [K, N] * scale [N]): each row quantized with its own scale, an int8 x
     int8 -> int32 product, then both scales; in x's dtype. Steps of fewer than `min_rows` rows
-    are padded (zero rows quantize to zeros, and are dropped after the product)."""
+    are padded for XLA's dot (zero rows quantize to zeros, and are dropped after the product).
+    `product(q [rows, K] s8, w) -> s32 [rows, N]` replaces XLA's dot (a backend's kernel; the
+    int32 sums are exact, so any exact product gives the same result), without the padding."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     x2 = x.reshape(rows, k)
-    if rows < min_rows:
+    if product is None and rows < min_rows:
         x2 = jnp.pad(x2, ((0, min_rows - rows), (0, 0)))
     q, row_scale = quantize_rows_int8(x2)
-    acc = jax.lax.dot(q, w, preferred_element_type=jnp.int32)
+    if product is None:
+        acc = jax.lax.dot(q, w, preferred_element_type=jnp.int32)
+    else:
+        acc = product(q, w)
     y = acc[:rows].astype(jnp.float32) * row_scale[:rows] * scale.astype(jnp.float32)
     return y.reshape(lead + (w.shape[1],)).astype(x.dtype)

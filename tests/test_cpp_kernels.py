@@ -1,7 +1,9 @@
-"""Our C++ decode-attention kernel for XLA:CPU (runtime/worker/cpp/paged_decode.cc) against the jnp
-reference: decode rows over poisoned paged pools (a read past a row's context gives NaN), at several
-head shapes, block sizes and ragged contexts, from f32 pools and from bf16 bits; that it reads the
-pool in place (no gather, no copy in the compiled step); and what `auto` does without a compiler."""
+"""Our C++ kernels for XLA:CPU. Decode attention (runtime/worker/cpp/paged_decode.cc) against the
+jnp reference: decode rows over poisoned paged pools (a read past a row's context gives NaN), at
+several head shapes, block sizes and ragged contexts, from f32 pools and from bf16 bits; that it
+reads the pool in place (no gather, no copy in the compiled step); and what `auto` does without a
+compiler. The int8 product (cpp/int8_matmul.cc) against XLA's dot, bit for bit, and which W8A8
+products the cpp backend gives it."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ir import OPS
+from ir.int8 import INT8_ACTIVATIONS
 from ir.ops import paged_attention_reference
 from pallas_kernels.testing import random_paged_cache
 from runtime.worker import cpp_kernels, executor
-from runtime.worker.kernels import BF16_BITS, paged_attention_xla
+from runtime.worker.kernels import BF16_BITS, CPP_INT8_MAX_ROWS, matmul_int8_cpp, paged_attention_xla
 from tolerances import KERNEL, SAME_MATH_F32
 
 # (query heads, kv heads, head_dim, block_size, contexts): GQA 3:1 like SmolLM2, 4:1 at head_dim 128
@@ -89,7 +93,7 @@ def test_the_kernel_reads_the_pool_in_place():
     one_block = 16 * 64  # one block of one kv head
     xla, cpp = hlo(False), hlo(True)
     assert max(_gathered(xla)) >= one_block  # the check can fail: the XLA lowering gathers K/V
-    assert max(_gathered(cpp), default=0) < one_block and cpp_kernels.TARGET in cpp
+    assert max(_gathered(cpp), default=0) < one_block and "jaxserve_paged_decode" in cpp
     pool = "f32[" + ",".join(map(str, kp.shape)) + "]"
     assert not [ln for ln in cpp.splitlines() if " copy(" in ln and ln.split("=", 1)[1].strip().startswith(pool)]
 
@@ -137,3 +141,43 @@ def test_a_fresh_cache_builds_a_library_that_loads(monkeypatch, tmp_path):
     lib = cpp_kernels._build()
     assert lib.parent == tmp_path and lib.suffix == ".so" and lib.stat().st_size > 0
     assert cpp_kernels._build() == lib and list(tmp_path.iterdir()) == [lib]
+
+
+# (rows, K, N): SmolLM2's decode products (q/k/v, down, gate/up, the head's width), an odd K (a last
+# weight row without a partner), N off the 64-column tiles (the scalar tail), narrow N with a long K
+# (split over threads by K, the shares summed), wide N (column chunks), tiny shapes.
+INT8_SHAPES = [(1, 576, 960), (4, 1536, 576), (2, 576, 3072), (3, 577, 1000), (1, 9000, 70),
+               (4, 64, 4100), (7, 130, 2049), (5, 33, 7), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("m,k,n", INT8_SHAPES)
+def test_int8_matmul_equals_xla_bit_for_bit(m, k, n):
+    """Exact int32 sums, so exactly XLA's dot, at every shape and at the int8 extremes (-128 too)."""
+    rng = np.random.default_rng(m * 7919 + k * 31 + n)
+    x = rng.integers(-128, 128, (m, k), dtype=np.int8)
+    w = rng.integers(-128, 128, (k, n), dtype=np.int8)
+    x[0, : k // 2] = -128  # the largest products, in one row's sum
+    w[: k // 2, 0] = -128
+    got = jax.jit(cpp_kernels.int8_matmul)(jnp.asarray(x), jnp.asarray(w))
+    want = jax.lax.dot(jnp.asarray(x), jnp.asarray(w), preferred_element_type=jnp.int32)
+    assert got.dtype == jnp.int32 and got.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), x.astype(np.int64) @ w.astype(np.int64))
+
+
+@pytest.mark.parametrize("rows", [1, 3, CPP_INT8_MAX_ROWS, CPP_INT8_MAX_ROWS + 1, 64])
+def test_w8a8_products_of_few_rows_take_the_kernel(rows):
+    """Under kernel_backend="cpp", a W8A8 product of at most CPP_INT8_MAX_ROWS rows (a decode step)
+    calls the kernel where it has its vector path, wider ones keep XLA's dot, weight-only int8 never
+    goes there; each gives exactly what ir.ops's lowering gives."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 576)), jnp.float32)
+    w = jnp.asarray(rng.integers(-127, 128, (576, 960), dtype=np.int8))
+    scale = jnp.asarray(rng.uniform(1e-3, 2e-2, 960), jnp.float32)
+    for activations in (INT8_ACTIVATIONS, None):
+        f = jax.jit(lambda x, w, s: matmul_int8_cpp(x, w, s, activations=activations))  # noqa: B023
+        hlo = f.lower(x, w, scale).compile().as_text()
+        kernel = activations is not None and rows <= CPP_INT8_MAX_ROWS and cpp_kernels.int8_matmul_vectorized()
+        assert ("jaxserve_int8_matmul" in hlo) == kernel
+        ref = OPS["matmul_int8"].impl(x, w, scale, activations=activations)
+        np.testing.assert_array_equal(np.asarray(f(x, w, scale)), np.asarray(ref))

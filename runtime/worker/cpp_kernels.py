@@ -1,11 +1,13 @@
 """Our C++ kernels for XLA:CPU, built on first use and called through XLA's FFI.
 
 `kernel_backend="cpp"` (the default on CPU, through `auto`) runs decode attention in
-cpp/paged_decode.cc, which reads K/V from the paged pool in place; everything else stays the XLA
-lowering of runtime.worker.kernels. The source is compiled once per machine with the system's C++
-compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, and cached under
-~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the source, the flags, the compiler,
-jaxlib and the CPU. Without a compiler, `auto` falls back to the plain XLA lowering and says why.
+cpp/paged_decode.cc, which reads K/V from the paged pool in place, and W8A8 products of a few rows
+(decode steps) in cpp/int8_matmul.cc; everything else stays the XLA lowering of
+runtime.worker.kernels. The sources are compiled once per machine into one library with the
+system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, and cached
+under ~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the sources, the flags, the
+compiler, jaxlib and the CPU. Without a compiler, `auto` falls back to the plain XLA lowering and
+says why.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpp") / "paged_decode.cc"
-TARGET = "jaxserve_paged_decode"
-SYMBOL = "JaxservePagedDecode"
+SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "int8_matmul.cc"))
+HEADERS = (Path(__file__).with_name("cpp") / "parallel_for.h",)
+# FFI target name -> the library's handler symbol.
+TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_int8_matmul": "JaxserveInt8Matmul"}
 # -ffast-math lets the compiler call glibc's vector expf; the kernel has no inf or NaN of its own
 # (its running max starts at -1e30, as the XLA lowering's does). It is a compile flag only: linked
 # with it, gcc adds crtfastmath.o, which on load turns on flush-to-zero for the whole process
@@ -71,33 +74,42 @@ def _build() -> Path:
     except (OSError, subprocess.CalledProcessError) as e:
         raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
     include = jax.ffi.include_dir()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS + LINK_FLAGS).encode(), version.encode(),
-                                     include.encode(), jax.__version__.encode(), _cpu_id()])).hexdigest()[:16]
-    lib = cache_dir() / f"paged_decode-{key}.so"
+    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(FLAGS + LINK_FLAGS).encode(),
+             version.encode(), include.encode(), jax.__version__.encode(), _cpu_id()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    lib = cache_dir() / f"kernels-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the C++ decode-attention kernel (once per machine) into %s", lib)
+    log.info("compiling the C++ CPU kernels (once per machine) into %s", lib)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        obj, out = Path(tmp) / "paged_decode.o", Path(tmp) / lib.name
-        for cmd in ([cxx, *FLAGS, "-I", include, "-c", str(SOURCE), "-o", str(obj)],
-                    [cxx, *LINK_FLAGS, str(obj), "-o", str(out)]):
+        objs = [Path(tmp) / (src.stem + ".o") for src in SOURCES]
+        out = Path(tmp) / lib.name
+        cmds = [[cxx, *FLAGS, "-I", include, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
+        for cmd in cmds + [[cxx, *LINK_FLAGS, *map(str, objs), "-o", str(out)]]:
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
-                raise KernelUnavailable(f"building {SOURCE.name} failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
+                raise KernelUnavailable(f"building the C++ kernels failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
         os.replace(out, lib)  # atomic: processes building at once each install a whole file
     return lib
 
 
 @functools.cache
-def _load() -> str | None:
-    """Builds, loads and registers the kernels once per process; the reason if that failed."""
+def _library() -> ctypes.CDLL | str:
+    """Builds, loads and registers the kernels once per process: the library, or why it failed."""
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (KernelUnavailable, OSError, AttributeError) as e:
         return str(e)
-    return None
+    return lib
+
+
+def _load() -> str | None:
+    """None once the kernels are registered; else the reason they cannot be."""
+    lib = _library()
+    return lib if isinstance(lib, str) else None
 
 
 def ensure() -> None:
@@ -131,5 +143,22 @@ def paged_decode(qf, k_pool, v_pool, tables, seq, limit):
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((t, kvh, rep), f32), jax.ShapeDtypeStruct((t, kvh, rep), f32),
            jax.ShapeDtypeStruct((t, kvh, rep, d), f32))
-    return jax.ffi.ffi_call(TARGET, out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
+    return jax.ffi.ffi_call("jaxserve_paged_decode", out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
                                          seq.astype(jnp.int32), limit.astype(jnp.int32))
+
+
+@functools.cache
+def int8_matmul_vectorized() -> bool:
+    """Whether int8_matmul has its vector path on this CPU (AVX-512BW); without it the engine keeps
+    XLA's dot for every W8A8 product (the kernel's scalar loop is there for correctness only)."""
+    if not available():
+        return False
+    return bool(_library().JaxserveInt8MatmulVectorized())
+
+
+def int8_matmul(x, w):
+    """x s8 [M, K] @ w s8 [K, N] -> s32 [M, N], exact; see cpp/int8_matmul.cc. Built for a few rows
+    (W8A8 decode steps): it streams the weights once per four rows."""
+    ensure()
+    m, n = x.shape[0], w.shape[1]
+    return jax.ffi.ffi_call("jaxserve_int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.int32))(x, w)

@@ -1,5 +1,6 @@
 """Backend lowerings of the attention ops: a blocked XLA loop on CPU (with its decode rows in our
 C++ kernel under kernel_backend="cpp", runtime.worker.cpp_kernels), our Pallas kernels on GPU.
+Under "cpp", W8A8 products of decode steps' few rows run in our C++ int8 kernel too.
 
 The jnp references in `ir.ops` gather the whole context of every token at once, which is
 clear but sized by max_model_len. The XLA lowering here walks the context in chunks of
@@ -9,10 +10,13 @@ blocks with an online softmax, stopping at the longest context in the batch.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
+from ir import OPS
+from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul
 from ir.ops import kv_write_reference
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
                                 XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
@@ -28,6 +32,11 @@ BF16_BITS = jnp.uint16
 
 # Query tile of a prefill step's attention over its own tokens (_self_attention).
 SELF_TILE = 128
+
+# W8A8 products of at most this many rows (decode steps) run in cpp/int8_matmul.cc where it has
+# its vector path; wider ones keep XLA's int8 dot, which is as fast or faster from 8 rows on
+# (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel").
+CPP_INT8_MAX_ROWS = 4
 
 
 def pool_storage_dtype(dtype, backend: str):
@@ -302,11 +311,22 @@ def _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, block_size: int):
     return pools[0], pools[1], tables, ctx, cu, bs
 
 
+def matmul_int8_cpp(x, w, scale, *, activations=None):
+    """matmul_int8 under kernel_backend="cpp": a W8A8 product of few rows in our C++ kernel (the
+    same int32 sums as XLA's dot, so the same result); anything else as ir.ops lowers it."""
+    rows = math.prod(x.shape[:-1])
+    if activations == INT8_ACTIVATIONS and rows <= CPP_INT8_MAX_ROWS and cpp_kernels.int8_matmul_vectorized():
+        return w8a8_matmul(x, w, scale, product=cpp_kernels.int8_matmul)
+    return OPS["matmul_int8"].impl(x, w, scale, activations=activations)
+
+
 def lowerings(backend: str) -> dict:
     """op name -> implementation for the given backend (`xla`, `cpp`, `pallas` or `interpret`)."""
-    if backend in ("xla", "cpp"):
-        paged = functools.partial(paged_attention_xla, row_kernel=backend == "cpp")
-        return {"paged_attention": paged, "kv_write": kv_write_xla}
+    if backend == "cpp":
+        return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=True),
+                "kv_write": kv_write_xla, "matmul_int8": matmul_int8_cpp}
+    if backend == "xla":
+        return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=False), "kv_write": kv_write_xla}
     import pallas_kernels as pk
 
     interpret = backend == "interpret"

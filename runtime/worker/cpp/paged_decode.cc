@@ -17,15 +17,12 @@
 //   mx [T, H, R] (the running max; -1e30 where limit is 0), den [T, H, R], acc [T, H, R, D].
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <type_traits>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -249,37 +246,12 @@ void Row(int64_t t, const Shape& s, const float* q, const KV* k_pool, const KV* 
 }
 
 
-// Rows are shared out through an atomic counter: the calling thread and helpers on XLA's
-// intra-op pool each take the next row until none is left. A helper that starts late finds none
-// and touches only this shared state, so the call never waits on a thread busy elsewhere.
-struct Work {
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
-};
-
-template <typename F>
-void Drain(Work& w, int64_t rows, const F& row) {
-  for (int64_t t; (t = w.next.fetch_add(1)) < rows;) {
-    row(t);
-    if (w.done.fetch_add(1) + 1 == rows) {
-      std::lock_guard<std::mutex> lock(w.mu);
-      w.all_done.notify_all();
-    }
-  }
-}
-
 template <typename KV>
 void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, const float* q, const KV* k_pool,
          const KV* v_pool, const int32_t* tables, const int32_t* seq, const int32_t* limit,
          float* mx, float* den, float* acc) {
-  auto row = [=](int64_t t) { Row(t, s, q, k_pool, v_pool, tables, seq, limit, mx, den, acc); };
-  auto work = std::make_shared<Work>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), rows - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, rows, row] { Drain(*work, rows, row); });
-  Drain(*work, rows, row);
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->all_done.wait(lock, [&] { return work->done.load() >= rows; });
+  // Rows are shared out over the calling thread and XLA's intra-op pool (parallel_for.h).
+  jaxserve::ParallelFor(pool, rows, [=](int64_t t) { Row(t, s, q, k_pool, v_pool, tables, seq, limit, mx, den, acc); });
 }
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,

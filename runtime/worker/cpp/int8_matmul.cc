@@ -1,0 +1,197 @@
+// The int8 x int8 -> int32 product of a few rows, for W8A8 decode steps on XLA:CPU, called through
+// XLA's FFI (runtime/worker/cpp_kernels.py).
+//
+// A decode step of one to four rows reads every weight once and does little else, so its speed
+// is the speed at which the weights stream in from memory. XLA:CPU's int8 dot reaches about a
+// third of the machine's bandwidth there (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel").
+// This kernel walks the weight matrix [K, N] row by row, over wide column chunks (or, where N is
+// narrow, over shares of K), so that each thread reads long contiguous runs that the hardware
+// prefetcher can follow; the accumulators of a chunk stay in L1/L2. The sums are exact in int32,
+// so the result equals XLA's bit for bit.
+//
+// Inputs (row-major):  x s8 [M, K]   w s8 [K, N]
+// Output:              y s32 [M, N]  y = x @ w
+//
+// The vector path needs AVX-512BW (VNNI when the CPU has it); elsewhere a scalar loop gives the
+// same numbers, and cpp_kernels.int8_matmul_vectorized() tells the engine to keep XLA's dot.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Columns per work item, at most: one item's accumulators (4 rows x 2048 x 4 bytes) fit in L2,
+// and its weight rows are runs of up to 2 KiB. Narrower products are split evenly over the threads.
+constexpr int64_t kChunk = 2048;
+constexpr int kRowGroup = 4;         // rows sharing one pass over the weights
+constexpr int64_t kMinShareRows = 256;  // K rows per share, at least, when K is split
+
+#if defined(__AVX512BW__)
+inline __m512i Dot(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+// x[m, k] and x[m, k + 1] as an int16 pair in every 32-bit lane.
+inline __m512i PairOf(int8_t a, int8_t b) {
+  const uint32_t lo = static_cast<uint16_t>(static_cast<int16_t>(a));
+  const uint32_t hi = static_cast<uint16_t>(static_cast<int16_t>(b));
+  return _mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
+}
+
+inline __m512i Widen32(const int8_t* p) {  // 32 int8 -> 32 int16
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// A share of the product: y[m, n] (+)= sum over its K rows of x[m, k] w[k, n], with the rows'
+// strides; a split over K gives each share its own slice of x's columns and w's rows.
+struct Part {
+  const int8_t* x;
+  int64_t ldx;
+  const int8_t* w;  // row stride N
+  int64_t K;
+  int32_t* y;  // row stride N
+};
+
+// Rows [m0, m0 + MR) times columns [n0, n0 + 64 * tiles), two weight rows at a time: their int16
+// values interleaved, (w[k, n], w[k+1, n]) per 32-bit lane, meet the row's pair in one
+// multiply-add. The interleave works within 128-bit lanes, so the accumulators hold columns in a
+// fixed permuted order that the store undoes.
+template <int MR>
+void VectorChunk(const Part& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles) {
+  alignas(64) int32_t acc[MR][kChunk];
+  std::memset(acc, 0, sizeof(int32_t) * kChunk * MR);
+  for (int64_t k = 0; k < p.K; k += 2) {
+    const bool pair = k + 1 < p.K;
+    const int8_t* w0 = p.w + k * N + n0;
+    const int8_t* w1 = w0 + N;
+    __m512i xp[MR];
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* xr = p.x + (m0 + m) * p.ldx;
+      xp[m] = PairOf(xr[k], pair ? xr[k + 1] : 0);
+    }
+    for (int64_t j = 0; j < 64 * tiles; j += 32) {
+      const __m512i a = Widen32(w0 + j);
+      const __m512i b = pair ? Widen32(w1 + j) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+      for (int m = 0; m < MR; ++m) {
+        __m512i* am = reinterpret_cast<__m512i*>(acc[m] + j);
+        am[0] = Dot(am[0], lo, xp[m]);
+        am[1] = Dot(am[1], hi, xp[m]);
+      }
+    }
+  }
+  // unpacklo gave columns 8L+0..3 of each 128-bit lane L, unpackhi columns 8L+4..7.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int m = 0; m < MR; ++m) {
+    int32_t* out = p.y + (m0 + m) * N + n0;
+    for (int64_t j = 0; j < 64 * tiles; j += 32) {
+      const __m512i lo = _mm512_load_si512(acc[m] + j), hi = _mm512_load_si512(acc[m] + j + 16);
+      _mm512_storeu_si512(out + j, _mm512_permutex2var_epi32(lo, first, hi));
+      _mm512_storeu_si512(out + j + 16, _mm512_permutex2var_epi32(lo, second, hi));
+    }
+  }
+}
+#endif
+
+void ScalarColumns(const Part& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t* out = p.y + m * N;
+    std::fill(out + n0, out + n1, 0);
+    for (int64_t k = 0; k < p.K; ++k) {
+      const int32_t xv = p.x[m * p.ldx + k];
+      const int8_t* wk = p.w + k * N;
+      for (int64_t n = n0; n < n1; ++n) out[n] += xv * wk[n];
+    }
+  }
+}
+
+// Columns [n0, n1) of a share, for every row.
+void Columns(const Part& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+  int64_t vector_end = n0;
+#if defined(__AVX512BW__)
+  const int64_t tiles = (n1 - n0) / 64;
+  if (tiles > 0) {
+    int64_t m = 0;
+    for (; m + kRowGroup <= M; m += kRowGroup) VectorChunk<kRowGroup>(p, N, m, n0, tiles);
+    switch (M - m) {
+      case 3: VectorChunk<3>(p, N, m, n0, tiles); break;
+      case 2: VectorChunk<2>(p, N, m, n0, tiles); break;
+      case 1: VectorChunk<1>(p, N, m, n0, tiles); break;
+      default: break;
+    }
+    vector_end = n0 + 64 * tiles;
+  }
+#endif
+  if (vector_end < n1) ScalarColumns(p, M, N, vector_end, n1);
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                          ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || yd[0] != xd[0] ||
+      yd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("int8_matmul: x [M, K] @ w [K, N] -> y [M, N]");
+  }
+  if (x.element_type() != ffi::S8 || w.element_type() != ffi::S8 || y->element_type() != ffi::S32) {
+    return ffi::Error::InvalidArgument("int8_matmul: x and w must be s8, y s32");
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const auto* xp = static_cast<const int8_t*>(x.untyped_data());
+  const auto* wp = static_cast<const int8_t*>(w.untyped_data());
+  int32_t* yp = y->typed_data<int32_t>();
+  const int64_t threads = pool.num_threads() + 1;
+  // Wide products: chunks of columns, each walking all of K. Narrow ones (one chunk's worth, the
+  // down projection's N = hidden size): shares of K, each thread streaming its own contiguous rows
+  // of w, their partial sums added at the end.
+  const int64_t k_shares = N <= kChunk ? std::clamp<int64_t>(K / kMinShareRows, 1, threads) : 1;
+  const int64_t chunk = std::min<int64_t>(kChunk, ((N + threads - 1) / threads + 63) / 64 * 64);
+  const int64_t items = k_shares > 1 ? k_shares : (N + chunk - 1) / chunk;
+  std::vector<int32_t> partial((k_shares - 1) * M * N);
+  auto item = [=, &partial](int64_t t) {
+    if (k_shares == 1) return Columns(Part{xp, K, wp, K, yp}, M, N, t * chunk, std::min(N, (t + 1) * chunk));
+    const int64_t k0 = K * t / k_shares / 2 * 2, k1 = t + 1 == k_shares ? K : K * (t + 1) / k_shares / 2 * 2;
+    int32_t* out = t == 0 ? yp : partial.data() + (t - 1) * M * N;
+    Columns(Part{xp + k0, K, wp + k0 * N, k1 - k0, out}, M, N, 0, N);
+  };
+  jaxserve::ParallelFor(pool, items, item);  // the calling thread and XLA's intra-op pool
+  for (int64_t t = 1; t < k_shares; ++t) {
+    const int32_t* part = partial.data() + (t - 1) * M * N;
+    for (int64_t i = 0; i < M * N; ++i) yp[i] += part[i];
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// 1 where this build has the vector path (the engine routes W8A8 decode rows here only then).
+extern "C" int JaxserveInt8MatmulVectorized() {
+#if defined(__AVX512BW__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // x
+                                  .Arg<ffi::AnyBuffer>()   // w
+                                  .Ret<ffi::AnyBuffer>());  // y
