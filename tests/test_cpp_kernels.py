@@ -93,7 +93,7 @@ def test_the_kernel_reads_the_pool_in_place():
     one_block = 16 * 64  # one block of one kv head
     xla, cpp = hlo(False), hlo(True)
     assert max(_gathered(xla)) >= one_block  # the check can fail: the XLA lowering gathers K/V
-    assert max(_gathered(cpp), default=0) < one_block and "jaxserve_paged_decode" in cpp
+    assert max(_gathered(cpp), default=0) < one_block and cpp_kernels.PAGED_DECODE_TARGET in cpp
     pool = "f32[" + ",".join(map(str, kp.shape)) + "]"
     assert not [ln for ln in cpp.splitlines() if " copy(" in ln and ln.split("=", 1)[1].strip().startswith(pool)]
 
@@ -178,6 +178,22 @@ def test_w8a8_products_of_few_rows_take_the_kernel(rows):
         f = jax.jit(lambda x, w, s: matmul_int8_cpp(x, w, s, activations=activations))  # noqa: B023
         hlo = f.lower(x, w, scale).compile().as_text()
         kernel = activations is not None and rows <= CPP_INT8_MAX_ROWS and cpp_kernels.int8_matmul_vectorized()
-        assert ("jaxserve_int8_matmul" in hlo) == kernel
+        assert (cpp_kernels.INT8_MATMUL_TARGET in hlo) == kernel
         ref = OPS["matmul_int8"].impl(x, w, scale, activations=activations)
         np.testing.assert_array_equal(np.asarray(f(x, w, scale)), np.asarray(ref))
+
+
+def test_the_sources_compile_for_a_cpu_without_avx512():
+    """The engine builds with -march=native, and CI machines differ: the library must also compile
+    where only the scalar and AVX2 code is there (x86-64-v3), or `auto` falls back to XLA there."""
+    import platform
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++")
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs g++ on x86-64")
+    flags = [f for f in cpp_kernels.FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3", "-fsyntax-only"]
+    for src in cpp_kernels.SOURCES:
+        res = subprocess.run([cxx, *flags, "-I", jax.ffi.include_dir(), str(src)], capture_output=True, text=True)
+        assert res.returncode == 0, f"{src.name}:\n{res.stderr[-2000:]}"

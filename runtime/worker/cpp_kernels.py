@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "int8_matmul.cc"))
 HEADERS = (Path(__file__).with_name("cpp") / "parallel_for.h",)
+PAGED_DECODE_TARGET, INT8_MATMUL_TARGET = "jaxserve_paged_decode", "jaxserve_int8_matmul"
 # FFI target name -> the library's handler symbol.
-TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_int8_matmul": "JaxserveInt8Matmul"}
+TARGETS = {PAGED_DECODE_TARGET: "JaxservePagedDecode", INT8_MATMUL_TARGET: "JaxserveInt8Matmul"}
 # -ffast-math lets the compiler call glibc's vector expf; the kernel has no inf or NaN of its own
 # (its running max starts at -1e30, as the XLA lowering's does). It is a compile flag only: linked
 # with it, gcc adds crtfastmath.o, which on load turns on flush-to-zero for the whole process
@@ -143,8 +144,8 @@ def paged_decode(qf, k_pool, v_pool, tables, seq, limit):
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((t, kvh, rep), f32), jax.ShapeDtypeStruct((t, kvh, rep), f32),
            jax.ShapeDtypeStruct((t, kvh, rep, d), f32))
-    return jax.ffi.ffi_call("jaxserve_paged_decode", out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
-                                         seq.astype(jnp.int32), limit.astype(jnp.int32))
+    return jax.ffi.ffi_call(PAGED_DECODE_TARGET, out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
+                                                      seq.astype(jnp.int32), limit.astype(jnp.int32))
 
 
 @functools.cache
@@ -161,4 +162,4 @@ def int8_matmul(x, w):
     (W8A8 decode steps): it streams the weights once per four rows."""
     ensure()
     m, n = x.shape[0], w.shape[1]
-    return jax.ffi.ffi_call("jaxserve_int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.int32))(x, w)
+    return jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))(x, w)

@@ -37,6 +37,16 @@ constexpr int64_t kChunk = 2048;
 constexpr int kRowGroup = 4;         // rows sharing one pass over the weights
 constexpr int64_t kMinShareRows = 256;  // K rows per share, at least, when K is split
 
+// A share of the product: y[m, n] (+)= sum over its K rows of x[m, k] w[k, n], with the rows'
+// strides; a split over K gives each share its own slice of x's columns and w's rows.
+struct Part {
+  const int8_t* x;
+  int64_t ldx;
+  const int8_t* w;  // row stride N
+  int64_t K;
+  int32_t* y;  // row stride N
+};
+
 #if defined(__AVX512BW__)
 inline __m512i Dot(__m512i acc, __m512i w, __m512i x) {
 #if defined(__AVX512VNNI__)
@@ -57,16 +67,6 @@ inline __m512i Widen32(const int8_t* p) {  // 32 int8 -> 32 int16
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// A share of the product: y[m, n] (+)= sum over its K rows of x[m, k] w[k, n], with the rows'
-// strides; a split over K gives each share its own slice of x's columns and w's rows.
-struct Part {
-  const int8_t* x;
-  int64_t ldx;
-  const int8_t* w;  // row stride N
-  int64_t K;
-  int32_t* y;  // row stride N
-};
-
 // Rows [m0, m0 + MR) times columns [n0, n0 + 64 * tiles), two weight rows at a time: their int16
 // values interleaved, (w[k, n], w[k+1, n]) per 32-bit lane, meet the row's pair in one
 // multiply-add. The interleave works within 128-bit lanes, so the accumulators hold columns in a
@@ -74,7 +74,7 @@ struct Part {
 template <int MR>
 void VectorChunk(const Part& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles) {
   alignas(64) int32_t acc[MR][kChunk];
-  std::memset(acc, 0, sizeof(int32_t) * kChunk * MR);
+  for (int m = 0; m < MR; ++m) std::memset(acc[m], 0, sizeof(int32_t) * 64 * tiles);
   for (int64_t k = 0; k < p.K; k += 2) {
     const bool pair = k + 1 < p.K;
     const int8_t* w0 = p.w + k * N + n0;
