@@ -1,5 +1,7 @@
-"""The int8 numerics of matmul_int8's W8A8 form (`activations="i8"`, quantization=w8a8): each row of
-the activations quantized to int8 at run time, an int8 x int8 product with int32 accumulation."""
+"""The numerics of matmul_int8: weight-only (quantization=int8), the int8 weights widened to the
+activations' dtype; and W8A8 (`activations="i8"`, quantization=w8a8), each row of the activations
+quantized to int8 at run time, an int8 x int8 product with int32 accumulation. Both scale the
+output columns by the weights' per-channel scales."""
 
 from __future__ import annotations
 
@@ -42,3 +44,15 @@ def w8a8_matmul(x, w, scale, min_rows: int = W8A8_MIN_ROWS, product=None):
         acc = product(q, w)
     y = acc[:rows].astype(jnp.float32) * row_scale[:rows] * scale.astype(jnp.float32)
     return y.reshape(lead + (w.shape[1],)).astype(x.dtype)
+
+
+def weight_only_matmul(x, w, scale, product=None):
+    """x [..., K] @ (w int8 [K, N] * scale [N]), in x's dtype: w widened to x's dtype, the product
+    accumulated in f32, then the column scales. `product(x [rows, K], w) -> f32 [rows, N]` replaces
+    XLA's matmul (a backend's kernel that widens w as it reads it)."""
+    if product is None:
+        y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+        lead, k = x.shape[:-1], x.shape[-1]
+        y = product(x.reshape(math.prod(lead), k), w).reshape(lead + (w.shape[1],))
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
-from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul
+from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 
 
 class IRError(ValueError):
@@ -216,9 +216,7 @@ def _matmul_int8(inputs, attrs):
 @impl("matmul_int8")
 def _matmul_int8_impl(x, w, scale, *, activations=None):
     if activations is None:
-        # Weight-only int8: widen in-register to the activation dtype, scale the output columns.
-        y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+        return weight_only_matmul(x, w, scale)  # weight-only int8 (ir.int8)
     return w8a8_matmul(x, w, scale)  # activations="i8": W8A8 (ir.int8)
 
 

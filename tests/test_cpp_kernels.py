@@ -2,8 +2,9 @@
 jnp reference: decode rows over poisoned paged pools (a read past a row's context gives NaN), at
 several head shapes, block sizes and ragged contexts, from f32 pools and from bf16 bits; that it
 reads the pool in place (no gather, no copy in the compiled step); and what `auto` does without a
-compiler. The int8 product (cpp/int8_matmul.cc) against XLA's dot, bit for bit, and which W8A8
-products the cpp backend gives it."""
+compiler. The int8-weight products (cpp/int8_matmul.cc): W8A8 against XLA's dot, bit for bit;
+weight-only against the float64 product, within f32's summation bound; and which products the cpp
+backend gives them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from ir.int8 import INT8_ACTIVATIONS
 from ir.ops import paged_attention_reference
 from pallas_kernels.testing import random_paged_cache
 from runtime.worker import cpp_kernels, executor
-from runtime.worker.kernels import BF16_BITS, CPP_INT8_MAX_ROWS, matmul_int8_cpp, paged_attention_xla
+from runtime.worker.kernels import (BF16_BITS, CPP_INT8_MAX_ROWS, CPP_INT8_WEIGHT_ONLY_MAX_ROWS, matmul_int8_cpp,
+                                    paged_attention_xla)
 from tolerances import KERNEL, SAME_MATH_F32
 
 # (query heads, kv heads, head_dim, block_size, contexts): GQA 3:1 like SmolLM2, 4:1 at head_dim 128
@@ -165,22 +167,64 @@ def test_int8_matmul_equals_xla_bit_for_bit(m, k, n):
     np.testing.assert_array_equal(np.asarray(got), x.astype(np.int64) @ w.astype(np.int64))
 
 
-@pytest.mark.parametrize("rows", [1, 3, CPP_INT8_MAX_ROWS, CPP_INT8_MAX_ROWS + 1, 64])
-def test_w8a8_products_of_few_rows_take_the_kernel(rows):
-    """Under kernel_backend="cpp", a W8A8 product of at most CPP_INT8_MAX_ROWS rows (a decode step)
-    calls the kernel where it has its vector path, wider ones keep XLA's dot, weight-only int8 never
-    goes there; each gives exactly what ir.ops's lowering gives."""
+@pytest.mark.parametrize("m,k,n", INT8_SHAPES)
+def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n):
+    """Weight-only: f32 rows times int8 weights, within the error bound of a k-term f32 sum
+    (k * 2^-24 of sum |x| |w|) of the exact float64 product, at every shape."""
+    rng = np.random.default_rng(m * 7919 + k * 31 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.integers(-128, 128, (k, n), dtype=np.int8)
+    got = jax.jit(cpp_kernels.int8_weight_matmul)(jnp.asarray(x), jnp.asarray(w))
+    assert got.dtype == jnp.float32 and got.shape == (m, n)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    bound = k * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))
+    assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound)
+
+
+def _takes_kernel(activations, rows, dtype):
+    if not cpp_kernels.int8_matmul_vectorized():
+        return None
+    if activations == INT8_ACTIVATIONS:
+        return cpp_kernels.INT8_MATMUL_TARGET if rows <= CPP_INT8_MAX_ROWS else None
+    if dtype == jnp.float32 and rows <= CPP_INT8_WEIGHT_ONLY_MAX_ROWS:
+        return cpp_kernels.INT8_WEIGHT_MATMUL_TARGET
+    return None
+
+
+@pytest.mark.parametrize("rows", [1, 3, CPP_INT8_MAX_ROWS, CPP_INT8_MAX_ROWS + 1, CPP_INT8_WEIGHT_ONLY_MAX_ROWS,
+                                  CPP_INT8_WEIGHT_ONLY_MAX_ROWS + 1])
+@pytest.mark.parametrize("activations", [INT8_ACTIVATIONS, None])
+def test_int8_products_of_few_rows_take_the_kernels(rows, activations):
+    """Under kernel_backend="cpp", where the kernels have their vector paths: a W8A8 product of at
+    most CPP_INT8_MAX_ROWS rows calls int8_matmul and gives exactly ir.ops's result; a weight-only
+    product of f32 rows, at most CPP_INT8_WEIGHT_ONLY_MAX_ROWS, calls int8_weight_matmul and gives
+    ir.ops's result up to f32 summation order. Wider products keep ir.ops's lowering."""
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, 576)), jnp.float32)
     w = jnp.asarray(rng.integers(-127, 128, (576, 960), dtype=np.int8))
     scale = jnp.asarray(rng.uniform(1e-3, 2e-2, 960), jnp.float32)
-    for activations in (INT8_ACTIVATIONS, None):
-        f = jax.jit(lambda x, w, s: matmul_int8_cpp(x, w, s, activations=activations))  # noqa: B023
-        hlo = f.lower(x, w, scale).compile().as_text()
-        kernel = activations is not None and rows <= CPP_INT8_MAX_ROWS and cpp_kernels.int8_matmul_vectorized()
-        assert (cpp_kernels.INT8_MATMUL_TARGET in hlo) == kernel
-        ref = OPS["matmul_int8"].impl(x, w, scale, activations=activations)
-        np.testing.assert_array_equal(np.asarray(f(x, w, scale)), np.asarray(ref))
+    f = jax.jit(lambda x, w, s: matmul_int8_cpp(x, w, s, activations=activations))
+    hlo = f.lower(x, w, scale).compile().as_text()
+    target = _takes_kernel(activations, rows, x.dtype)
+    for name in (cpp_kernels.INT8_MATMUL_TARGET, cpp_kernels.INT8_WEIGHT_MATMUL_TARGET):
+        assert (name in hlo) == (name == target), name
+    got, ref = np.asarray(f(x, w, scale)), np.asarray(OPS["matmul_int8"].impl(x, w, scale, activations=activations))
+    if activations == INT8_ACTIVATIONS or target is None:
+        np.testing.assert_array_equal(got, ref)
+    else:
+        # Two f32 sums of 576 terms in different orders: each within 576 * 2^-24 of sum |x| |w| * scale.
+        bound = 2 * 576 * 2.0 ** -24 * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w, np.float32))) * np.asarray(scale)
+        assert np.all(np.abs(got - ref) <= bound)
+
+
+def test_weight_only_bf16_rows_keep_xla():
+    """The weight-only kernel takes f32 rows only; a bf16 plan's products stay in XLA."""
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    w = jnp.ones((64, 128), jnp.int8)
+    f = jax.jit(lambda x, w, s: matmul_int8_cpp(x, w, s))
+    hlo = f.lower(x, w, jnp.ones(128, jnp.float32)).compile().as_text()
+    assert cpp_kernels.INT8_WEIGHT_MATMUL_TARGET not in hlo
+    assert f(x, w, jnp.ones(128, jnp.float32)).dtype == jnp.bfloat16
 
 
 def test_the_sources_compile_for_a_cpu_without_avx512():

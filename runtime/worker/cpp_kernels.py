@@ -1,8 +1,8 @@
 """Our C++ kernels for XLA:CPU, built on first use and called through XLA's FFI.
 
 `kernel_backend="cpp"` (the default on CPU, through `auto`) runs decode attention in
-cpp/paged_decode.cc, which reads K/V from the paged pool in place, and W8A8 products of a few rows
-(decode steps) in cpp/int8_matmul.cc; everything else stays the XLA lowering of
+cpp/paged_decode.cc, which reads K/V from the paged pool in place, and int8-weight products of a
+few rows (decode steps, W8A8 and weight-only) in cpp/int8_matmul.cc; everything else stays the XLA lowering of
 runtime.worker.kernels. The sources are compiled once per machine into one library with the
 system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, and cached
 under ~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the sources, the flags, the
@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "int8_matmul.cc"))
 HEADERS = (Path(__file__).with_name("cpp") / "parallel_for.h",)
 PAGED_DECODE_TARGET, INT8_MATMUL_TARGET = "jaxserve_paged_decode", "jaxserve_int8_matmul"
+INT8_WEIGHT_MATMUL_TARGET = "jaxserve_int8_weight_matmul"
 # FFI target name -> the library's handler symbol.
-TARGETS = {PAGED_DECODE_TARGET: "JaxservePagedDecode", INT8_MATMUL_TARGET: "JaxserveInt8Matmul"}
+TARGETS = {PAGED_DECODE_TARGET: "JaxservePagedDecode", INT8_MATMUL_TARGET: "JaxserveInt8Matmul",
+           INT8_WEIGHT_MATMUL_TARGET: "JaxserveInt8WeightMatmul"}
 # -ffast-math lets the compiler call glibc's vector expf; the kernel has no inf or NaN of its own
 # (its running max starts at -1e30, as the XLA lowering's does). It is a compile flag only: linked
 # with it, gcc adds crtfastmath.o, which on load turns on flush-to-zero for the whole process
@@ -150,8 +152,8 @@ def paged_decode(qf, k_pool, v_pool, tables, seq, limit):
 
 @functools.cache
 def int8_matmul_vectorized() -> bool:
-    """Whether int8_matmul has its vector path on this CPU (AVX-512BW); without it the engine keeps
-    XLA's dot for every W8A8 product (the kernel's scalar loop is there for correctness only)."""
+    """Whether int8_matmul and int8_weight_matmul have their vector paths on this CPU (AVX-512BW);
+    without them the engine keeps XLA's products (the scalar loops are there for correctness only)."""
     if not available():
         return False
     return bool(_library().JaxserveInt8MatmulVectorized())
@@ -163,3 +165,11 @@ def int8_matmul(x, w):
     ensure()
     m, n = x.shape[0], w.shape[1]
     return jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))(x, w)
+
+
+def int8_weight_matmul(x, w):
+    """x f32 [M, K] @ w s8 [K, N] -> f32 [M, N], w widened in registers; see cpp/int8_matmul.cc.
+    Built for decode steps under weight-only int8: it streams the weights once per four rows."""
+    ensure()
+    m, n = x.shape[0], w.shape[1]
+    return jax.ffi.ffi_call(INT8_WEIGHT_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(x, w)

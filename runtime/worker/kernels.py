@@ -1,6 +1,7 @@
 """Backend lowerings of the attention ops: a blocked XLA loop on CPU (with its decode rows in our
 C++ kernel under kernel_backend="cpp", runtime.worker.cpp_kernels), our Pallas kernels on GPU.
-Under "cpp", W8A8 products of decode steps' few rows run in our C++ int8 kernel too.
+Under "cpp", int8-weight products of decode steps' few rows (W8A8 and weight-only) run in our C++
+int8 kernels too.
 
 The jnp references in `ir.ops` gather the whole context of every token at once, which is
 clear but sized by max_model_len. The XLA lowering here walks the context in chunks of
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ir import OPS
-from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul
+from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.ops import kv_write_reference
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
                                 XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
@@ -33,10 +34,13 @@ BF16_BITS = jnp.uint16
 # Query tile of a prefill step's attention over its own tokens (_self_attention).
 SELF_TILE = 128
 
-# W8A8 products of at most this many rows (decode steps) run in cpp/int8_matmul.cc where it has
-# its vector path; wider ones keep XLA's int8 dot, which is as fast or faster from 8 rows on
-# (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel").
+# int8-weight products of at most this many rows (decode steps) run in cpp/int8_matmul.cc where it
+# has its vector paths; wider ones keep XLA's products. W8A8: XLA's int8 dot is as fast or faster
+# from 8 rows on (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel"). Weight-only: XLA's product
+# with the weights widened is 1.5-10x slower than the kernel up to 64 rows (a 64-sequence decode
+# step), and even at 128 (BENCHMARKS.md, "Weight-only int8 decode rows in our C++ kernel").
 CPP_INT8_MAX_ROWS = 4
+CPP_INT8_WEIGHT_ONLY_MAX_ROWS = 64
 
 
 def pool_storage_dtype(dtype, backend: str):
@@ -312,11 +316,15 @@ def _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, block_size: int):
 
 
 def matmul_int8_cpp(x, w, scale, *, activations=None):
-    """matmul_int8 under kernel_backend="cpp": a W8A8 product of few rows in our C++ kernel (the
-    same int32 sums as XLA's dot, so the same result); anything else as ir.ops lowers it."""
+    """matmul_int8 under kernel_backend="cpp": a product of few rows in our C++ kernels, W8A8 (the
+    same int32 sums as XLA's dot, so the same result) or weight-only with f32 activations (f32 sums
+    in another order); anything else as ir.ops lowers it."""
     rows = math.prod(x.shape[:-1])
-    if activations == INT8_ACTIVATIONS and rows <= CPP_INT8_MAX_ROWS and cpp_kernels.int8_matmul_vectorized():
-        return w8a8_matmul(x, w, scale, product=cpp_kernels.int8_matmul)
+    if cpp_kernels.int8_matmul_vectorized():
+        if activations == INT8_ACTIVATIONS and rows <= CPP_INT8_MAX_ROWS:
+            return w8a8_matmul(x, w, scale, product=cpp_kernels.int8_matmul)
+        if activations is None and x.dtype == jnp.float32 and rows <= CPP_INT8_WEIGHT_ONLY_MAX_ROWS:
+            return weight_only_matmul(x, w, scale, product=cpp_kernels.int8_weight_matmul)
     return OPS["matmul_int8"].impl(x, w, scale, activations=activations)
 
 

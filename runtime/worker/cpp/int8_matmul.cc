@@ -1,23 +1,26 @@
-// The int8 x int8 -> int32 product of a few rows, for W8A8 decode steps on XLA:CPU, called through
-// XLA's FFI (runtime/worker/cpp_kernels.py).
+// Products of a few rows with an int8 weight matrix, for decode steps on XLA:CPU, called through
+// XLA's FFI (runtime/worker/cpp_kernels.py):
+//   W8A8         x s8  [M, K] @ w s8 [K, N] -> y s32 [M, N]   (exact int32 sums)
+//   weight-only  x f32 [M, K] @ w s8 [K, N] -> y f32 [M, N]   (w widened to f32 in registers)
+// The per-column scales are applied by the caller (ir/int8.py).
 //
-// A decode step of one to four rows reads every weight once and does little else, so its speed
-// is the speed at which the weights stream in from memory. XLA:CPU's int8 dot reaches about a
-// third of the machine's bandwidth there (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel").
-// This kernel walks the weight matrix [K, N] row by row, over wide column chunks (or, where N is
-// narrow, over shares of K), so that each thread reads long contiguous runs that the hardware
-// prefetcher can follow; the accumulators of a chunk stay in L1/L2. The sums are exact in int32,
-// so the result equals XLA's bit for bit.
+// A decode step of a few rows reads every weight once and does little else, so its speed is the
+// speed at which the weights stream in from memory. XLA:CPU's int8 dot reaches about a third of
+// the machine's bandwidth there, and its weight-only product runs 1.5-10x slower than this one up
+// to 64 rows (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel", "Weight-only int8 decode rows
+// in our C++ kernel"). These kernels walk the weight matrix [K, N] row by row, over wide column
+// chunks (or, where N is narrow, over shares of K), so that each thread reads long runs, and they
+// ask for the next pass's weight rows while computing this one's; the accumulators of a chunk stay
+// in L1/L2. The int8 sums are exact, so W8A8 equals XLA's dot bit for bit; the f32 sums run in k
+// order per column.
 //
-// Inputs (row-major):  x s8 [M, K]   w s8 [K, N]
-// Output:              y s32 [M, N]  y = x @ w
-//
-// The vector path needs AVX-512BW (VNNI when the CPU has it); elsewhere a scalar loop gives the
-// same numbers, and cpp_kernels.int8_matmul_vectorized() tells the engine to keep XLA's dot.
+// The vector paths need AVX-512BW (VNNI when the CPU has it); elsewhere a scalar loop gives the
+// same numbers, and cpp_kernels.int8_matmul_vectorized() tells the engine to keep XLA's products.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512BW__)
@@ -39,13 +42,16 @@ constexpr int64_t kMinShareRows = 256;  // K rows per share, at least, when K is
 
 // A share of the product: y[m, n] (+)= sum over its K rows of x[m, k] w[k, n], with the rows'
 // strides; a split over K gives each share its own slice of x's columns and w's rows.
+template <typename X, typename Y>
 struct Part {
-  const int8_t* x;
+  const X* x;
   int64_t ldx;
   const int8_t* w;  // row stride N
   int64_t K;
-  int32_t* y;  // row stride N
+  Y* y;  // row stride N
 };
+using IntPart = Part<int8_t, int32_t>;     // W8A8
+using FloatPart = Part<float, float>;      // weight-only
 
 #if defined(__AVX512BW__)
 inline __m512i Dot(__m512i acc, __m512i w, __m512i x) {
@@ -54,6 +60,14 @@ inline __m512i Dot(__m512i acc, __m512i w, __m512i x) {
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
 #endif
+}
+
+// The cache line at p in each of the next `rows` weight rows (stride N): the rows the next pass
+// reads, requested while this pass computes. The hardware prefetcher misses these short strided
+// runs; asking one pass ahead makes a decode step's products 1.3-1.5x faster (BENCHMARKS.md,
+// "Weight-only int8 decode rows in our C++ kernel").
+inline void Prefetch(const int8_t* p, int64_t N, int rows) {
+  for (int i = 0; i < rows; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + i * N), _MM_HINT_T0);
 }
 
 // x[m, k] and x[m, k + 1] as an int16 pair in every 32-bit lane.
@@ -72,7 +86,7 @@ inline __m512i Widen32(const int8_t* p) {  // 32 int8 -> 32 int16
 // multiply-add. The interleave works within 128-bit lanes, so the accumulators hold columns in a
 // fixed permuted order that the store undoes.
 template <int MR>
-void VectorChunk(const Part& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles) {
+void VectorChunk(const IntPart& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles) {
   alignas(64) int32_t acc[MR][kChunk];
   for (int m = 0; m < MR; ++m) std::memset(acc[m], 0, sizeof(int32_t) * 64 * tiles);
   for (int64_t k = 0; k < p.K; k += 2) {
@@ -85,6 +99,7 @@ void VectorChunk(const Part& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles
       xp[m] = PairOf(xr[k], pair ? xr[k + 1] : 0);
     }
     for (int64_t j = 0; j < 64 * tiles; j += 32) {
+      if (k + 4 <= p.K) Prefetch(w0 + 2 * N + j, N, 2);
       const __m512i a = Widen32(w0 + j);
       const __m512i b = pair ? Widen32(w1 + j) : _mm512_setzero_si512();
       const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
@@ -107,14 +122,61 @@ void VectorChunk(const Part& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles
     }
   }
 }
+
+inline __m512 Widen16(const int8_t* p) {  // 16 int8 -> 16 f32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Weight-only: rows [m0, m0 + MR) times columns [n0, n0 + 64 * tiles), accumulated in y itself,
+// four weight rows per pass over a row's accumulators (one load and store of each for four FMAs).
+template <int MR>
+void VectorChunk(const FloatPart& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles) {
+  const int64_t width = 64 * tiles;
+  float* out[MR];
+  for (int m = 0; m < MR; ++m) {
+    out[m] = p.y + (m0 + m) * N + n0;
+    std::memset(out[m], 0, sizeof(float) * width);
+  }
+  const float* x[MR];
+  for (int m = 0; m < MR; ++m) x[m] = p.x + (m0 + m) * p.ldx;
+  int64_t k = 0;
+  for (; k + 4 <= p.K; k += 4) {
+    const int8_t* w0 = p.w + k * N + n0;
+    __m512 xb[MR][4];
+    for (int m = 0; m < MR; ++m)
+      for (int i = 0; i < 4; ++i) xb[m][i] = _mm512_set1_ps(x[m][k + i]);
+    for (int64_t j = 0; j < width; j += 16) {
+      if ((j & 63) == 0 && k + 8 <= p.K) Prefetch(w0 + 4 * N + j, N, 4);
+      const __m512 a0 = Widen16(w0 + j), a1 = Widen16(w0 + N + j);
+      const __m512 a2 = Widen16(w0 + 2 * N + j), a3 = Widen16(w0 + 3 * N + j);
+      for (int m = 0; m < MR; ++m) {
+        __m512 s = _mm512_loadu_ps(out[m] + j);
+        s = _mm512_fmadd_ps(a0, xb[m][0], s);
+        s = _mm512_fmadd_ps(a1, xb[m][1], s);
+        s = _mm512_fmadd_ps(a2, xb[m][2], s);
+        s = _mm512_fmadd_ps(a3, xb[m][3], s);
+        _mm512_storeu_ps(out[m] + j, s);
+      }
+    }
+  }
+  for (; k < p.K; ++k) {
+    const int8_t* wk = p.w + k * N + n0;
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m][k]);
+      for (int64_t j = 0; j < width; j += 16)
+        _mm512_storeu_ps(out[m] + j, _mm512_fmadd_ps(Widen16(wk + j), xv, _mm512_loadu_ps(out[m] + j)));
+    }
+  }
+}
 #endif
 
-void ScalarColumns(const Part& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+template <typename X, typename Y>
+void ScalarColumns(const Part<X, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < M; ++m) {
-    int32_t* out = p.y + m * N;
-    std::fill(out + n0, out + n1, 0);
+    Y* out = p.y + m * N;
+    std::fill(out + n0, out + n1, Y(0));
     for (int64_t k = 0; k < p.K; ++k) {
-      const int32_t xv = p.x[m * p.ldx + k];
+      const Y xv = p.x[m * p.ldx + k];
       const int8_t* wk = p.w + k * N;
       for (int64_t n = n0; n < n1; ++n) out[n] += xv * wk[n];
     }
@@ -122,7 +184,8 @@ void ScalarColumns(const Part& p, int64_t M, int64_t N, int64_t n0, int64_t n1) 
 }
 
 // Columns [n0, n1) of a share, for every row.
-void Columns(const Part& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+template <typename X, typename Y>
+void Columns(const Part<X, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
   int64_t vector_end = n0;
 #if defined(__AVX512BW__)
   const int64_t tiles = (n1 - n0) / 64;
@@ -141,46 +204,71 @@ void Columns(const Part& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
   if (vector_end < n1) ScalarColumns(p, M, N, vector_end, n1);
 }
 
-ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                          ffi::Result<ffi::AnyBuffer> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || yd[0] != xd[0] ||
-      yd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("int8_matmul: x [M, K] @ w [K, N] -> y [M, N]");
-  }
-  if (x.element_type() != ffi::S8 || w.element_type() != ffi::S8 || y->element_type() != ffi::S32) {
-    return ffi::Error::InvalidArgument("int8_matmul: x and w must be s8, y s32");
-  }
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  const auto* xp = static_cast<const int8_t*>(x.untyped_data());
-  const auto* wp = static_cast<const int8_t*>(w.untyped_data());
-  int32_t* yp = y->typed_data<int32_t>();
+// y = x @ w over the calling thread and XLA's intra-op pool. Wide products: chunks of columns, each
+// walking all of K. Narrow ones (one chunk's worth, the down projection's N = hidden size): shares
+// of K, each thread streaming its own contiguous rows of w, their partial sums added at the end.
+template <typename X, typename Y>
+void Product(ffi::ThreadPool& pool, const X* xp, const int8_t* wp, Y* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t threads = pool.num_threads() + 1;
-  // Wide products: chunks of columns, each walking all of K. Narrow ones (one chunk's worth, the
-  // down projection's N = hidden size): shares of K, each thread streaming its own contiguous rows
-  // of w, their partial sums added at the end.
   const int64_t k_shares = N <= kChunk ? std::clamp<int64_t>(K / kMinShareRows, 1, threads) : 1;
   const int64_t chunk = std::min<int64_t>(kChunk, ((N + threads - 1) / threads + 63) / 64 * 64);
   const int64_t items = k_shares > 1 ? k_shares : (N + chunk - 1) / chunk;
-  std::vector<int32_t> partial((k_shares - 1) * M * N);
+  std::vector<Y> partial((k_shares - 1) * M * N);
   auto item = [=, &partial](int64_t t) {
-    if (k_shares == 1) return Columns(Part{xp, K, wp, K, yp}, M, N, t * chunk, std::min(N, (t + 1) * chunk));
+    if (k_shares == 1) {
+      return Columns(Part<X, Y>{xp, K, wp, K, yp}, M, N, t * chunk, std::min(N, (t + 1) * chunk));
+    }
+    // Even share bounds: the W8A8 path takes weight rows in pairs.
     const int64_t k0 = K * t / k_shares / 2 * 2, k1 = t + 1 == k_shares ? K : K * (t + 1) / k_shares / 2 * 2;
-    int32_t* out = t == 0 ? yp : partial.data() + (t - 1) * M * N;
-    Columns(Part{xp + k0, K, wp + k0 * N, k1 - k0, out}, M, N, 0, N);
+    Y* out = t == 0 ? yp : partial.data() + (t - 1) * M * N;
+    Columns(Part<X, Y>{xp + k0, K, wp + k0 * N, k1 - k0, out}, M, N, 0, N);
   };
-  jaxserve::ParallelFor(pool, items, item);  // the calling thread and XLA's intra-op pool
+  jaxserve::ParallelFor(pool, items, item);
   for (int64_t t = 1; t < k_shares; ++t) {
-    const int32_t* part = partial.data() + (t - 1) * M * N;
+    const Y* part = partial.data() + (t - 1) * M * N;
     for (int64_t i = 0; i < M * N; ++i) yp[i] += part[i];
+  }
+}
+
+// x [M, K] @ w s8 [K, N] -> y [M, N], with x and y of the given element types.
+ffi::Error Check(const char* name, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& y,
+                 ffi::DataType xt, ffi::DataType yt) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || yd[0] != xd[0] ||
+      yd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": x [M, K] @ w [K, N] -> y [M, N]");
+  }
+  if (x.element_type() != xt || w.element_type() != ffi::S8 || y->element_type() != yt) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": wrong element types (see int8_matmul.cc)");
   }
   return ffi::Error::Success();
 }
 
+template <typename X, typename Y>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& y) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
+  if (M > 0 && N > 0) {
+    Product(pool, static_cast<const X*>(x.untyped_data()), static_cast<const int8_t*>(w.untyped_data()),
+            static_cast<Y*>(y->untyped_data()), M, K, N);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                          ffi::Result<ffi::AnyBuffer> y) {
+  ffi::Error error = Check("int8_matmul", x, w, y, ffi::S8, ffi::S32);
+  return error.failure() ? error : Run<int8_t, int32_t>(pool, x, w, y);
+}
+
+ffi::Error Int8WeightMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                ffi::Result<ffi::AnyBuffer> y) {
+  ffi::Error error = Check("int8_weight_matmul", x, w, y, ffi::F32, ffi::F32);
+  return error.failure() ? error : Run<float, float>(pool, x, w, y);
+}
+
 }  // namespace
 
-// 1 where this build has the vector path (the engine routes W8A8 decode rows here only then).
+// 1 where this build has the vector paths (the engine routes decode rows here only then).
 extern "C" int JaxserveInt8MatmulVectorized() {
 #if defined(__AVX512BW__)
   return 1;
@@ -195,3 +283,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()   // x
                                   .Arg<ffi::AnyBuffer>()   // w
                                   .Ret<ffi::AnyBuffer>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8WeightMatmul, Int8WeightMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // x f32
+                                  .Arg<ffi::AnyBuffer>()   // w s8
+                                  .Ret<ffi::AnyBuffer>());  // y f32
