@@ -2,7 +2,8 @@
 
 Two modes (EngineConfig.quantization):
 - "int8", weight-only: the weights are stored in int8 and widened to the activations' dtype in
-  the product. A quarter of f32's weight bytes; on XLA:CPU slower than f32 (the widening).
+  the product. A quarter of f32's weight bytes. XLA:CPU's widened product is slower than f32;
+  decode steps take our C++ kernel instead under kernel_backend=cpp (runtime.worker.kernels).
 - "w8a8": the same int8 weights, and each row of the activations quantized to int8 at run time
   (`activations="i8"` on the op), so the product is int8 x int8 with int32 accumulation. CPUs
   with VNNI/AMX-INT8 run it 1.5-3x faster than f32 (BENCHMARKS.md, "W8A8"). A tied LM head also
