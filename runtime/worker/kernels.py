@@ -38,7 +38,7 @@ SELF_TILE = 128
 # has its vector paths; wider ones keep XLA's products. W8A8: XLA's int8 dot is as fast or faster
 # from 8 rows on (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel"). Weight-only: XLA's product
 # with the weights widened is 1.5-10x slower than the kernel up to 64 rows (a 64-sequence decode
-# step), and even at 128 (BENCHMARKS.md, "Weight-only int8 decode rows in our C++ kernel").
+# step), and about even at 128 (BENCHMARKS.md, "Weight-only int8 decode rows in our C++ kernel").
 CPP_INT8_MAX_ROWS = 4
 CPP_INT8_WEIGHT_ONLY_MAX_ROWS = 64
 
