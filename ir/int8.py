@@ -31,7 +31,8 @@ def w8a8_matmul(x, w, scale, min_rows: int = W8A8_MIN_ROWS, product=None):
     int8 -> int32 product, then both scales; in x's dtype. Steps of fewer than `min_rows` rows
     are padded for XLA's dot (zero rows quantize to zeros, and are dropped after the product).
     `product(q [rows, K] s8, w) -> s32 [rows, N]` replaces XLA's dot (a backend's kernel; the
-    int32 sums are exact, so any exact product gives the same result), without the padding."""
+    int32 sums are exact, so any exact product gives the same result), without the padding; w is
+    then whatever `product` takes (a layer stack [L, K, N], for one)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     x2 = x.reshape(rows, k)
@@ -43,16 +44,16 @@ def w8a8_matmul(x, w, scale, min_rows: int = W8A8_MIN_ROWS, product=None):
     else:
         acc = product(q, w)
     y = acc[:rows].astype(jnp.float32) * row_scale[:rows] * scale.astype(jnp.float32)
-    return y.reshape(lead + (w.shape[1],)).astype(x.dtype)
+    return y.reshape(lead + (w.shape[-1],)).astype(x.dtype)
 
 
 def weight_only_matmul(x, w, scale, product=None):
     """x [..., K] @ (w int8 [K, N] * scale [N]), in x's dtype: w widened to x's dtype, the product
     accumulated in f32, then the column scales. `product(x [rows, K], w) -> f32 [rows, N]` replaces
-    XLA's matmul (a backend's kernel that widens w as it reads it)."""
+    XLA's matmul (a backend's kernel that widens w as it reads it; w is then whatever it takes)."""
     if product is None:
         y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     else:
         lead, k = x.shape[:-1], x.shape[-1]
-        y = product(x.reshape(math.prod(lead), k), w).reshape(lead + (w.shape[1],))
+        y = product(x.reshape(math.prod(lead), k), w).reshape(lead + (w.shape[-1],))
     return (y * scale.astype(jnp.float32)).astype(x.dtype)

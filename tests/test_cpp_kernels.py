@@ -181,6 +181,27 @@ def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n):
     assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 577, 1000), (4, 1536, 576)])
+def test_int8_products_take_a_layer_of_a_stack_where_it_lies(m, k, n):
+    """A stack w [L, K, N] and a layer index (traced, as in a scanned step): each layer's product is
+    exactly the product with that layer's [K, N] slice, for both kernels; a layer outside the stack
+    is an error, not a read past it."""
+    rng = np.random.default_rng(m + k + n)
+    stack = jnp.asarray(rng.integers(-128, 128, (3, k, n), dtype=np.int8))
+    rows = {cpp_kernels.int8_matmul: jnp.asarray(rng.integers(-128, 128, (m, k), dtype=np.int8)),
+            cpp_kernels.int8_weight_matmul: jnp.asarray(rng.standard_normal((m, k)), jnp.float32)}
+    for product, x in rows.items():
+        at = jax.jit(lambda x, w, layer: product(x, w, layer))
+        for layer in range(3):
+            np.testing.assert_array_equal(np.asarray(at(x, stack, jnp.int32(layer))),
+                                          np.asarray(jax.jit(product)(x, stack[layer])))
+        for layer in (3, -1):
+            with pytest.raises(Exception, match=f"layer {layer} of 3"):
+                at(x, stack, jnp.int32(layer)).block_until_ready()
+        with pytest.raises(ValueError, match="layer index"):
+            product(x, stack)
+
+
 def _takes_kernel(activations, rows, dtype):
     if not cpp_kernels.int8_matmul_vectorized():
         return None

@@ -18,6 +18,7 @@ from runtime import SamplingParams
 from runtime.core.buckets import BucketTable
 from runtime.plan import build_graph
 from runtime.config import EngineConfig
+from runtime.worker import cpp_kernels
 from runtime.worker.executor import JNP_DTYPES, build_step, step_layout
 from runtime.entrypoints.llm import LLM
 
@@ -83,6 +84,35 @@ def test_scanned_engine_equals_unrolled():
         got.append([[(c.token_ids, c.logprobs) for c in o.outputs] + [o.prompt_logprobs] for o in outs])
         assert llm.engine.stats().num_recompiles == 0
         assert llm.engine.block_manager.stats.hits > 0
+    assert got[0] == got[1]
+
+
+def int8_weight_operands(hlo: str) -> list[str]:
+    """The instructions that give the int8 kernels' custom calls in `hlo` their weight operand."""
+    defs = dict(re.findall(r"^\s*(?:ROOT )?(%\S+) = (\S+ [\w-]+)\(", hlo, re.M))
+    calls = re.findall(r"custom-call\((%[^,]+), (%[^,)]+)[^)]*\), custom_call_target=\"jaxserve_int8", hlo)
+    return [defs[w] for _, w in calls]
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "int8"])
+def test_scanned_int8_kernels_read_the_stacked_weights_in_place(quantization):
+    """Under kernel_backend="cpp" the int8 kernels of a scanned step take each layer's weights out
+    of the stack where they lie: their weight operand is the whole stacked parameter, not a slice
+    that XLA would copy on every step. Tokens and logprobs equal the unrolled step's."""
+    if not cpp_kernels.int8_matmul_vectorized():
+        pytest.skip("the int8 kernels have no vector path on this CPU, so XLA keeps the products")
+    prompts = [list(range(5, 9)), list(range(10, 40))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    got = []
+    for scan in (False, True):
+        llm = tiny_llm(scan, quantization=quantization, kernel_backend="cpp")
+        got.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
+        if scan:
+            operands = [d for c in llm.engine.runner.compiled.values() for d in int8_weight_operands(c.as_text())]
+            layers = llm.engine.runner.layout.num_layers
+            stacked = [d for d in operands if re.match(rf"s8\[{layers},\d+,\d+\]", d)]
+            # Every layer product reads its stack in place; the LM head's weight is a plain parameter.
+            assert stacked and all(d.endswith(("get-tuple-element", "parameter")) for d in operands), operands
     assert got[0] == got[1]
 
 

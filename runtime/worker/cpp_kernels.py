@@ -159,17 +159,29 @@ def int8_matmul_vectorized() -> bool:
     return bool(_library().JaxserveInt8MatmulVectorized())
 
 
-def int8_matmul(x, w):
+def _layer_operand(w, layer):
+    """The kernels' layer operand: `layer` of a stacked w [L, K, N], or 0 for a plain w [K, N]."""
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError(f"a stacked weight [L, K, N] takes a layer index, a [K, N] one none (w {w.shape}, "
+                         f"layer {layer})")
+    return jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+
+def int8_matmul(x, w, layer=None):
     """x s8 [M, K] @ w s8 [K, N] -> s32 [M, N], exact; see cpp/int8_matmul.cc. Built for a few rows
-    (W8A8 decode steps): it streams the weights once per four rows."""
+    (W8A8 decode steps): it streams the weights once per four rows. With `layer` (an int32 scalar,
+    traced or not), w is a stack [L, K, N] and the product takes its layer `layer` where it lies."""
     ensure()
-    m, n = x.shape[0], w.shape[1]
-    return jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))(x, w)
+    m, n = x.shape[0], w.shape[-1]
+    return jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))(
+        x, w, _layer_operand(w, layer))
 
 
-def int8_weight_matmul(x, w):
+def int8_weight_matmul(x, w, layer=None):
     """x f32 [M, K] @ w s8 [K, N] -> f32 [M, N], w widened in registers; see cpp/int8_matmul.cc.
-    Built for decode steps under weight-only int8: it streams the weights once per four rows."""
+    Built for decode steps under weight-only int8: it streams the weights once per four rows.
+    `layer` as in int8_matmul."""
     ensure()
-    m, n = x.shape[0], w.shape[1]
-    return jax.ffi.ffi_call(INT8_WEIGHT_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(x, w)
+    m, n = x.shape[0], w.shape[-1]
+    return jax.ffi.ffi_call(INT8_WEIGHT_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+        x, w, _layer_operand(w, layer))

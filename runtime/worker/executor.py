@@ -51,6 +51,12 @@ def _kernel_impls(backend: str) -> dict[str, Callable]:
     return kernels.lowerings(backend)
 
 
+def _layer_indexed_inputs(backend: str) -> dict[str, int]:
+    from runtime.worker import kernels
+
+    return kernels.layer_indexed_inputs(backend)
+
+
 def state_names(graph: Graph) -> tuple[str, ...]:
     """Runtime inputs that the step also returns under the same name (KV caches / pools)."""
     outs = {name for name, _ in graph.outputs}
@@ -134,6 +140,21 @@ def _index_offset_impls(fns: dict[str, Callable], offset) -> dict[str, Callable]
     return {"kv_write": kv_write_at, "paged_attention": paged_at}
 
 
+def _in_place_roles(graph: Graph, layers: Layers, roles: list[str], indexed: dict[str, int]) -> set[str]:
+    """The weight roles of a scanned step that every reader takes at an input `indexed` names (op
+    name -> input position), and nowhere else: those readers get the role's whole stack [L, ...]
+    and a `layer` attr instead of the scan's slice."""
+    users = graph.users()
+    out = set()
+    for role in roles:
+        leaf = layers.leaves[0][role]
+        readers = users.get(id(leaf), [])
+        if readers and all(n.op in indexed and [j for j, i in enumerate(n.inputs) if i is leaf] == [indexed[n.op]]
+                           for n in readers):
+            out.add(role)
+    return out
+
+
 def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | None = None,
                layout: StepLayout | None = None):
     """Returns `step(params, state, inputs) -> (outputs, new_state)`, not yet jitted.
@@ -156,11 +177,13 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
             raise ValueError(f"op {node.op!r} has no implementation")
         impls[node.op] = fn
 
-    def run(nodes, env, fns):
+    def run(nodes, env, fns, extra_attrs=None):
         for node in nodes:
             # Annotations (sharding, which steers mesh_constraints; paged_attention's new_kv_written)
             # are not op semantics: the op's implementation never sees them.
             attrs = {k: v for k, v in node.attrs if k not in ANNOTATION_ATTRS}
+            if extra_attrs and id(node) in extra_attrs:
+                attrs.update(extra_attrs[id(node)])
             if new_kv and node.op == "paged_attention" and node.attr(NEW_KV_WRITTEN):
                 # The pools arrive written by this step's kv_write nodes; their new K/V go to the
                 # lowering too, so a prefill attends over its own tokens without reading them back.
@@ -194,6 +217,11 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
     for role in layout.state_groups:
         state_out[role] = template_pos[id(out_by_name[template_leaves[role].name])]
     param_roles = [r for r in layout.param_groups if r in template_leaves]
+    # Weight roles whose every reader takes the whole stack and a layer index (a kernel reading the
+    # layer where it lies); the scan slices the others, and XLA copies each slice out of its stack.
+    in_place = _in_place_roles(graph, layers, param_roles, _layer_indexed_inputs(backend))
+    in_place_ids = {id(template_leaves[r]) for r in in_place}
+    in_place_readers = [n for n in layers.template if any(id(i) in in_place_ids for i in n.inputs)]
 
     def step(params: dict[str, Any], kv_state: dict[str, Any], inputs: dict[str, Any]):
         env: dict[int, Any] = {}
@@ -210,15 +238,17 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
             local = dict(env)
             local[id(layers.carry_in)] = h
             for role in param_roles:
-                local[id(template_leaves[role])] = weights[role]
+                local[id(template_leaves[role])] = params[role] if role in in_place else weights[role]
             for role, pool in pools.items():
                 local[id(template_leaves[role])] = pool
-            run(layers.template, local, impls | _index_offset_impls(impls, i * blocks_per_layer))
+            run(layers.template, local, impls | _index_offset_impls(impls, i * blocks_per_layer),
+                {id(n): {"layer": i} for n in in_place_readers})
             new_pools = {role: local[id(layers.template[j])] for role, j in state_out.items()}
             return (local[id(layers.template[layers.carry_out])], i + 1, new_pools), None
 
         init = (env[id(layers.carry_in)], jnp.int32(0), dict(kv_state))
-        (h, _, new_state), _ = jax.lax.scan(body, init, {r: params[r] for r in param_roles})
+        (h, _, new_state), _ = jax.lax.scan(body, init, {r: params[r] for r in param_roles if r not in in_place},
+                                            length=layers.num_layers)
         env[id(layers.last_output())] = h
         run(layers.post, env, impls)
         return outputs(env), new_state

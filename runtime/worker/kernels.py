@@ -315,17 +315,31 @@ def _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, block_size: int):
     return pools[0], pools[1], tables, ctx, cu, bs
 
 
-def matmul_int8_cpp(x, w, scale, *, activations=None):
+def matmul_int8_cpp(x, w, scale, *, activations=None, layer=None):
     """matmul_int8 under kernel_backend="cpp": a product of few rows in our C++ kernels, W8A8 (the
     same int32 sums as XLA's dot, so the same result) or weight-only with f32 activations (f32 sums
-    in another order); anything else as ir.ops lowers it."""
+    in another order); anything else as ir.ops lowers it.
+
+    With `layer` (a scanned step's traced layer index; see layer_indexed_inputs), w is the stack
+    [L, K, N] of every layer's weight: the kernels read layer `layer` where it lies, and only XLA's
+    products take the slice (a copy)."""
     rows = math.prod(x.shape[:-1])
     if cpp_kernels.int8_matmul_vectorized():
         if activations == INT8_ACTIVATIONS and rows <= CPP_INT8_MAX_ROWS:
-            return w8a8_matmul(x, w, scale, product=cpp_kernels.int8_matmul)
+            return w8a8_matmul(x, w, scale, product=functools.partial(cpp_kernels.int8_matmul, layer=layer))
         if activations is None and x.dtype == jnp.float32 and rows <= CPP_INT8_WEIGHT_ONLY_MAX_ROWS:
-            return weight_only_matmul(x, w, scale, product=cpp_kernels.int8_weight_matmul)
+            return weight_only_matmul(x, w, scale,
+                                      product=functools.partial(cpp_kernels.int8_weight_matmul, layer=layer))
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     return OPS["matmul_int8"].impl(x, w, scale, activations=activations)
+
+
+def layer_indexed_inputs(backend: str) -> dict[str, int]:
+    """op name -> the input that `backend`'s lowering of the op can take as a whole layer stack
+    [L, ...] plus a `layer` attr, in a step scanned over layers (runtime/worker/executor.py): the
+    int8 weights of matmul_int8 under "cpp", which its kernels read in place."""
+    return {"matmul_int8": 1} if backend == "cpp" else {}
 
 
 def lowerings(backend: str) -> dict:

@@ -2,7 +2,10 @@
 // XLA's FFI (runtime/worker/cpp_kernels.py):
 //   W8A8         x s8  [M, K] @ w s8 [K, N] -> y s32 [M, N]   (exact int32 sums)
 //   weight-only  x f32 [M, K] @ w s8 [K, N] -> y f32 [M, N]   (w widened to f32 in registers)
-// The per-column scales are applied by the caller (ir/int8.py).
+// The per-column scales are applied by the caller (ir/int8.py). w may also be a stack [L, K, N] of
+// every layer's weight, with the layer to take given by a third operand, an int32 scalar: a step
+// scanned over layers calls the kernel on the stack where it lies, where a slice of it would be a
+// copy of the layer's weights on every step (BENCHMARKS.md, "Scan over layers").
 //
 // A decode step of a few rows reads every weight once and does little else, so its speed is the
 // speed at which the weights stream in from memory. XLA:CPU's int8 dot reaches about a third of
@@ -230,40 +233,52 @@ void Product(ffi::ThreadPool& pool, const X* xp, const int8_t* wp, Y* yp, int64_
   }
 }
 
-// x [M, K] @ w s8 [K, N] -> y [M, N], with x and y of the given element types.
-ffi::Error Check(const char* name, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& y,
-                 ffi::DataType xt, ffi::DataType yt) {
+// x [M, K] @ w s8 [K, N] (or layer `layer` of w s8 [L, K, N]) -> y [M, N], with x and y of the given
+// element types; on success, *offset is where the layer's weights start in w.
+ffi::Error Check(const char* name, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& layer,
+                 ffi::Result<ffi::AnyBuffer>& y, ffi::DataType xt, ffi::DataType yt, int64_t* offset) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || yd[0] != xd[0] ||
-      yd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": x [M, K] @ w [K, N] -> y [M, N]");
+  const size_t r = wd.size();
+  if (xd.size() != 2 || (r != 2 && r != 3) || yd.size() != 2 || xd[1] != wd[r - 2] || yd[0] != xd[0] ||
+      yd[1] != wd[r - 1] || layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": x [M, K] @ w [K, N] or [L, K, N], layer [] -> y [M, N]");
   }
-  if (x.element_type() != xt || w.element_type() != ffi::S8 || y->element_type() != yt) {
+  if (x.element_type() != xt || w.element_type() != ffi::S8 || y->element_type() != yt ||
+      layer.element_type() != ffi::S32) {
     return ffi::Error::InvalidArgument(std::string(name) + ": wrong element types (see int8_matmul.cc)");
   }
+  const int64_t l = *static_cast<const int32_t*>(layer.untyped_data()), layers = r == 3 ? wd[0] : 1;
+  if (l < 0 || l >= layers) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": layer " + std::to_string(l) + " of " +
+                                       std::to_string(layers));
+  }
+  *offset = l * wd[r - 2] * wd[r - 1];
   return ffi::Error::Success();
 }
 
 template <typename X, typename Y>
-ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& y) {
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
+ffi::Error Run(const char* name, ffi::DataType xt, ffi::DataType yt, ffi::ThreadPool& pool, ffi::AnyBuffer& x,
+               ffi::AnyBuffer& w, ffi::AnyBuffer& layer, ffi::Result<ffi::AnyBuffer>& y) {
+  int64_t offset = 0;
+  ffi::Error error = Check(name, x, w, layer, y, xt, yt, &offset);
+  if (error.failure()) return error;
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   if (M > 0 && N > 0) {
-    Product(pool, static_cast<const X*>(x.untyped_data()), static_cast<const int8_t*>(w.untyped_data()),
+    Product(pool, static_cast<const X*>(x.untyped_data()), static_cast<const int8_t*>(w.untyped_data()) + offset,
             static_cast<Y*>(y->untyped_data()), M, K, N);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
                           ffi::Result<ffi::AnyBuffer> y) {
-  ffi::Error error = Check("int8_matmul", x, w, y, ffi::S8, ffi::S32);
-  return error.failure() ? error : Run<int8_t, int32_t>(pool, x, w, y);
+  return Run<int8_t, int32_t>("int8_matmul", ffi::S8, ffi::S32, pool, x, w, layer, y);
 }
 
-ffi::Error Int8WeightMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+ffi::Error Int8WeightMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
                                 ffi::Result<ffi::AnyBuffer> y) {
-  ffi::Error error = Check("int8_weight_matmul", x, w, y, ffi::F32, ffi::F32);
-  return error.failure() ? error : Run<float, float>(pool, x, w, y);
+  return Run<float, float>("int8_weight_matmul", ffi::F32, ffi::F32, pool, x, w, layer, y);
 }
 
 }  // namespace
@@ -282,6 +297,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // x
                                   .Arg<ffi::AnyBuffer>()   // w
+                                  .Arg<ffi::AnyBuffer>()   // layer
                                   .Ret<ffi::AnyBuffer>());  // y
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8WeightMatmul, Int8WeightMatmulImpl,
@@ -289,4 +305,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8WeightMatmul, Int8WeightMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // x f32
                                   .Arg<ffi::AnyBuffer>()   // w s8
+                                  .Arg<ffi::AnyBuffer>()   // layer s32
                                   .Ret<ffi::AnyBuffer>());  // y f32
