@@ -74,6 +74,8 @@ class StepLayout:
     array [L * B, block_size, kv_heads, head_dim] (`k_pool.*`): layer i owns blocks
     [i*B, (i+1)*B), and the layer's kv_write / paged_attention see the same pool with their
     block indices offset by i*B, so every write lands in place in the one donated buffer.
+    The scan slices each weight stack per layer (XLA copies the slice), except the roles that a
+    backend's kernels read in place from the whole stack (kernels.layer_indexed_inputs).
     """
 
     param_groups: dict[str, tuple[str, ...]]  # device key -> IR param names (stacked if several)
