@@ -66,9 +66,9 @@ inline __m512i Dot(__m512i acc, __m512i w, __m512i x) {
 }
 
 // The cache line at p in each of the next `rows` weight rows (stride N): the rows the next pass
-// reads, requested while this pass computes. The hardware prefetcher misses these short strided
-// runs; asking one pass ahead makes a decode step's products 1.3-1.5x faster (BENCHMARKS.md,
-// "Weight-only int8 decode rows in our C++ kernel").
+// reads, requested while this pass computes, since the hardware prefetcher may not follow these
+// short strided runs. One run measured a decode step's products 1.3-1.5x faster with it, a later
+// one within noise either way (BENCHMARKS.md, "Weight-only int8 decode rows in our C++ kernel").
 inline void Prefetch(const int8_t* p, int64_t N, int rows) {
   for (int i = 0; i < rows; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + i * N), _MM_HINT_T0);
 }
