@@ -2,8 +2,9 @@
 over the same weights, rounds interleaved, medians, the variant's speedup over the base.
 
     .venv/bin/python scripts/bench_ab.py [--base KEY=VALUE ...] [--variant KEY=VALUE ...]
-                                         [--rounds 3] [--cases ttft,batch1,seqs64,long]
+                                         [--rounds 3] [--cases ttft,batch1,seqs64,long,long1]
                                          [--base-kernels DIR] [--base-sampler FILE]
+                                         [--base-decode-part-tokens N] [--long1-context 3000]
                                          [--temperature T --top-p P --seed S]
 
 KEY=VALUE pairs are EngineConfig fields. The default variant is `matmul_precision=bfloat16` against
@@ -12,6 +13,8 @@ With `--base-kernels DIR`, the base engine is built with another checkout's atte
 (DIR/runtime/worker/kernels.py), so that a change to them is measured against the old code in the
 same process; the variant's config is then the base's unless `--variant` says otherwise.
 `--base-sampler FILE` does the same for the sampler (another checkout's runtime/worker/sampler.py).
+`--base-decode-part-tokens N` builds the base engine with the C++ decode kernel splitting long rows
+into parts of at least N tokens (0: never; see cpp_kernels.PART_TOKENS), the variant with the default.
 Requests are greedy unless `--temperature` (and `--top-p`) say otherwise; sampled requests all take
 `--seed`, so both engines see the same requests.
 Both engines run without prefix caching (every round's prompts are new anyway) and with 2,000
@@ -21,7 +24,10 @@ KV blocks each, unless told otherwise. Cases:
 - seqs64: 64 sequences x 64 tokens, end to end (prefill included); with the share of the 64
   sequences whose greedy tokens agree between the two engines (first round);
 - long: decode rate of 32 sequences at 384-512 tokens of context: the same 32 prompts of 384
-  tokens run to 1 and to 129 tokens, and the difference is 128 decode steps.
+  tokens run to 1 and to 129 tokens, and the difference is 128 decode steps;
+- long1: batch-1 decode rate at long context: one prompt of `--long1-context` tokens run to 1 and
+  to 129 tokens (128 decode steps); max_model_len grows to fit it. Pass enable_prefix_caching=true
+  to both engines to take the prompt's prefill out of both timings (a first untimed call caches it).
 Run on a quiet machine (uptime < 1); prints one JSON line per case.
 """
 
@@ -48,7 +54,7 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.entrypoints.llm import LLM  # noqa: E402
 from runtime.plan import compile_plan  # noqa: E402
 
-CASES = ("ttft", "batch1", "seqs64", "long")
+CASES = ("ttft", "batch1", "seqs64", "long", "long1")
 COMMON = dict(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=2000,
               enable_prefix_caching=False)
 
@@ -105,6 +111,21 @@ def base_sampler(path: Path | None):
         sampler.sample_rows = saved
 
 
+@contextlib.contextmanager
+def base_decode_part_tokens(n: int | None):
+    """While open, the C++ decode kernel's calls split long rows into parts of at least `n` tokens."""
+    if n is None:
+        yield
+        return
+    from runtime.worker import cpp_kernels
+    saved = cpp_kernels.paged_decode
+    cpp_kernels.paged_decode = lambda *a, **kw: saved(*a, **(kw | {"part_tokens": n}))
+    try:
+        yield
+    finally:
+        cpp_kernels.paged_decode = saved
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -119,6 +140,9 @@ def main() -> int:
                     help="build the base engine with DIR's runtime/worker/kernels.py (another checkout)")
     ap.add_argument("--base-sampler", type=Path, default=None, metavar="FILE",
                     help="build the base engine with FILE as runtime/worker/sampler.py (another checkout's)")
+    ap.add_argument("--base-decode-part-tokens", type=int, default=None, metavar="N",
+                    help="build the base engine with the C++ decode kernel's part_tokens=N (0: no split)")
+    ap.add_argument("--long1-context", type=int, default=3000, help="the long1 case's prompt length")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -129,14 +153,18 @@ def main() -> int:
     if set(cases) - set(CASES):
         raise SystemExit(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: {', '.join(CASES)}")
     if args.variant is None:
-        args.variant = args.base if args.base_kernels or args.base_sampler else ["matmul_precision=bfloat16"]
-    configs = {"base": COMMON | parse_pairs(args.base), "variant": COMMON | parse_pairs(args.variant)}
+        args.variant = (args.base if args.base_kernels or args.base_sampler or args.base_decode_part_tokens is not None
+                        else ["matmul_precision=bfloat16"])
+    common = COMMON | ({"max_model_len": max(COMMON["max_model_len"], args.long1_context + 256)}
+                       if "long1" in cases else {})
+    configs = {"base": common | parse_pairs(args.base), "variant": common | parse_pairs(args.variant)}
     print(json.dumps({"configs": configs}), flush=True)
     cfg, weights, tok = load_model("smollm2-135m")
     llms = {}
     for name, kw in configs.items():
         with (base_kernels(args.base_kernels if name == "base" else None),  # engines compile as they are built
-              base_sampler(args.base_sampler if name == "base" else None)):
+              base_sampler(args.base_sampler if name == "base" else None),
+              base_decode_part_tokens(args.base_decode_part_tokens if name == "base" else None)):
             llms[name] = LLM.from_plan(compile_plan(None, EngineConfig(**kw), weights=weights, config=cfg,
                                                     tokenizer=tok))
     rng = np.random.default_rng(0)
@@ -202,6 +230,19 @@ def main() -> int:
                 first = timed(lambda: llm.generate(prompts, params(1)))
                 runs[name].append(32 * 128 / (timed(lambda: llm.generate(prompts, params(129))) - first))
         report("32 sequences decoding at 384-512 tokens of context", runs, "tok/s", higher_is_better=True)
+
+    if "long1" in cases:
+        n = args.long1_context
+        runs = {p: [] for p in llms}
+        for llm in llms.values():
+            llm.generate([prompt(n)], params(8))
+        for _ in range(args.rounds):
+            p = prompt(n)
+            for name, llm in llms.items():
+                llm.generate([p], params(1))  # with enable_prefix_caching=true, the two timed calls hit
+                first = timed(lambda: llm.generate([p], params(1)))
+                runs[name].append(128 / (timed(lambda: llm.generate([p], params(129))) - first))
+        report(f"batch-1 decode at {n}-{n + 128} tokens of context", runs, "tok/s", higher_is_better=True)
     return 0
 
 

@@ -71,6 +71,43 @@ def test_bf16_bits_match_the_reference_in_bf16(heads, kvh, d, bs, ctx):
     np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(ref)[:n], **SAME_MATH_F32)
 
 
+@pytest.mark.parametrize("part_tokens", [16, 48, cpp_kernels.PART_TOKENS])
+@pytest.mark.parametrize("ctx", [[1000], [1, 517, 2], [250, 33, 4, 700]])
+def test_long_rows_split_over_the_threads_match_the_reference(ctx, part_tokens):
+    """A step of few rows splits each long row into parts of whole blocks, one per work item, and
+    merges the parts' states: the merged state equals the unsplit walk's (part_tokens=0) and gives
+    the reference's output, on contexts that stop off block boundaries, over poisoned pools."""
+    rng = np.random.default_rng(sum(ctx) + part_tokens)
+    q, kp, vp, tables, ctx_a, cu = _decode_case(rng, 9, 3, 64, 16, ctx)
+    attrs = dict(scale=0.125, num_kv_heads=3, block_size=16, head_dim=64)
+    ref = paged_attention_reference(q, kp, vp, tables, ctx_a, cu, **attrs)
+    qf = (q * 0.125).reshape(len(ctx), 3, 3, 64)
+    seq = jnp.arange(len(ctx), dtype=jnp.int32)
+
+    def state(parts):
+        return jax.jit(lambda *a: cpp_kernels.paged_decode(*a, part_tokens=parts))(qf, kp, vp, tables, seq, ctx_a)
+
+    split, whole = state(part_tokens), state(0)
+    for a, b in zip(split, whole):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **SAME_MATH_F32)
+    mx, den, acc = (np.asarray(x) for x in split)
+    assert np.all(np.isfinite(acc)) and np.all(den > 0)
+    np.testing.assert_allclose((acc / den[..., None]).reshape(ref.shape), np.asarray(ref),
+                               **KERNEL[jnp.dtype(jnp.float32)])
+
+
+def test_a_split_step_keeps_an_empty_row_empty():
+    """A row with no context beside a long one: its state stays the empty one (max -1e30, zero
+    denominator and accumulator) while the long row is split."""
+    rng = np.random.default_rng(3)
+    _, kp, vp, tables, _, _ = _decode_case(rng, 9, 3, 64, 16, [900, 1])
+    qf = jnp.asarray(rng.standard_normal((2, 3, 3, 64)), jnp.float32)
+    mx, den, acc = (np.asarray(x) for x in jax.jit(lambda *a: cpp_kernels.paged_decode(*a, part_tokens=16))(
+        qf, kp, vp, tables, jnp.arange(2, dtype=jnp.int32), jnp.asarray([900, 0], jnp.int32)))
+    assert np.all(mx[1] == -1e30) and not den[1].any() and not acc[1].any()
+    assert np.all(den[0] > 0) and np.all(np.isfinite(acc[0]))
+
+
 def _gathered(hlo: str) -> list[int]:
     """The element counts of the gathers in compiled HLO text."""
     sizes = []

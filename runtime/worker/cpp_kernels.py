@@ -24,6 +24,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +138,25 @@ def fits(num_kv_heads: int, n_rep: int, block_size: int, head_dim: int) -> bool:
     return num_kv_heads * n_rep <= MAX_HEADS and block_size <= MAX_BLOCK and head_dim <= MAX_DIM
 
 
-def paged_decode(qf, k_pool, v_pool, tables, seq, limit):
+# The shortest piece of one row's context that the decode kernel gives a thread of its own, when a
+# step has too few rows to keep the threads busy (batch 1 at long context); BENCHMARKS.md,
+# "Decode attention in our C++ kernel", "Long rows split over the threads".
+PART_TOKENS = 256
+
+
+def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS):
     """The online-softmax state (max, denominator, accumulator) of rows `qf` [T, kvh, rep, d] (f32,
     scaled) over the pool positions below `limit` [T] of their sequences `seq` [T]; see
-    cpp/paged_decode.cc. The pools are read where they lie."""
+    cpp/paged_decode.cc. The pools are read where they lie. A step of few rows splits each row's
+    positions into parts of at least `part_tokens` over the threads (0: one row per thread)."""
     ensure()  # registered before anything is compiled (or loaded from the compilation cache) to call it
     t, kvh, rep, d = qf.shape
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((t, kvh, rep), f32), jax.ShapeDtypeStruct((t, kvh, rep), f32),
            jax.ShapeDtypeStruct((t, kvh, rep, d), f32))
     return jax.ffi.ffi_call(PAGED_DECODE_TARGET, out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
-                                                      seq.astype(jnp.int32), limit.astype(jnp.int32))
+                                                      seq.astype(jnp.int32), limit.astype(jnp.int32),
+                                                      part_tokens=np.int64(part_tokens))
 
 
 @functools.cache

@@ -15,12 +15,15 @@
 //   limit   s32 [T]             each row sees pool positions [0, limit)
 // Outputs: the online-softmax state of each row over those positions, for the caller to merge:
 //   mx [T, H, R] (the running max; -1e30 where limit is 0), den [T, H, R], acc [T, H, R, D].
+// Attribute: part_tokens, the shortest piece a row's positions are split into when there are too
+//   few rows to keep the threads busy (see Run); 0 never splits.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -67,34 +70,41 @@ struct Shape {
   int64_t H, R, D, N, BS, M;
 };
 
-// One row's walk over its blocks; the online-softmax state lives here, and a block body (below)
+// One piece of a call's work: row `row`'s pool positions [begin, end), `begin` on a block boundary,
+// and where its online-softmax state goes (the outputs, or scratch that Merge folds into them).
+struct Part {
+  int64_t row, begin, end;
+  float *mx, *den, *acc;  // [HR], [HR], [HR, D]
+};
+
+// A part's walk over its blocks; the online-softmax state lives here, and a block body (below)
 // turns one block into scores, then probabilities through Softmax, then adds the values.
 struct RowState {
   int64_t HR, D;
-  float* a;  // the row's accumulator [HR, D]
+  float* a;  // the part's accumulator [HR, D]
   float m[kMaxHeads], l[kMaxHeads], block_max[kMaxHeads];
   alignas(64) float p[kMaxHeads][kMaxBlock];  // scores, then probabilities, of one block
 };
 
 template <typename KV, typename Body>
-void Walk(int64_t t, const Shape& s, const KV* k_pool, const KV* v_pool, const int32_t* tables,
-          const int32_t* seq, const int32_t* limit, float* mx, float* den, float* acc, const Body& body) {
+void Walk(const Part& part, const Shape& s, const KV* k_pool, const KV* v_pool, const int32_t* tables,
+          const int32_t* seq, const Body& body) {
   RowState st;
   st.HR = s.H * s.R;
   st.D = s.D;
-  st.a = acc + t * st.HR * s.D;
+  st.a = part.acc;
   std::fill(st.m, st.m + st.HR, -1e30f);
   std::fill(st.l, st.l + st.HR, 0.f);
   std::fill(st.a, st.a + st.HR * s.D, 0.f);
-  const int64_t lim = limit[t], block_stride = s.BS * s.H * s.D;
-  const int32_t* table = tables + static_cast<int64_t>(seq[t]) * s.M;
-  for (int64_t p0 = 0; p0 < lim; p0 += s.BS) {
+  const int64_t block_stride = s.BS * s.H * s.D;
+  const int32_t* table = tables + static_cast<int64_t>(seq[part.row]) * s.M;
+  for (int64_t p0 = part.begin; p0 < part.end; p0 += s.BS) {
     const int64_t block = std::clamp<int64_t>(table[p0 / s.BS], 0, s.N - 1);
     std::copy(st.m, st.m + st.HR, st.block_max);
-    body(st, k_pool + block * block_stride, v_pool + block * block_stride, std::min<int64_t>(s.BS, lim - p0));
+    body(st, k_pool + block * block_stride, v_pool + block * block_stride, std::min<int64_t>(s.BS, part.end - p0));
   }
-  std::copy(st.m, st.m + st.HR, mx + t * st.HR);
-  std::copy(st.l, st.l + st.HR, den + t * st.HR);
+  std::copy(st.m, st.m + st.HR, part.mx);
+  std::copy(st.l, st.l + st.HR, part.den);
 }
 
 // The scalar block body, for any head_dim and block size.
@@ -229,11 +239,10 @@ void VectorBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, co
 }
 
 template <typename KV>
-void Row(int64_t t, const Shape& s, const float* q, const KV* k_pool, const KV* v_pool,
-         const int32_t* tables, const int32_t* seq, const int32_t* limit, float* mx, float* den,
-         float* acc) {
-  const float* qt = q + t * s.H * s.R * s.D;
-  auto walk = [&](auto block) { Walk(t, s, k_pool, v_pool, tables, seq, limit, mx, den, acc, block); };
+void WalkPart(const Part& part, const Shape& s, const float* q, const KV* k_pool, const KV* v_pool,
+              const int32_t* tables, const int32_t* seq) {
+  const float* qt = q + part.row * s.H * s.R * s.D;
+  auto walk = [&](auto block) { Walk(part, s, k_pool, v_pool, tables, seq, block); };
   auto vector = [&](auto nd) {
     walk([&](RowState& st, const KV* kb, const KV* vb, int64_t n) {
       VectorBlock<decltype(nd)::value>(st, s, qt, kb, vb, n);
@@ -245,19 +254,84 @@ void Row(int64_t t, const Shape& s, const float* q, const KV* k_pool, const KV* 
   walk([&](RowState& st, const KV* kb, const KV* vb, int64_t n) { ScalarBlock(st, s, qt, kb, vb, n); });
 }
 
+// Folds a row's parts (scratch states, in position order) into the row's output state: the
+// largest max, and each part's denominator and accumulator rescaled to it.
+void Merge(const Part* parts, int64_t count, int64_t HR, int64_t D, float* mx, float* den, float* acc) {
+  for (int64_t i = 0; i < HR; ++i) {
+    float m = -1e30f;
+    for (int64_t c = 0; c < count; ++c) m = std::max(m, parts[c].mx[i]);
+    float l = 0.f;
+    float* ai = acc + i * D;
+    std::fill(ai, ai + D, 0.f);
+    for (int64_t c = 0; c < count; ++c) {
+      const float w = std::exp(parts[c].mx[i] - m);
+      l += w * parts[c].den[i];
+      const float* pa = parts[c].acc + i * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ai[d] += w * pa[d];
+    }
+    mx[i] = m;
+    den[i] = l;
+  }
+}
+
+// Rows are shared out over the calling thread and XLA's intra-op pool (parallel_for.h), one row
+// per work item. When there are fewer rows than about kItemsPerThread items per thread (batch 1,
+// a few long rows), each row's positions are split instead into parts of at least `part_tokens`
+// (whole blocks), up to enough parts for that many items, like vLLM's partitioned decode
+// attention; the parts' states are then merged. part_tokens 0 never splits.
+constexpr int64_t kItemsPerThread = 4;
 
 template <typename KV>
-void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, const float* q, const KV* k_pool,
-         const KV* v_pool, const int32_t* tables, const int32_t* seq, const int32_t* limit,
+void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_tokens, const float* q,
+         const KV* k_pool, const KV* v_pool, const int32_t* tables, const int32_t* seq, const int32_t* limit,
          float* mx, float* den, float* acc) {
-  // Rows are shared out over the calling thread and XLA's intra-op pool (parallel_for.h).
-  jaxserve::ParallelFor(pool, rows, [=](int64_t t) { Row(t, s, q, k_pool, v_pool, tables, seq, limit, mx, den, acc); });
+  const int64_t HR = s.H * s.R, items_wanted = kItemsPerThread * (pool.num_threads() + 1);
+  const int64_t most_parts = part_tokens > 0 && rows < items_wanted ? (items_wanted + rows - 1) / rows : 1;
+  std::vector<Part> parts;
+  std::vector<int64_t> first(rows + 1);  // row t's parts are parts[first[t], first[t + 1])
+  int64_t scratch_parts = 0;
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t lim = limit[t], blocks = (lim + s.BS - 1) / s.BS;
+    const int64_t min_blocks = std::max<int64_t>(1, (part_tokens + s.BS - 1) / s.BS);
+    const int64_t wanted = std::clamp<int64_t>(blocks / min_blocks, 1, most_parts);
+    const int64_t span_blocks = std::max<int64_t>(1, (blocks + wanted - 1) / wanted);
+    const int64_t count = std::max<int64_t>(1, (blocks + span_blocks - 1) / span_blocks);
+    const int64_t span = span_blocks * s.BS;  // positions per part
+    first[t] = static_cast<int64_t>(parts.size());
+    for (int64_t b = 0; b < count; ++b) {
+      parts.push_back({t, std::min(lim, b * span), std::min(lim, (b + 1) * span), nullptr, nullptr, nullptr});
+    }
+    if (count > 1) scratch_parts += count;
+  }
+  first[rows] = static_cast<int64_t>(parts.size());
+  std::vector<float> scratch(scratch_parts * HR * (2 + s.D));
+  float* next = scratch.data();
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t c = first[t]; c < first[t + 1]; ++c) {
+      Part& part = parts[c];
+      if (first[t + 1] - first[t] == 1) {  // the row's one part writes the outputs
+        part.mx = mx + t * HR, part.den = den + t * HR, part.acc = acc + t * HR * s.D;
+      } else {
+        part.mx = next, part.den = next + HR, part.acc = next + 2 * HR;
+        next += HR * (2 + s.D);
+      }
+    }
+  }
+  const Part* all = parts.data();
+  jaxserve::ParallelFor(pool, static_cast<int64_t>(parts.size()),
+                        [=](int64_t c) { WalkPart(all[c], s, q, k_pool, v_pool, tables, seq); });
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t count = first[t + 1] - first[t];
+    if (count > 1) Merge(all + first[t], count, HR, s.D, mx + t * HR, den + t * HR, acc + t * HR * s.D);
+  }
 }
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,
                            ffi::AnyBuffer v_pool, ffi::AnyBuffer tables, ffi::AnyBuffer seq,
                            ffi::AnyBuffer limit, ffi::Result<ffi::AnyBuffer> mx,
-                           ffi::Result<ffi::AnyBuffer> den, ffi::Result<ffi::AnyBuffer> acc) {
+                           ffi::Result<ffi::AnyBuffer> den, ffi::Result<ffi::AnyBuffer> acc,
+                           int64_t part_tokens) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged_decode: q, pools and tables must be rank 4, 4 and 2");
@@ -278,9 +352,9 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
                 *lp = limit.typed_data<int32_t>();
   float *mp = mx->typed_data<float>(), *dp = den->typed_data<float>(), *ap = acc->typed_data<float>();
   if (k_pool.element_type() == ffi::F32) {
-    Run(pool, rows, s, qp, k_pool.typed_data<float>(), v_pool.typed_data<float>(), tp, sp, lp, mp, dp, ap);
+    Run(pool, rows, s, part_tokens, qp, k_pool.typed_data<float>(), v_pool.typed_data<float>(), tp, sp, lp, mp, dp, ap);
   } else if (k_pool.element_type() == ffi::U16) {
-    Run(pool, rows, s, qp, k_pool.typed_data<uint16_t>(), v_pool.typed_data<uint16_t>(), tp, sp, lp, mp, dp, ap);
+    Run(pool, rows, s, part_tokens, qp, k_pool.typed_data<uint16_t>(), v_pool.typed_data<uint16_t>(), tp, sp, lp, mp, dp, ap);
   } else {
     return ffi::Error::InvalidArgument("paged_decode: pools must be f32 or u16 (bf16 bits)");
   }
@@ -300,4 +374,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::AnyBuffer>()  // limit
                                   .Ret<ffi::AnyBuffer>()  // mx
                                   .Ret<ffi::AnyBuffer>()  // den
-                                  .Ret<ffi::AnyBuffer>());  // acc
+                                  .Ret<ffi::AnyBuffer>()  // acc
+                                  .Attr<int64_t>("part_tokens"));
