@@ -138,6 +138,10 @@ _ENGINE_FLAGS = (
      dict(default=None, choices=QUANTIZATIONS, help="int8: int8 weights (a quarter of f32's bytes), widened in the "
           "product; w8a8: int8 weights and activations quantized per token at run time, an int8 x int8 product "
           "(1.5-3x faster matmuls than f32 on CPUs with VNNI/AMX-INT8)")),
+    ("quantize_lm_head", ("--quantize-lm-head",),
+     dict(type=_bool, metavar="BOOL", help="with --quantization: true puts the LM head in int8 too (a tied head "
+          "from an int8 copy of the embedding: more weight memory, fewer bytes read per token), false keeps it in "
+          "full precision (default: w8a8 quantizes it; int8 keeps a tied head)")),
     ("matmul_precision", ("--matmul-precision",),
      dict(choices=MATMUL_PRECISIONS, help="bfloat16: an f32 plan's steps of 4+ rows multiply in bf16 from a bf16 "
           "copy of the weights, with f32 accumulation (2-3x faster GEMMs on CPUs with avx512_bf16/AMX; weight "

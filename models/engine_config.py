@@ -149,6 +149,10 @@ class EngineConfig:
     static_batch_size: int | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    # The LM head under `quantization`: True puts it in int8 too (a tied head from an int8 copy of
+    # the transposed embedding), False keeps it in the model's dtype. None: w8a8 quantizes it;
+    # int8 quantizes an untied head and keeps a tied one (its copy would add weight memory).
+    quantize_lm_head: bool | None = None
     # "bfloat16": f32 weights gain a bf16 copy, and steps of at least 4 rows multiply in bf16 with
     # f32 accumulation (2-3x XLA:CPU's f32 GEMM rate on CPUs with bf16 units); narrower steps, and
     # everything but the matmuls, stay f32. Weight memory grows by half (passes/bf16_matmuls.py).
@@ -201,6 +205,11 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
                              f"got {self.quantization!r}")
+        if self.quantize_lm_head not in (None, True, False):
+            raise ValueError(f"quantize_lm_head must be a bool or None (auto), got {self.quantize_lm_head!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs a quantization (int8 or w8a8): the head is quantized "
+                             "with the other weights")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}")

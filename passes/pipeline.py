@@ -25,6 +25,7 @@ class PipelineOptions:
     scan_layers: bool = False  # the executor scans the repeated layers (see runtime.worker.executor)
     num_kv_blocks: int | None = None
     quantization: str | None = None
+    quantize_lm_head: bool | None = None  # EngineConfig.quantize_lm_head; None: the quantization's default
     matmul_precision: str = "float32"  # "bfloat16": wide steps multiply in bf16 (passes.bf16_matmuls)
     kv_dtype: str | None = None  # the KV pools' dtype (EngineConfig.kv_cache_dtype); None: the model's
     tensor_parallel_size: int = 1
@@ -46,7 +47,8 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
         ("insert_paged_kv", partial(insert_paged_kv, block_size=opts.block_size, kv_dtype=opts.kv_dtype)),
         # Phase 3: fewer, larger matmuls; optional weight compression.
         ("fuse_matmuls", fuse_matmuls),
-        ("quantize_int8", {"int8": quantize_int8, "w8a8": partial(quantize_int8, activations=INT8_ACTIVATIONS)}
+        ("quantize_int8", {"int8": partial(quantize_int8, lm_head=opts.quantize_lm_head),
+                           "w8a8": partial(quantize_int8, activations=INT8_ACTIVATIONS, lm_head=opts.quantize_lm_head)}
          .get(opts.quantization, _identity)),
         ("bf16_matmuls", bf16_matmuls if opts.matmul_precision == "bfloat16" else _identity),
         # Phase 4: distribution over devices.

@@ -9,6 +9,8 @@ Two modes (EngineConfig.quantization):
   with VNNI/AMX-INT8 run it 1.5-3x faster than f32 (BENCHMARKS.md, "W8A8"). A tied LM head also
   gets an int8 copy, of the transposed embedding, since its product is a fifth of a small
   model's weight reads per token.
+Either way EngineConfig.quantize_lm_head can force the LM head into int8 or keep it in full
+precision (`lm_head` below).
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ from ir.attrs import INT8_SCALE, INT8_TRANSPOSED, QUANTIZE_INT8, ROLE, Role, rol
 from ir.graph import freeze_attrs
 
 
-def quantize_int8(graph: Graph, activations: str | None = None) -> Graph:
+def quantize_int8(graph: Graph, activations: str | None = None, lm_head: bool | None = None) -> Graph:
     """Int8 weights for every matmul whose weight is a 2-D param; embeddings stay as they are.
 
     Symmetric per output channel: w ~= w_int8 * scale[None, :], computed at compile time by
-    runtime.worker.params from the recipe each new param carries. Weight-only (`activations`
-    None): a tied LM head (a transposed matmul on the embedding table) stays, since the lookup
-    needs the table in full precision and an int8 copy would add bytes rather than save them.
-    With `activations="i8"` (W8A8) the head is rewritten too, from an int8 copy of the transposed
-    table ([hidden, vocab], `int8_transposed`, the LM head's role).
+    runtime.worker.params from the recipe each new param carries. A tied LM head (a transposed
+    matmul on the embedding table) is rewritten from an int8 copy of the transposed table
+    ([hidden, vocab], `int8_transposed`, the LM head's role); the lookup keeps the table.
+
+    `lm_head` (EngineConfig.quantize_lm_head): True rewrites the LM head, tied or not; False keeps
+    it in full precision. None is each mode's default: W8A8 (`activations="i8"`) rewrites it;
+    weight-only rewrites an untied head but leaves a tied one, whose int8 copy adds bytes to the
+    weights rather than saving them (it saves bytes read per token instead: BENCHMARKS.md).
 
     Both new params keep the source's role (and its other attributes); `quantize_int8=src` marks
     the int8 weight and `int8_scale=src` its scale.
@@ -37,9 +42,11 @@ def quantize_int8(graph: Graph, activations: str | None = None) -> Graph:
         if node.op != "matmul" or ins[1].op != "param":
             return None
         transposed = bool(node.attr("transpose_b"))
-        if transposed and activations is None:
-            return None
         w = ins[1]
+        if transposed or role_of(w) == Role.LM_HEAD:
+            wanted = lm_head if lm_head is not None else (activations is not None or not transposed)
+            if not wanted:
+                return None
         if w.name not in new_leaves:
             # Keep the source's role and recipe (e.g. concat of q/k/v) so the runtime can rebuild it.
             recipe = {k: v for k, v in w.attrs if k != "name"}

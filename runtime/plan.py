@@ -64,7 +64,8 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         block_size=engine.block_size, max_model_len=engine.max_model_len, buckets=tuple(buckets.pairs()),
         device_memory_bytes=total, memory_limit_bytes=limit, memory_utilization=engine.memory_utilization,
         reserve_bytes=engine.reserve_bytes, num_kv_blocks=engine.num_kv_blocks,
-        quantization=engine.quantization, matmul_precision=engine.matmul_precision,
+        quantization=engine.quantization, quantize_lm_head=engine.quantize_lm_head,
+        matmul_precision=engine.matmul_precision,
         kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
         scan_layers=engine.scans_layers())
 

@@ -6,9 +6,11 @@ accuracy on SmolLM2 against the fp32 engine over the golden prompts.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
+import pytest
 
 from conftest import first_divergence, golden_free_running, golden_llm, golden_teacher_forced, one_step_logits
 from ir import DTYPE_BYTES, print_graph
@@ -18,9 +20,9 @@ from passes.pipeline import PipelineOptions, run_pipeline
 from passes.plan_memory import weight_bytes
 from tolerances import SAME_MATH_F32
 
-def graph_for(cfg, quantization=None, dtype="f32", tp=1):
+def graph_for(cfg, quantization=None, dtype="f32", tp=1, lm_head=None):
     opts = PipelineOptions(max_model_len=128, buckets=((16, 4),), num_kv_blocks=32,
-                           quantization=quantization, tensor_parallel_size=tp)
+                           quantization=quantization, tensor_parallel_size=tp, quantize_lm_head=lm_head)
     return run_pipeline(lower(cfg, dtype), opts)
 
 
@@ -43,6 +45,52 @@ def test_every_constant_matmul_becomes_matmul_int8():
                 assert w.dtype == "i8" and s.dtype == "f32" and s.shape == (w.shape[1],)
         emb = next(p for p in after.params if p.name == "embed")
         assert emb.dtype == "f32"
+
+
+def test_quantize_lm_head_forces_the_head_either_way():
+    """quantize_lm_head=True: the head reads int8 weights in both modes, a tied one from an int8 copy
+    of the transposed embedding (weight-only: no activations attr); False: the head stays an f32
+    matmul in both modes. The layers' matmuls are int8 either way."""
+    for tied in (False, True):
+        cfg = get_preset("tiny").replace(tie_embeddings=tied)
+        for quant in ("int8", "w8a8"):
+            on, off = graph_for(cfg, quant, lm_head=True), graph_for(cfg, quant, lm_head=False)
+            head = on.output("logits")
+            assert head.op == "matmul_int8" and on.op_counts()["matmul_int8"] == 4 * cfg.num_layers + 1
+            w = head.inputs[1]
+            assert w.dtype == "i8" and w.shape == (cfg.hidden_size, cfg.vocab_size) and w.attr("role") == "lm_head"
+            assert bool(w.attr("int8_transposed")) == tied and (head.attr("activations") == "i8") == (quant == "w8a8")
+            head = off.output("logits")
+            assert head.op == "matmul" and head.inputs[1].dtype == "f32"
+            assert off.op_counts()["matmul_int8"] == 4 * cfg.num_layers
+
+
+def test_an_int8_tied_head_under_weight_only_int8_computes_the_quantized_product():
+    """Weight-only int8 with the tied head in int8: the logits are the f32 engine's within int8's
+    rounding, and they differ from the default's (f32 head), so the int8 head is what ran."""
+    from models.weights import random_weights
+
+    cfg = get_preset("tiny").replace(tie_embeddings=True)
+    weights = random_weights(cfg, seed=5)
+    f32, default, head = (one_step_logits(graph_for(cfg, q, lm_head=h), weights)
+                          for q, h in ((None, None), ("int8", None), ("int8", True)))
+    assert np.abs(head - default).max() > 1e-4
+    scale = np.abs(f32).max()
+    assert np.abs(head - f32).max() < 0.01 * scale and np.abs(default - f32).max() < 0.01 * scale
+
+
+def test_quantize_lm_head_needs_a_quantization():
+    from models.cli import add_engine_args, engine_config_from_args
+    from runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
+        EngineConfig(quantize_lm_head=True)
+    assert EngineConfig(quantize_lm_head=False).quantize_lm_head is False  # nothing to keep: allowed
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    cfg = engine_config_from_args(ap.parse_args(["--quantization", "int8", "--quantize-lm-head", "true"]))
+    assert cfg.quantization == "int8" and cfg.quantize_lm_head is True
+    assert engine_config_from_args(ap.parse_args([])).quantize_lm_head is None
 
 
 def test_dump_shows_the_rewrite():
@@ -107,12 +155,14 @@ def test_int8_with_tensor_parallel_on_one_device():
 
 # ----------------------------------------------------------------------------- SmolLM2 accuracy
 
-def test_smollm2_int8_accuracy(smollm2):
+@pytest.mark.parametrize("lm_head", [None, True], ids=["f32_head", "int8_head"])
+def test_smollm2_int8_accuracy(smollm2, lm_head):
     """Against the fp32 engine, whose greedy tokens and last-position logits are the golden ones
     (test_engine checks tokens exactly and logits to 1e-3). Teacher-forced: the int8 model reads
     the fp32 greedy continuation and must pick the same next token at >= 90% of the positions.
-    KL(fp32 || int8) of each prompt's last-position distribution is reported and must be small."""
-    llm = golden_llm(smollm2, quantization="int8")
+    KL(fp32 || int8) of each prompt's last-position distribution is reported and must be small.
+    With the tied LM head in int8 too (quantize_lm_head) the same bars hold."""
+    llm = golden_llm(smollm2, quantization="int8", quantize_lm_head=lm_head)
     agree, total, kls = golden_teacher_forced(llm.engine.runner)
     rate = agree / total
     print(f"\nint8 vs fp32 teacher-forced top-1 agreement: {agree}/{total} = {rate:.3f}; "
