@@ -47,9 +47,8 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
         ("insert_paged_kv", partial(insert_paged_kv, block_size=opts.block_size, kv_dtype=opts.kv_dtype)),
         # Phase 3: fewer, larger matmuls; optional weight compression.
         ("fuse_matmuls", fuse_matmuls),
-        ("quantize_int8", {"int8": partial(quantize_int8, lm_head=opts.quantize_lm_head),
-                           "w8a8": partial(quantize_int8, activations=INT8_ACTIVATIONS, lm_head=opts.quantize_lm_head)}
-         .get(opts.quantization, _identity)),
+        ("quantize_int8", partial(quantize_int8, activations=INT8_ACTIVATIONS if opts.quantization == "w8a8" else None,
+                                  lm_head=opts.quantize_lm_head) if opts.quantization in ("int8", "w8a8") else _identity),
         ("bf16_matmuls", bf16_matmuls if opts.matmul_precision == "bfloat16" else _identity),
         # Phase 4: distribution over devices.
         ("shard", partial(shard, tp=opts.tensor_parallel_size)),

@@ -288,12 +288,12 @@ void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_token
          float* mx, float* den, float* acc) {
   const int64_t HR = s.H * s.R, items_wanted = kItemsPerThread * (pool.num_threads() + 1);
   const int64_t most_parts = part_tokens > 0 && rows < items_wanted ? (items_wanted + rows - 1) / rows : 1;
+  const int64_t min_blocks = std::max<int64_t>(1, (part_tokens + s.BS - 1) / s.BS);  // of a part
   std::vector<Part> parts;
   std::vector<int64_t> first(rows + 1);  // row t's parts are parts[first[t], first[t + 1])
   int64_t scratch_parts = 0;
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t lim = limit[t], blocks = (lim + s.BS - 1) / s.BS;
-    const int64_t min_blocks = std::max<int64_t>(1, (part_tokens + s.BS - 1) / s.BS);
     const int64_t wanted = std::clamp<int64_t>(blocks / min_blocks, 1, most_parts);
     const int64_t span_blocks = std::max<int64_t>(1, (blocks + wanted - 1) / wanted);
     const int64_t count = std::max<int64_t>(1, (blocks + span_blocks - 1) / span_blocks);
