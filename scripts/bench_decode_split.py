@@ -5,7 +5,7 @@ process, over f32 pools and bf16 bits.
 
     .venv/bin/python scripts/bench_decode_split.py [--base-part-tokens 0] [--part-tokens 256] [--iters 30]
 
-Prints one JSON line per (rows, context, pool): medians in ms, the speedup, and the largest
+The last cases put one long row beside short ones. Prints one JSON line per (rows, context, pool): medians in ms, the speedup, and the largest
 difference between the two outputs (attention output, acc / den).
 """
 
@@ -28,7 +28,10 @@ import numpy as np  # noqa: E402
 from runtime.worker import cpp_kernels  # noqa: E402
 
 KV_HEADS, REP, HEAD_DIM, BLOCK, POOL_BLOCKS, MAX_BLOCKS = 3, 3, 64, 16, 4096, 600
-CASES = [(1, 512), (1, 1000), (1, 3000), (1, 8000), (2, 3000), (4, 3000), (8, 1000), (64, 300)]  # (rows, context)
+# (rows, context): every row at that context; or (rows, [long, short]): one row at the long context
+# after rows - 1 at the short one (a long chat in a batch of short ones, last in the step's order).
+CASES = [(1, 512), (1, 1000), (1, 3000), (1, 8000), (2, 3000), (4, 3000), (8, 1000), (64, 300),
+         (4, [3000, 100]), (8, [8000, 100]), (16, [4000, 200]), (64, [8000, 300])]
 
 
 def main() -> int:
@@ -48,7 +51,8 @@ def main() -> int:
     for rows, ctx in CASES:
         tables = jnp.asarray(np.stack([np.roll(perm, 37 * i)[:MAX_BLOCKS] for i in range(rows)]).astype(np.int32))
         q = jnp.asarray(rng.standard_normal((rows, KV_HEADS, REP, HEAD_DIM), np.float32))
-        seq, limit = jnp.arange(rows, dtype=jnp.int32), jnp.full((rows,), ctx, jnp.int32)
+        lens = [ctx] * rows if isinstance(ctx, int) else ctx[1:] * (rows - 1) + ctx[:1]
+        seq, limit = jnp.arange(rows, dtype=jnp.int32), jnp.asarray(lens, jnp.int32)
         for pool_name, (k, v) in pools.items():
             fns = {name: jax.jit(lambda *a, n=n: cpp_kernels.paged_decode(*a, part_tokens=n))
                    for name, n in variants.items()}

@@ -71,28 +71,54 @@ def test_bf16_bits_match_the_reference_in_bf16(heads, kvh, d, bs, ctx):
     np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(ref)[:n], **SAME_MATH_F32)
 
 
+def _split_case(rng, ctx):
+    """SmolLM2's heads over poisoned pools at contexts `ctx`: the reference's attention output, and
+    state(part_tokens) -> the kernel's (max, denominator, accumulator) as numpy arrays."""
+    q, kp, vp, tables, ctx_a, cu = _decode_case(rng, 9, 3, 64, 16, ctx)
+    ref = paged_attention_reference(q, kp, vp, tables, ctx_a, cu, scale=0.125, num_kv_heads=3, block_size=16,
+                                    head_dim=64)
+    qf = (q * 0.125).reshape(len(ctx), 3, 3, 64)
+    seq = jnp.arange(len(ctx), dtype=jnp.int32)
+
+    def state(parts):
+        f = jax.jit(lambda *a: cpp_kernels.paged_decode(*a, part_tokens=parts))
+        return [np.asarray(x) for x in f(qf, kp, vp, tables, seq, ctx_a)]
+    return ref, state
+
+
 @pytest.mark.parametrize("part_tokens", [16, 48, cpp_kernels.PART_TOKENS])
 @pytest.mark.parametrize("ctx", [[1000], [1, 517, 2], [250, 33, 4, 700]])
 def test_long_rows_split_over_the_threads_match_the_reference(ctx, part_tokens):
     """A step of few rows splits each long row into parts of whole blocks, one per work item, and
     merges the parts' states: the merged state equals the unsplit walk's (part_tokens=0) and gives
     the reference's output, on contexts that stop off block boundaries, over poisoned pools."""
-    rng = np.random.default_rng(sum(ctx) + part_tokens)
-    q, kp, vp, tables, ctx_a, cu = _decode_case(rng, 9, 3, 64, 16, ctx)
-    attrs = dict(scale=0.125, num_kv_heads=3, block_size=16, head_dim=64)
-    ref = paged_attention_reference(q, kp, vp, tables, ctx_a, cu, **attrs)
-    qf = (q * 0.125).reshape(len(ctx), 3, 3, 64)
-    seq = jnp.arange(len(ctx), dtype=jnp.int32)
-
-    def state(parts):
-        return jax.jit(lambda *a: cpp_kernels.paged_decode(*a, part_tokens=parts))(qf, kp, vp, tables, seq, ctx_a)
-
+    ref, state = _split_case(np.random.default_rng(sum(ctx) + part_tokens), ctx)
     split, whole = state(part_tokens), state(0)
     for a, b in zip(split, whole):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **SAME_MATH_F32)
-    mx, den, acc = (np.asarray(x) for x in split)
+        np.testing.assert_allclose(a, b, **SAME_MATH_F32)
+    mx, den, acc = split
     assert np.all(np.isfinite(acc)) and np.all(den > 0)
     np.testing.assert_allclose((acc / den[..., None]).reshape(ref.shape), np.asarray(ref),
+                               **KERNEL[jnp.dtype(jnp.float32)])
+
+
+@pytest.mark.parametrize("ctx", [[20] * 15 + [1500], [1500] + [33] * 20 + [700, 0]])
+def test_a_long_row_among_many_short_ones_is_split(ctx):
+    """Steps of more rows than the threads want items: a row longer than an even share of the
+    step's positions is still split (it would be one thread's whole walk), wherever it sits in the
+    step, and the merged state equals the unsplit walk's and gives the reference's output. The
+    long row's state differs from the unsplit one in the last bits (its sums ran in parts), which
+    shows the split ran; the short rows' equal it bit for bit (they were not split)."""
+    ref, state = _split_case(np.random.default_rng(len(ctx)), ctx)
+    split, whole = state(16), state(0)
+    long = np.asarray(ctx) >= 700
+    for a, b in zip(split, whole):
+        np.testing.assert_allclose(a, b, **SAME_MATH_F32)
+        np.testing.assert_array_equal(a[~long], b[~long])
+    assert not np.array_equal(split[2][long], whole[2][long])
+    mx, den, acc = split
+    n = int(np.sum(np.asarray(ctx) > 0))  # an empty row last, as the reference drops it
+    np.testing.assert_allclose((acc[:n] / den[:n, ..., None]).reshape(n, 9, 64), np.asarray(ref)[:n],
                                **KERNEL[jnp.dtype(jnp.float32)])
 
 

@@ -276,10 +276,12 @@ void Merge(const Part* parts, int64_t count, int64_t HR, int64_t D, float* mx, f
 }
 
 // Rows are shared out over the calling thread and XLA's intra-op pool (parallel_for.h), one row
-// per work item. When there are fewer rows than about kItemsPerThread items per thread (batch 1,
-// a few long rows), each row's positions are split instead into parts of at least `part_tokens`
-// (whole blocks), up to enough parts for that many items, like vLLM's partitioned decode
-// attention; the parts' states are then merged. part_tokens 0 never splits.
+// per work item, unless a row is longer than an even share of the step's positions over about
+// kItemsPerThread items per thread: such a row's positions are split into parts of about that
+// share (whole blocks, at least `part_tokens`), like vLLM's partitioned decode attention, and the
+// parts' states are then merged. So batch 1 at long context keeps every thread busy, and so does a
+// long row among many short ones, where it would otherwise be one thread's walk while the others
+// finish early. part_tokens 0 never splits.
 constexpr int64_t kItemsPerThread = 4;
 
 template <typename KV>
@@ -287,14 +289,20 @@ void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_token
          const KV* k_pool, const KV* v_pool, const int32_t* tables, const int32_t* seq, const int32_t* limit,
          float* mx, float* den, float* acc) {
   const int64_t HR = s.H * s.R, items_wanted = kItemsPerThread * (pool.num_threads() + 1);
-  const int64_t most_parts = part_tokens > 0 && rows < items_wanted ? (items_wanted + rows - 1) / rows : 1;
   const int64_t min_blocks = std::max<int64_t>(1, (part_tokens + s.BS - 1) / s.BS);  // of a part
+  int64_t positions = 0;
+  for (int64_t t = 0; t < rows; ++t) positions += std::max<int32_t>(limit[t], 0);
+  // Blocks per part, about: an even share of the step's blocks over items_wanted items.
+  const int64_t share_blocks =
+      std::max(min_blocks, ((positions + items_wanted - 1) / items_wanted + s.BS - 1) / s.BS);
   std::vector<Part> parts;
   std::vector<int64_t> first(rows + 1);  // row t's parts are parts[first[t], first[t + 1])
   int64_t scratch_parts = 0;
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t lim = limit[t], blocks = (lim + s.BS - 1) / s.BS;
-    const int64_t wanted = std::clamp<int64_t>(blocks / min_blocks, 1, most_parts);
+    const int64_t wanted = part_tokens > 0 ? std::clamp<int64_t>((blocks + share_blocks - 1) / share_blocks, 1,
+                                                                 std::max<int64_t>(1, blocks / min_blocks))
+                                           : 1;
     const int64_t span_blocks = std::max<int64_t>(1, (blocks + wanted - 1) / wanted);
     const int64_t count = std::max<int64_t>(1, (blocks + span_blocks - 1) / span_blocks);
     const int64_t span = span_blocks * s.BS;  // positions per part
