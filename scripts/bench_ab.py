@@ -2,7 +2,7 @@
 over the same weights, rounds interleaved, medians, the variant's speedup over the base.
 
     .venv/bin/python scripts/bench_ab.py [--base KEY=VALUE ...] [--variant KEY=VALUE ...]
-                                         [--rounds 3] [--cases ttft,batch1,seqs64,long,long1]
+                                         [--rounds 3] [--cases ttft,batch1,seqs64,long,long1,mixed1]
                                          [--base-kernels DIR] [--base-sampler FILE]
                                          [--base-decode-part-tokens N] [--long1-context 3000]
                                          [--temperature T --top-p P --seed S]
@@ -28,6 +28,8 @@ KV blocks each, unless told otherwise. Cases:
 - long1: batch-1 decode rate at long context: one prompt of `--long1-context` tokens run to 1 and
   to 129 tokens (128 decode steps); max_model_len grows to fit it. Pass enable_prefix_caching=true
   to both engines to take the prompt's prefill out of both timings (a first untimed call caches it).
+- mixed1: decode rate of 16 sequences, 15 after 32-token prompts and one after a `--long1-context`
+  prompt (a long chat among short ones), run to 1 and to 129 tokens; the same note on prefix caching.
 Run on a quiet machine (uptime < 1); prints one JSON line per case.
 """
 
@@ -54,7 +56,7 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.entrypoints.llm import LLM  # noqa: E402
 from runtime.plan import compile_plan  # noqa: E402
 
-CASES = ("ttft", "batch1", "seqs64", "long", "long1")
+CASES = ("ttft", "batch1", "seqs64", "long", "long1", "mixed1")
 COMMON = dict(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=2000,
               enable_prefix_caching=False)
 
@@ -156,7 +158,7 @@ def main() -> int:
         args.variant = (args.base if args.base_kernels or args.base_sampler or args.base_decode_part_tokens is not None
                         else ["matmul_precision=bfloat16"])
     common = COMMON | ({"max_model_len": max(COMMON["max_model_len"], args.long1_context + 256)}
-                       if "long1" in cases else {})
+                       if {"long1", "mixed1"} & set(cases) else {})
     configs = {"base": common | parse_pairs(args.base), "variant": common | parse_pairs(args.variant)}
     print(json.dumps({"configs": configs}), flush=True)
     cfg, weights, tok = load_model("smollm2-135m")
@@ -243,6 +245,20 @@ def main() -> int:
                 first = timed(lambda: llm.generate([p], params(1)))
                 runs[name].append(128 / (timed(lambda: llm.generate([p], params(129))) - first))
         report(f"batch-1 decode at {n}-{n + 128} tokens of context", runs, "tok/s", higher_is_better=True)
+
+    if "mixed1" in cases:
+        n = args.long1_context
+        runs = {p: [] for p in llms}
+        for llm in llms.values():
+            llm.generate([prompt(32) for _ in range(15)] + [prompt(n)], params(8))
+        for _ in range(args.rounds):
+            ps = [prompt(32) for _ in range(15)] + [prompt(n)]
+            for name, llm in llms.items():
+                llm.generate(ps, params(1))
+                first = timed(lambda: llm.generate(ps, params(1)))
+                runs[name].append(16 * 128 / (timed(lambda: llm.generate(ps, params(129))) - first))
+        report(f"16 sequences decoding, 15 at 32-160 tokens of context and one at {n}-{n + 128}", runs, "tok/s",
+               higher_is_better=True)
     return 0
 
 
