@@ -166,9 +166,12 @@ class EngineConfig:
     memory_limit: int | None = None  # bytes the allocator can still give; measured on GPU
     kernel_backend: str = "auto"
     # Run the repeated decoder layers as one lax.scan, so XLA compiles one layer, not all of them
-    # (3x faster cold compiles). None: on accelerators only. On CPU, XLA copies each layer's
-    # weight slice out of the stack before its matmuls, which costs more per step than the
-    # compile saves (see BENCHMARKS.md).
+    # (3x faster cold compiles). None: on accelerators, and on CPU under weight-only int8. There,
+    # the C++ kernels read each layer's weights in the stack where they lie, and unrolled, XLA:CPU
+    # widened every layer's int8 weights to f32 at once for a prefill's products (410 MiB of temps
+    # for SmolLM2, which failed the memory check at start-up). Elsewhere on CPU, XLA copies each
+    # layer's weight slice out of the stack before its matmuls, which costs more per step than the
+    # compile saves (f32 batch-1 decode ran at half speed; BENCHMARKS.md, "Scan over layers").
     scan_layers: bool | None = None
     # vLLM's multi-step decode: an all-decode batch runs this many steps in one executable, the
     # host checking stops after them (amortizes the host's share of a step; 1 = off).
@@ -271,4 +274,4 @@ class EngineConfig:
             import jax
 
             platform = jax.default_backend()
-        return platform != "cpu"
+        return platform != "cpu" or self.quantization == "int8"

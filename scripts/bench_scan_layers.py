@@ -1,6 +1,7 @@
 """Scan over layers vs unrolled on SmolLM2-135M: cold compile, warm load, and step times (A/B).
 
     .venv/bin/python scripts/bench_scan_layers.py startup   # 19 buckets, empty caches: cold, then warm
+    .venv/bin/python scripts/bench_scan_layers.py startup int8   # the same, quantization=int8
     .venv/bin/python scripts/bench_scan_layers.py steps     # interleaved step timings, one process
 
 Numbers for BENCHMARKS.md ("Scan over layers"). Run on a quiet machine; one heavy job at a time.
@@ -27,12 +28,13 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.build import build_runner  # noqa: E402
 
 
-def startup() -> dict:
+def startup(quantization: str | None = None) -> dict:
     cfg, w, tok = load_model("smollm2-135m")
-    res = {}
+    res = {"quantization": quantization}
     for scan in (True, False):
         cache = tempfile.mkdtemp(prefix=f"scan_{scan}_")
-        plan = compile_plan(None, EngineConfig(scan_layers=scan), weights=w, config=cfg, tokenizer=tok)
+        plan = compile_plan(None, EngineConfig(scan_layers=scan, quantization=quantization), weights=w, config=cfg,
+                            tokenizer=tok)
         t0 = time.perf_counter()
         build_runner(plan, cache).warmup()
         cold = time.perf_counter() - t0
@@ -84,4 +86,4 @@ def steps(rounds: int = 4) -> dict:
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "startup"
-    print(json.dumps(startup() if what == "startup" else steps(), indent=1))
+    print(json.dumps(startup(*sys.argv[2:3]) if what == "startup" else steps(), indent=1))

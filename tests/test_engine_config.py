@@ -150,6 +150,15 @@ def test_scans_layers(scan_layers, platform, expected):
     assert EngineConfig(scan_layers=scan_layers).scans_layers(platform) is expected
 
 
+@pytest.mark.parametrize("quantization, expected", [("int8", True), ("w8a8", False), (None, False)])
+def test_cpu_scans_layers_by_default_under_weight_only_int8(quantization, expected):
+    """On CPU, weight-only int8 scans by default (its kernels read the stack in place; unrolled,
+    XLA widened every layer's weights at once); W8A8's wide products (XLA's dot) and f32 would copy
+    each layer's slice, and stay unrolled. An explicit scan_layers wins either way."""
+    assert EngineConfig(quantization=quantization).scans_layers("cpu") is expected
+    assert EngineConfig(quantization=quantization, scan_layers=False).scans_layers("cpu") is False
+
+
 # ------------------------------------------------------------------------------ flags (runtime.args)
 
 def _parser() -> ArgumentParser:

@@ -178,3 +178,35 @@ def test_smollm2_int8_accuracy(smollm2, lm_head):
           f"{first_diff}")
     assert llm.engine.stats().num_recompiles == 0
     assert min(first_diff) >= 1  # the first token after every prompt agrees
+
+
+
+@pytest.mark.parametrize("scanned", [True, False])
+def test_weight_only_products_widen_one_layer_at_a_time_when_scanned(scanned):
+    """XLA's weight-only product widens the int8 weights to the activations' dtype. Unrolled, those
+    widenings depend on the weights alone, and XLA:CPU runs them all up front: SmolLM2's 512-token
+    prefill held every layer's f32 copy at once (410 MiB of temps against an 85 MiB plan), and
+    `--quantization int8` failed its memory check at start-up. Scanned over layers (the CPU default
+    under weight-only int8, EngineConfig.scans_layers), one layer's are live at a time. The
+    unrolled case is here to show the test can tell the two apart."""
+    import jax
+    import jax.numpy as jnp
+
+    from ir.int8 import weight_only_matmul
+
+    layers, k = 12, 256
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.integers(-127, 128, (layers, k, k), dtype=np.int8))
+    scales = jnp.full((layers, k), 1e-2, jnp.float32)
+
+    def step(x, ws, scales):
+        if scanned:
+            return jax.lax.scan(lambda x, ws: (jnp.tanh(weight_only_matmul(x, *ws)), None), x, (ws, scales))[0]
+        for i in range(layers):
+            x = jnp.tanh(weight_only_matmul(x, ws[i], scales[i]))
+        return x
+
+    x = jnp.ones((512, k), jnp.float32)
+    temp = jax.jit(step).lower(x, ws, scales).compile().memory_analysis().temp_size_in_bytes
+    widened = k * k * 4  # one layer's f32 weights
+    assert (temp <= 3 * widened + 4 * x.size * 4) is scanned, (temp, widened)
