@@ -5,8 +5,9 @@ process, over f32 pools and bf16 bits.
 
     .venv/bin/python scripts/bench_decode_split.py [--base-part-tokens 0] [--part-tokens 256] [--iters 30]
 
-The last cases put one long row beside short ones. Prints one JSON line per (rows, context, pool): medians in ms, the speedup, and the largest
-difference between the two outputs (attention output, acc / den).
+The last cases put one long row after short ones. Prints one JSON line per (rows, context, pool):
+medians in ms, the speedup, and the largest difference between the two outputs (attention output,
+acc / den).
 """
 
 from __future__ import annotations
