@@ -180,7 +180,6 @@ def test_smollm2_int8_accuracy(smollm2, lm_head):
     assert min(first_diff) >= 1  # the first token after every prompt agrees
 
 
-
 @pytest.mark.parametrize("scanned", [True, False])
 def test_weight_only_products_widen_one_layer_at_a_time_when_scanned(scanned):
     """XLA's weight-only product widens the int8 weights to the activations' dtype. Unrolled, those
