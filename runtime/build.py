@@ -28,12 +28,20 @@ def compilation_cache_dir(plan: Plan, cache_dir: str | Path | None = None) -> Pa
 
 
 def build_runner(plan: Plan, cache_dir: str | Path | None = None, **runner_kwargs):
-    """The ModelRunner for `plan` (weights and KV pools on the device), with the cache rule above."""
+    """The ModelRunner for `plan` (weights and KV pools on the device), with the cache rule above.
+
+    Where this rule picks the cache directory, the runner also keeps its executables whole in
+    DIR/executables (runtime.worker.executables), so that a warm start neither compiles nor traces,
+    unless JAXSERVE_EXECUTABLE_STORE=0. A cache this process chose before (a test session's, whose
+    tests may patch what a trace sees) gets no store."""
+    from runtime.worker import executables
     from runtime.worker.model_runner import ModelRunner, enable_compilation_cache
 
     directory = compilation_cache_dir(plan, cache_dir)
     if directory is not None:
         enable_compilation_cache(directory)
+        if executables.enabled():
+            runner_kwargs.setdefault("executables", directory / "executables")
     return ModelRunner(plan, **runner_kwargs)
 
 

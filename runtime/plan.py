@@ -110,11 +110,21 @@ class Plan:
     def num_kv_blocks(self) -> int:
         return self.memory.num_kv_blocks
 
-    def content_hash(self) -> str:
+    def program_hash(self) -> str:
+        """A hash of what the compiled steps are made from: the model config, the engine options and
+        the final graph (not the weights, which the steps take as arguments)."""
         h = hashlib.sha256()
+        self._hash_program(h)
+        return h.hexdigest()[:16]
+
+    def _hash_program(self, h) -> None:
         h.update(json.dumps(self.config.to_dict(), sort_keys=True).encode())
         h.update(json.dumps(self.engine.to_dict(), sort_keys=True).encode())
         h.update(print_graph(self.graph).encode())
+
+    def content_hash(self) -> str:
+        h = hashlib.sha256()
+        self._hash_program(h)
         for name in sorted(self.weights or {}):
             w = self.weights[name]
             h.update(name.encode())

@@ -45,6 +45,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The base engine may trace swapped modules (--base-kernels, --base-sampler, --base-decode-part-tokens)
+# that the executable store's key cannot see (runtime/worker/executables.py): compile every engine.
+os.environ["JAXSERVE_EXECUTABLE_STORE"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_xla_attention, for --base-kernels
 

@@ -1,0 +1,170 @@
+"""Compiled executables saved whole, so that a warm start skips tracing and lowering as well as
+compiling.
+
+JAX's persistent compilation cache (runtime.build) keys an executable by its lowered program, so a
+warm start still traces each bucket's step in Python and lowers it to StableHLO just to find the
+key: about 1-2 s per bucket of the unrolled 30-layer SmolLM2 step, as much as loading the
+executable itself (BENCHMARKS.md, "Start-up"). This store keys each executable by what its program
+is made from, all known before any tracing:
+
+- the plan's program (model config, engine options, final graph: `Plan.program_hash`);
+- what is compiled (step, multi-step, block copy, prompt logprobs), its argument shapes and dtypes,
+  and the kernel backend;
+- the source of every module that shapes the traced program (ir/, passes/, pallas_kernels/,
+  runtime/worker/, C++ kernels included);
+- jax and jaxlib, the device, the CPU's features, XLA_FLAGS and the jax options that change a trace;
+
+and keeps `jax.experimental.serialize_executable`'s bytes in one file per key. A miss (a new key,
+an unreadable file) lowers and compiles as before, and saves the result if XLA compiled it: an
+executable that JAX's persistent cache served serializes without its code on XLA:CPU, so a store
+fills on starts that compile (the first start of a cache, or after a change to the program), and
+a start that JAX's cache serves whole leaves it as it was. Like any store of
+compiled code, its directory must be trusted: the files are pickles.
+
+Code that changes a trace without changing those sources (a test's monkeypatch, a benchmark's
+swapped module) must not use the store: `JAXSERVE_EXECUTABLE_STORE=0` turns it off, and
+runtime.build uses it only where it chooses the compilation cache itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "JAXSERVE_EXECUTABLE_STORE"
+ROOT = Path(__file__).resolve().parents[2]
+# Folders whose source shapes a traced step (runtime/core, the scheduler, never reaches a trace).
+TRACED_SOURCES = ("ir", "passes", "pallas_kernels", "runtime/worker")
+SOURCE_SUFFIXES = (".py", ".cc", ".h")
+# jax options that change what a trace lowers to.
+TRACE_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion",
+                 "jax_default_prng_impl", "jax_threefry_partitionable", "jax_numpy_dtype_promotion")
+
+
+_compile_lock = threading.Lock()
+_num_compiles = 0
+_listener_installed = False
+
+
+def _on_event(event: str, duration: float, **kw) -> None:
+    global _num_compiles
+    if event == "/jax/core/compile/backend_compile_duration":
+        with _compile_lock:
+            _num_compiles += 1
+
+
+def num_backend_compiles() -> int:
+    """XLA backend compilations in this process so far (cache hits from disk not included)."""
+    global _listener_installed
+    if not _listener_installed:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _listener_installed = True
+    return _num_compiles
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of every source file that shapes a traced step, and of what it is traced with."""
+    from runtime.worker.cpp_kernels import _cpu_id
+
+    h = hashlib.sha256()
+    for folder in TRACED_SOURCES:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in SOURCE_SUFFIXES and path.is_file():
+                h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    import jaxlib
+
+    device = jax.devices()[0]
+    parts = [jax.__version__, jaxlib.__version__, sys.version, device.platform, device.device_kind,
+             getattr(device.client, "platform_version", ""), os.environ.get("XLA_FLAGS", ""),
+             *(f"{name}={jax.config.values.get(name)}" for name in TRACE_OPTIONS)]
+    h.update("\0".join(map(str, parts)).encode())
+    h.update(_cpu_id())
+    return h.hexdigest()
+
+
+def _describe(args) -> str:
+    leaves, tree = jax.tree.flatten(args)
+    return repr(tree) + "".join(f"|{tuple(x.shape)}:{x.dtype}" for x in leaves)
+
+
+class ExecutableStore:
+    """Executables of one plan on one device, under `directory`, keyed as the module says."""
+
+    def __init__(self, directory: str | os.PathLike, *key_parts: str):
+        self.directory = Path(directory)
+        self._base = hashlib.sha256("\0".join((code_fingerprint(),) + key_parts).encode()).hexdigest()
+        self.hits = 0
+        self.misses = 0
+        self.uncompiled = 0  # misses that JAX's persistent cache served, not stored
+        self._count = threading.Lock()
+
+    def key(self, what: str, args) -> str:
+        return hashlib.sha256(f"{self._base}\0{what}\0{_describe(args)}".encode()).hexdigest()[:32]
+
+    def _path(self, what: str, args) -> Path:
+        return self.directory / f"{what}-{self.key(what, args)}.bin"
+
+    def load(self, what: str, *args):
+        """The stored executable of `what` for abstract `args`, or None. Safe to call from several
+        threads at once: loading an executable is mostly XLA's own work, outside the GIL."""
+        from jax.experimental import serialize_executable
+
+        path = self._path(what, args)
+        if not path.exists():
+            return None
+        try:
+            compiled = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+        except Exception as e:  # noqa: BLE001  an unreadable entry is a miss, never a failed start
+            log.warning("executable store: %s unreadable (%s: %s); compiling again", path.name,
+                        type(e).__name__, e)
+            return None
+        with self._count:
+            self.hits += 1
+        return compiled
+
+    def compile(self, what: str, jitted, *args):
+        """`jitted.lower(*args).compile()`, or the same executable loaded from the store."""
+        from jax.experimental import serialize_executable
+
+        compiled = self.load(what, *args)
+        if compiled is not None:
+            return compiled
+        self.misses += 1
+        compiles = num_backend_compiles()
+        compiled = jitted.lower(*args).compile()
+        if num_backend_compiles() == compiles:
+            # Served by JAX's persistent cache: on XLA:CPU such an executable serializes without
+            # its code (it loads, then fails at run time: "Function ... not found"), so only
+            # executables XLA has just compiled are stored.
+            self.uncompiled += 1
+            return compiled
+        path = self._path(what, args)
+        tmp = None
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False, suffix=".tmp") as f:
+                tmp = f.name
+                f.write(blob)
+            os.replace(tmp, path)  # atomic: processes filling the store at once each write a whole file
+        except Exception as e:  # noqa: BLE001  a full disk or an unserializable executable costs the next start only
+            log.warning("executable store: could not save %s (%s: %s)", path.name, type(e).__name__, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+        return compiled
