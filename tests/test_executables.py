@@ -75,6 +75,11 @@ def test_a_warm_runner_loads_every_executable_without_tracing(tmp_path, monkeypa
     got = step_tokens(warm, bucket)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+    # loaded again in the same process (a second LLM): it still runs
+    again = ModelRunner(plan, executables=tmp_path)
+    again.compile_bucket(bucket)
+    assert again.executables.hits == 1
+    np.testing.assert_array_equal(step_tokens(again, bucket)[1], want[1])
 
 
 
