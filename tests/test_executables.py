@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import jax
 import numpy as np
@@ -21,7 +22,7 @@ from runtime.worker.model_runner import ModelRunner
 
 # A KV pool size of this process's own: the session's persistent compilation cache (conftest) must
 # not hold these programs yet, since the store keeps only what XLA compiles in front of it.
-BLOCKS = 40 + os.getpid() % 1000
+BLOCKS = 40 + (os.getpid() * 7919 + time.time_ns() // 10**6) % 4000
 ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=BLOCKS)
 
 
@@ -83,11 +84,16 @@ def test_a_warm_runner_loads_every_executable_without_tracing(tmp_path, monkeypa
 
 
 
+class NoCompiles:
+    """A thread's compile count that never moves."""
+    compiles = property(lambda self: 0, lambda self, value: None)
+
+
 def test_an_executable_that_xla_did_not_compile_is_not_stored(tmp_path, monkeypatch):
     """What JAX's persistent cache serves (no backend compile) would serialize without its code on
     XLA:CPU, and fail when run from the store ("Function ... not found"): it is never stored."""
     plan = tiny_plan(max_model_len=32)
-    monkeypatch.setattr(executables, "num_backend_compiles", lambda: 0)  # as if every compile were a cache hit
+    monkeypatch.setattr(executables, "_this_thread", NoCompiles())  # as if every compile were a cache hit
     runner = ModelRunner(plan, executables=tmp_path)
     runner.compile_bucket(plan.buckets.pairs()[0])
     assert (runner.executables.hits, runner.executables.misses, runner.executables.uncompiled) == (0, 1, 1)

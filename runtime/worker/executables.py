@@ -55,6 +55,7 @@ TRACE_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_ra
 _compile_lock = threading.Lock()
 _num_compiles = 0
 _listener_installed = False
+_this_thread = threading.local()  # .compiles: this thread's backend compiles (the listener runs on the compiling thread)
 
 
 def _on_event(event: str, duration: float, **kw) -> None:
@@ -62,6 +63,7 @@ def _on_event(event: str, duration: float, **kw) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         with _compile_lock:
             _num_compiles += 1
+        _this_thread.compiles = getattr(_this_thread, "compiles", 0) + 1
 
 
 def num_backend_compiles() -> int:
@@ -146,9 +148,10 @@ class ExecutableStore:
         if compiled is not None:
             return compiled
         self.misses += 1
-        compiles = num_backend_compiles()
+        num_backend_compiles()  # the listener, installed
+        compiles = getattr(_this_thread, "compiles", 0)  # this thread's only: another may compile meanwhile
         compiled = jitted.lower(*args).compile()
-        if num_backend_compiles() == compiles:
+        if getattr(_this_thread, "compiles", 0) == compiles:
             # Served by JAX's persistent cache: on XLA:CPU such an executable serializes without
             # its code (it loads, then fails at run time: "Function ... not found"), so only
             # executables XLA has just compiled are stored.
