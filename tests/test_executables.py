@@ -4,13 +4,17 @@ compile, never a start."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import time
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from models.config import get_preset
 from models.weights import random_weights
@@ -20,10 +24,26 @@ from runtime.plan import compile_plan
 from runtime.worker import executables
 from runtime.worker.model_runner import ModelRunner
 
-# A KV pool size of this process's own: the session's persistent compilation cache (conftest) must
-# not hold these programs yet, since the store keeps only what XLA compiles in front of it.
-BLOCKS = 40 + (os.getpid() * 7919 + time.time_ns() // 10**6) % 4000
-ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=BLOCKS)
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=48)
+
+
+@pytest.fixture(autouse=True)
+def own_compilation_cache(tmp_path_factory):
+    """A JAX persistent cache of each test's own, empty: the store keeps only what XLA compiles in
+    front of it, so what the session's cache (conftest) already holds would never be stored."""
+    session_dir = jax.config.jax_compilation_cache_dir
+    empty_jax_cache(tmp_path_factory.mktemp("xla"))
+    yield
+    compilation_cache.set_cache_dir(session_dir)
+    compilation_cache.reset_cache()
+
+
+def empty_jax_cache(directory) -> None:
+    """JAX's persistent cache moved to `directory`, and nothing compiled kept in memory."""
+    compilation_cache.set_cache_dir(str(directory))
+    compilation_cache.reset_cache()
+    jax.clear_caches()
 
 
 def tiny_plan(**engine):
@@ -83,27 +103,50 @@ def test_a_warm_runner_loads_every_executable_without_tracing(tmp_path, monkeypa
     np.testing.assert_array_equal(step_tokens(again, bucket)[1], want[1])
 
 
+def test_an_executable_that_xla_did_not_compile_is_not_stored(tmp_path):
+    """What JAX's persistent cache serves serializes without its code on XLA:CPU, and fails when run
+    from the store ("Function ... not found"). A trace that compiles something small of its own
+    (an eager op, evaluated at trace time) must not make a cache-served step look compiled."""
+    sizes = itertools.count(1)
 
-class NoCompiles:
-    """A thread's compile count that never moves."""
-    compiles = property(lambda self: 0, lambda self, value: None)
+    def f(x):
+        with jax.ensure_compile_time_eval():
+            zero = float(jax.numpy.zeros(next(sizes)).sum())  # a fresh backend compile, on this thread
+        return jax.numpy.tanh(x @ x.T) * 3 + zero
 
-
-def test_an_executable_that_xla_did_not_compile_is_not_stored(tmp_path, monkeypatch):
-    """What JAX's persistent cache serves (no backend compile) would serialize without its code on
-    XLA:CPU, and fail when run from the store ("Function ... not found"): it is never stored."""
-    plan = tiny_plan(max_model_len=32)
-    monkeypatch.setattr(executables, "_this_thread", NoCompiles())  # as if every compile were a cache hit
-    runner = ModelRunner(plan, executables=tmp_path)
-    runner.compile_bucket(plan.buckets.pairs()[0])
-    assert (runner.executables.hits, runner.executables.misses, runner.executables.uncompiled) == (0, 1, 1)
+    x = jax.ShapeDtypeStruct((24, 16), np.float32)
+    jax.jit(f).lower(x).compile()  # into the test's persistent cache
+    jax.clear_caches()
+    store = executables.ExecutableStore(tmp_path, jax.devices()[0], "k")
+    compiled = store.compile("f", jax.jit(f), x)
+    assert (store.hits, store.misses, store.uncompiled) == (0, 1, 1)
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
+    ones = np.ones(x.shape, np.float32)
+    np.testing.assert_allclose(np.asarray(compiled(ones)), np.tanh(ones @ ones.T) * 3, rtol=1e-6)
+
+
+def test_a_start_that_jax_cache_serves_stores_nothing_and_runs(tmp_path):
+    """The server's case: a process whose JAX cache already holds every program (an earlier start
+    without the store) stores nothing, and what it runs is right."""
+    plan = tiny_plan()
+    bucket = plan.buckets.pairs()[0]
+    first = ModelRunner(plan)
+    first.warmup()
+    want = step_tokens(first, bucket)
+    del first
+    jax.clear_caches()
+    runner = ModelRunner(plan, executables=tmp_path / "ex")
+    runner.warmup()
+    n = len(plan.buckets.pairs()) + 2
+    assert (runner.executables.misses, runner.executables.uncompiled) == (n, n)
+    assert not (tmp_path / "ex").exists()
+    np.testing.assert_array_equal(step_tokens(runner, bucket)[1], want[1])
 
 
 def test_another_program_or_shape_never_loads_a_stored_executable(tmp_path):
     plan = tiny_plan()
     ModelRunner(plan, executables=tmp_path).warmup()
-    for other in (tiny_plan(num_kv_blocks=BLOCKS + 1),  # KV pool shapes
+    for other in (tiny_plan(num_kv_blocks=plan.num_kv_blocks + 1),  # KV pool shapes
                   tiny_plan(max_num_seqs=4),  # buckets and sampler rows
                   tiny_plan(scan_layers=True)):  # another layout of the same model
         runner = ModelRunner(other, executables=tmp_path)
@@ -121,7 +164,7 @@ def test_another_program_or_shape_never_loads_a_stored_executable(tmp_path):
         executables.code_fingerprint.cache_clear()
 
 
-def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path, caplog):
+def test_an_unreadable_entry_is_removed_and_replaced_by_the_next_compile(tmp_path, caplog):
     plan = tiny_plan()
     bucket = plan.buckets.pairs()[0]
     first = ModelRunner(plan, executables=tmp_path)
@@ -135,7 +178,45 @@ def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path, caplog):
     assert "unreadable" in caplog.text
     assert (runner.executables.hits, runner.executables.misses) == (0, 1)
     np.testing.assert_array_equal(step_tokens(runner, bucket)[0], want[0])
-    assert ModelRunner(plan, executables=tmp_path).executables.load("step", *runner._step_args(bucket)) is not None
+    assert not entry.exists()  # JAX's cache served that compile: nothing could replace it yet
+    empty_jax_cache(tmp_path / "xla")
+    ModelRunner(plan, executables=tmp_path).compile_bucket(bucket)  # compiled by XLA: stored
+    again = ModelRunner(plan, executables=tmp_path)
+    again.compile_bucket(bucket)
+    assert again.executables.hits == 1
+    np.testing.assert_array_equal(step_tokens(again, bucket)[0], want[0])
+
+
+MULTI_DEVICE_CHILD = """
+import sys
+import jax, numpy as np
+sys.path.insert(0, {root!r})
+from tests.test_executables import tiny_plan, step_tokens
+from runtime.worker.model_runner import ModelRunner, enable_compilation_cache
+enable_compilation_cache({xla!r})
+assert len(jax.devices()) == 2
+plan = tiny_plan()
+bucket = plan.buckets.pairs()[0]
+first = ModelRunner(plan, executables={store!r})
+first.compile_bucket(bucket)
+want = step_tokens(first, bucket)
+jax.clear_caches()
+again = ModelRunner(plan, executables={store!r})
+again.compile_bucket(bucket)
+assert again.executables.hits == 1, again.executables.hits
+np.testing.assert_array_equal(step_tokens(again, bucket)[1], want[1])
+print("ok")
+"""
+
+
+def test_a_stored_executable_runs_where_the_host_has_several_devices(tmp_path):
+    """A process with more devices than the runner uses (forced host devices, as for tensor
+    parallelism on a CPU) loads a stored step onto the runner's device only."""
+    code = MULTI_DEVICE_CHILD.format(root=str(ROOT), xla=str(tmp_path / "xla"), store=str(tmp_path / "ex"))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 def test_build_runner_keeps_a_store_only_in_a_cache_it_chooses(tmp_path, monkeypatch):

@@ -15,11 +15,15 @@ is made from, all known before any tracing:
 - jax and jaxlib, the device, the CPU's features, XLA_FLAGS and the jax options that change a trace;
 
 and keeps `jax.experimental.serialize_executable`'s bytes in one file per key. A miss (a new key,
-an unreadable file) lowers and compiles as before, and saves the result if XLA compiled it: an
-executable that JAX's persistent cache served serializes without its code on XLA:CPU, so a store
-fills on starts that compile (the first start of a cache, or after a change to the program), and
-a start that JAX's cache serves whole leaves it as it was. Like any store of
-compiled code, its directory must be trusted: the files are pickles.
+an unreadable file, which is removed) lowers and compiles as before, and saves the result only if
+XLA compiled it: an executable that JAX's persistent cache served serializes without its code on
+XLA:CPU. So the store counts this thread's backend compiles and cache hits around `.compile()`
+alone (a trace may compile small eager ops of its own, which prove nothing), and stores only when
+a compile happened and no cache hit did. It fills on starts that compile (the first start of a
+cache, or after a change to the program); a start that JAX's cache serves whole leaves it as it
+was. An entry loads onto the runner's one device, which is part of its key, never onto every
+device the backend has (forced host devices). Like any store of compiled code, its directory must
+be trusted: the files are pickles.
 
 Code that changes a trace without changing those sources (a test's monkeypatch, a benchmark's
 swapped module) must not use the store: `JAXSERVE_EXECUTABLE_STORE=0` turns it off, and
@@ -55,10 +59,11 @@ TRACE_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_ra
 _compile_lock = threading.Lock()
 _num_compiles = 0
 _listener_installed = False
-_this_thread = threading.local()  # .compiles: this thread's backend compiles (the listener runs on the compiling thread)
+# This thread's backend compiles and persistent-cache hits (JAX reports both on the compiling thread).
+_this_thread = threading.local()
 
 
-def _on_event(event: str, duration: float, **kw) -> None:
+def _on_event_duration(event: str, duration: float, **kw) -> None:
     global _num_compiles
     if event == "/jax/core/compile/backend_compile_duration":
         with _compile_lock:
@@ -66,13 +71,23 @@ def _on_event(event: str, duration: float, **kw) -> None:
         _this_thread.compiles = getattr(_this_thread, "compiles", 0) + 1
 
 
+def _on_event(event: str, **kw) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _this_thread.cache_hits = getattr(_this_thread, "cache_hits", 0) + 1
+
+
 def num_backend_compiles() -> int:
     """XLA backend compilations in this process so far (cache hits from disk not included)."""
     global _listener_installed
     if not _listener_installed:
-        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+        jax.monitoring.register_event_listener(_on_event)
         _listener_installed = True
     return _num_compiles
+
+
+def _thread_counts() -> tuple[int, int]:
+    return getattr(_this_thread, "compiles", 0), getattr(_this_thread, "cache_hits", 0)
 
 
 def enabled() -> bool:
@@ -108,9 +123,13 @@ def _describe(args) -> str:
 class ExecutableStore:
     """Executables of one plan on one device, under `directory`, keyed as the module says."""
 
-    def __init__(self, directory: str | os.PathLike, *key_parts: str):
+    def __init__(self, directory: str | os.PathLike, device, *key_parts: str):
+        """`device`: the one device the executables run on (a loaded executable is placed there,
+        not on every device the backend has)."""
         self.directory = Path(directory)
-        self._base = hashlib.sha256("\0".join((code_fingerprint(),) + key_parts).encode()).hexdigest()
+        self.device = device
+        self._base = hashlib.sha256("\0".join((code_fingerprint(), f"device {device.id}") + key_parts)
+                                    .encode()).hexdigest()
         self.hits = 0
         self.misses = 0
         self.uncompiled = 0  # misses that JAX's persistent cache served, not stored
@@ -131,10 +150,12 @@ class ExecutableStore:
         if not path.exists():
             return None
         try:
-            compiled = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+            compiled = serialize_executable.deserialize_and_load(
+                *pickle.loads(path.read_bytes()), backend=self.device.client, execution_devices=[self.device])
         except Exception as e:  # noqa: BLE001  an unreadable entry is a miss, never a failed start
-            log.warning("executable store: %s unreadable (%s: %s); compiling again", path.name,
+            log.warning("executable store: %s unreadable (%s: %s); removed, compiling again", path.name,
                         type(e).__name__, e)
+            path.unlink(missing_ok=True)  # the next compile XLA does in front of the store replaces it
             return None
         with self._count:
             self.hits += 1
@@ -148,10 +169,12 @@ class ExecutableStore:
         if compiled is not None:
             return compiled
         self.misses += 1
-        num_backend_compiles()  # the listener, installed
-        compiles = getattr(_this_thread, "compiles", 0)  # this thread's only: another may compile meanwhile
-        compiled = jitted.lower(*args).compile()
-        if getattr(_this_thread, "compiles", 0) == compiles:
+        num_backend_compiles()  # the listeners, installed
+        lowered = jitted.lower(*args)  # a trace may compile small eager ops of its own: not counted
+        compiles, hits = _thread_counts()  # this thread's only: another may compile meanwhile
+        compiled = lowered.compile()
+        now_compiles, now_hits = _thread_counts()
+        if now_compiles == compiles or now_hits != hits:
             # Served by JAX's persistent cache: on XLA:CPU such an executable serializes without
             # its code (it loads, then fails at run time: "Function ... not found"), so only
             # executables XLA has just compiled are stored.

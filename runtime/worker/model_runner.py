@@ -117,13 +117,15 @@ class ModelRunner:
             mesh = TensorParallelMesh.for_graph(self.graph, engine.tensor_parallel_size)
         self.mesh = mesh
         self.backend = resolve_backend(self.backend, sharded=mesh is not None)
-        self.executables = (ExecutableStore(executables, plan.program_hash(), self.backend)
-                            if executables is not None and mesh is None else None)
         self.state_names = state_names(self.graph)
         self.layout = step_layout(self.graph, scan_layers=engine.scans_layers())
         check_fit(plan.memory)  # before any weight or pool reaches the device
         self.params = self._put_params(plan.weights)
         self.state = self._alloc_state()
+        self.executables = None
+        if executables is not None and mesh is None:
+            (device,) = next(iter(self.params.values())).devices()
+            self.executables = ExecutableStore(executables, device, plan.program_hash(), self.backend)
         self.compiled: dict[tuple[int, int], object] = {}
         self.xla_memory: dict[tuple[int, int], int] = {}
         model_step = build_step(self.graph, self.backend, mesh_constraints=getattr(mesh, "constrain", None),
