@@ -221,8 +221,8 @@ def build_llm(cfg, weights, *, backend: str, dtype: str, buckets=None, warm_exec
               **engine_args):
     """A compiled LLM over in-memory random weights (no GGUF, no tokenizer).
 
-    warm_execute: also run every bucket twice at start, as the server does, so that no bucket's
-    slow first executions land inside a timed run.
+    warm_execute: also run every bucket once at start, as the server does, so that no bucket's
+    slow first execution lands inside a timed run.
     """
     from runtime.plan import compile_plan
     from runtime.config import EngineConfig

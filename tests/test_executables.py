@@ -231,3 +231,19 @@ def test_build_runner_keeps_a_store_only_in_a_cache_it_chooses(tmp_path, monkeyp
     # the test session chose its cache (conftest): its tests may patch what a trace sees
     assert jax.config.jax_compilation_cache_dir
     assert build_runner(plan).executables is None
+
+
+def test_a_warm_execute_runs_each_bucket_once_and_writes_no_kv(monkeypatch):
+    runner = ModelRunner(tiny_plan())
+    runner.warmup()
+    step_tokens(runner, (1, 1))  # one token's K/V in slot 0: warming must keep it as it is
+    before = {k: np.asarray(v).copy() for k, v in runner.state.items()}
+    assert any(v.any() for v in before.values())
+    runs = []
+    real_execute = runner.execute
+    monkeypatch.setattr(runner, "execute",
+                        lambda bucket, *a, **kw: runs.append(bucket) or real_execute(bucket, *a, **kw))
+    runner.warmup(execute=True)
+    assert sorted(runs) == sorted(runner.plan.buckets.pairs())
+    for k, v in runner.state.items():
+        np.testing.assert_array_equal(np.asarray(v), before[k], err_msg=k)

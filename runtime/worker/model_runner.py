@@ -294,8 +294,9 @@ class ModelRunner:
         """AOT-compiles every bucket's step (model + sampler; from the persistent cache when warm).
 
         With `execute`, also runs each bucket once on all-padding inputs (nothing is written to
-        the KV pools): an executable's first runs on CPU are 2-3x slower than later ones, and a
-        server should pay that before its first request, not during it.
+        the KV pools): an executable's first run on CPU is 2-3x slower than later ones, and a
+        server should pay that before its first request, not during it. One run is enough: the
+        second already runs at the third's speed (BENCHMARKS.md, "Start-up").
         """
         t0 = time.perf_counter()
         num_backend_compiles()
@@ -317,8 +318,7 @@ class ModelRunner:
                 args = {k: np.zeros(v.shape, v.dtype) for k, v in self.input_specs(*b).items()}
                 if "slot_mapping" in args:
                     args["slot_mapping"][:] = -1  # padding tokens write nothing
-                for _ in range(2):
-                    jax.block_until_ready(self.execute(b, args))
+                jax.block_until_ready(self.execute(b, args))
         n = self.max_num_copy_pairs
         self._copy_compiled = self._compile(
             "copy_blocks", self._copy, self._abstract(self.state), jax.ShapeDtypeStruct((n,), jnp.int32),

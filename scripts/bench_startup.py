@@ -1,0 +1,110 @@
+"""Start-up as a user sees it: `python -m runtime.serve` from launch to a 200 on /health.
+
+    .venv/bin/python scripts/bench_startup.py [--rounds 2] [-- extra serve flags]
+
+One cold start on an empty cache directory, then `--rounds` pairs of warm starts on that cache,
+alternating the executable store on and off (JAXSERVE_EXECUTABLE_STORE), each start its own
+process, each after the load average has settled (`--max-load`). Per start: seconds to /health,
+and the server's own "plan ready" and "engine warm" log times. Numbers for BENCHMARKS.md
+("Start-up"). Run on a quiet machine; one heavy job at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def settle(max_load: float, timeout_s: float = 180.0) -> None:
+    """Waits (up to `timeout_s`) for the 1-minute load average to fall under `max_load`: the last
+    start's own load must not count against the next one."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= max_load and time.monotonic() - t0 < timeout_s:
+        time.sleep(5)
+
+
+def start_once(cache: str, store: bool, extra: list[str], max_load: float, timeout_s: float = 1200.0) -> dict:
+    settle(max_load)
+    port = _free_port()
+    env = dict(os.environ, JAXSERVE_EXECUTABLE_STORE="1" if store else "0", JAX_PLATFORMS="cpu")
+    log_path = Path(cache) / f"serve-{time.time_ns()}.log"
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--port", str(port),
+                                 "--compilation-cache-dir", cache, *extra],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
+                if time.perf_counter() - t0 > timeout_s:
+                    raise TimeoutError(f"no /health in {timeout_s:.0f} s")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            health_s = time.perf_counter() - t0
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+
+    def logged(pattern: str) -> float | None:
+        m = re.search(pattern, text)
+        return float(m.group(1)) if m else None
+
+    return dict(store=store, health_s=round(health_s, 1), plan_ready_s=logged(r"plan ready in ([\d.]+)s"),
+                engine_warm_s=logged(r"engine warm in ([\d.]+)s"), load_at_start=round(load, 2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2, help="warm pairs (store on, store off)")
+    ap.add_argument("--max-load", type=float, default=1.0,
+                    help="wait (up to 3 min) for the 1-minute load average to fall under this before each start")
+    ap.add_argument("extra", nargs="*", help="flags passed to runtime.serve (after --)")
+    args = ap.parse_args()
+    cache = tempfile.mkdtemp(prefix="bench_startup_")
+    cold = start_once(cache, True, args.extra, args.max_load)
+    print(json.dumps(dict(cold=cold)), flush=True)
+    warm = []
+    for _ in range(args.rounds):
+        for store in (True, False):
+            warm.append(start_once(cache, store, args.extra, args.max_load))
+            print(json.dumps(warm[-1]), flush=True)
+    on = [w["health_s"] for w in warm if w["store"]]
+    off = [w["health_s"] for w in warm if not w["store"]]
+    print(json.dumps(dict(cache=cache, cold_health_s=cold["health_s"], warm_store_median_s=statistics.median(on),
+                          warm_jax_cache_only_median_s=statistics.median(off),
+                          ratio=round(statistics.median(off) / statistics.median(on), 2))))
+
+
+if __name__ == "__main__":
+    main()
