@@ -283,9 +283,12 @@ def _engine_case(cfg, weights, tp: int, prompts, params, tokenizer=None, quantiz
 
 
 def child_tiny() -> dict:
+    from conftest import CACHE_DIR
     from models.weights import random_weights
     from runtime import SamplingParams
+    from runtime.worker.model_runner import enable_compilation_cache
 
+    enable_compilation_cache(CACHE_DIR)  # the session's cache, never the user's (and so no executable store)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=2)
     prompts = [[5, 9, 33, 100, 7], [3] * 20 + [17, 18], [200, 11, 12, 13, 99, 1, 4]]
     # n=2 shares the prompt's blocks and copies the partial one on write (copy_blocks on the mesh).
