@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -189,6 +190,7 @@ def test_an_unreadable_entry_is_removed_and_replaced_by_the_next_compile(tmp_pat
 
 MULTI_DEVICE_CHILD = """
 import sys
+import time
 import jax, numpy as np
 sys.path.insert(0, {root!r})
 from tests.test_executables import tiny_plan, step_tokens
@@ -247,3 +249,38 @@ def test_a_warm_execute_runs_each_bucket_once_and_writes_no_kv(monkeypatch):
     assert sorted(runs) == sorted(runner.plan.buckets.pairs())
     for k, v in runner.state.items():
         np.testing.assert_array_equal(np.asarray(v), before[k], err_msg=k)
+
+
+def test_the_store_is_bounded_and_evicts_what_was_used_least_recently(tmp_path):
+    device = jax.devices()[0]
+    store = executables.ExecutableStore(tmp_path, device, "bound")
+    x = jax.ShapeDtypeStruct((8,), np.float32)
+    fns = {name: jax.jit(lambda v, c=c: jax.numpy.sin(v) * c) for c, name in enumerate("abc", start=2)}
+
+    def entry(name):
+        return store._path(name, (x,))
+
+    def stored(name):
+        store.compile(name, fns[name], x)
+        assert entry(name).exists()
+        time.sleep(0.05)  # file times are kept at the kernel's tick: keep the uses apart
+
+    stored("a")
+    stored("b")
+    assert store.load("a", x) is not None  # a use: "a" is now more recent than "b"
+    time.sleep(0.05)
+    sizes = {n: entry(n).stat().st_size for n in "ab"}
+    store.max_bytes = sum(sizes.values()) + 64  # room for two entries of about that size, not three
+    store.compile("c", fns["c"], x)
+    assert entry("c").exists() and entry("a").exists() and not entry("b").exists()
+    assert store.evicted == 1
+    assert store.load("b", x) is None  # an evicted entry is a miss, not an error
+    np.testing.assert_allclose(np.asarray(store.load("c", x)(np.ones(8, np.float32))), np.sin(1.0) * 4,
+                               rtol=1e-6)
+
+
+def test_the_bound_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(executables.MAX_GB_ENV, "0.5")
+    assert executables.max_bytes() == 2**29
+    monkeypatch.setenv(executables.MAX_GB_ENV, "lots")
+    assert executables.max_bytes() == int(executables.DEFAULT_MAX_GB * 2**30)

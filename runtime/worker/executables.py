@@ -25,6 +25,10 @@ was. An entry loads onto the runner's one device, which is part of its key, neve
 device the backend has (forced host devices). Like any store of compiled code, its directory must
 be trusted: the files are pickles.
 
+Entries of older code never load again, so the store is bounded: after each save, the least
+recently used entries (a load or a save is a use) go until the directory holds at most
+JAXSERVE_EXECUTABLE_STORE_MAX_GB (default 4; the default SmolLM2 engine's entries take 110 MB).
+
 Code that changes a trace without changing those sources (a test's monkeypatch, a benchmark's
 swapped module) must not use the store: `JAXSERVE_EXECUTABLE_STORE=0` turns it off, and
 runtime.build uses it only where it chooses the compilation cache itself.
@@ -47,6 +51,8 @@ import jax
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "JAXSERVE_EXECUTABLE_STORE"
+MAX_GB_ENV = "JAXSERVE_EXECUTABLE_STORE_MAX_GB"
+DEFAULT_MAX_GB = 4.0  # the default f32 SmolLM2 engine's entries take about 110 MB
 ROOT = Path(__file__).resolve().parents[2]
 # Folders whose source shapes a traced step (runtime/core, the scheduler, never reaches a trace).
 TRACED_SOURCES = ("ir", "passes", "pallas_kernels", "runtime/worker")
@@ -94,6 +100,17 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def max_bytes() -> int:
+    """The store's size bound, from JAXSERVE_EXECUTABLE_STORE_MAX_GB (default 4)."""
+    raw = os.environ.get(MAX_GB_ENV, "").strip()
+    try:
+        gb = float(raw) if raw else DEFAULT_MAX_GB
+    except ValueError:
+        log.warning("%s=%r is not a number; using %g", MAX_GB_ENV, raw, DEFAULT_MAX_GB)
+        gb = DEFAULT_MAX_GB
+    return int(gb * 2**30)
+
+
 @functools.cache
 def code_fingerprint() -> str:
     """A hash of every source file that shapes a traced step, and of what it is traced with."""
@@ -133,6 +150,8 @@ class ExecutableStore:
         self.hits = 0
         self.misses = 0
         self.uncompiled = 0  # misses that JAX's persistent cache served, not stored
+        self.evicted = 0
+        self.max_bytes = max_bytes()
         self._count = threading.Lock()
 
     def key(self, what: str, args) -> str:
@@ -147,11 +166,13 @@ class ExecutableStore:
         from jax.experimental import serialize_executable
 
         path = self._path(what, args)
-        if not path.exists():
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:  # never stored, or evicted (by another process, too)
             return None
         try:
             compiled = serialize_executable.deserialize_and_load(
-                *pickle.loads(path.read_bytes()), backend=self.device.client, execution_devices=[self.device])
+                *pickle.loads(blob), backend=self.device.client, execution_devices=[self.device])
         except Exception as e:  # noqa: BLE001  an unreadable entry is a miss, never a failed start
             log.warning("executable store: %s unreadable (%s: %s); removed, compiling again", path.name,
                         type(e).__name__, e)
@@ -159,6 +180,10 @@ class ExecutableStore:
             return None
         with self._count:
             self.hits += 1
+        try:
+            os.utime(path)  # a use: the eviction keeps what was used last
+        except OSError:
+            pass
         return compiled
 
     def compile(self, what: str, jitted, *args):
@@ -189,8 +214,32 @@ class ExecutableStore:
                 tmp = f.name
                 f.write(blob)
             os.replace(tmp, path)  # atomic: processes filling the store at once each write a whole file
+            self._evict(keep=path)
         except Exception as e:  # noqa: BLE001  a full disk or an unserializable executable costs the next start only
             log.warning("executable store: could not save %s (%s: %s)", path.name, type(e).__name__, e)
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
         return compiled
+
+    def _evict(self, keep: Path) -> None:
+        """Removes the least recently used entries (a load or a store is a use) until the directory
+        holds at most `max_bytes`; never `keep`, the entry just written. Entries of older code
+        never load again (the code is in their key), so this is what bounds the directory."""
+        entries = []
+        for p in self.directory.glob("*.bin"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # another process evicted it meanwhile
+                continue
+            entries.append((st.st_mtime_ns, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
+        for _, size, p in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if p == keep:
+                continue
+            p.unlink(missing_ok=True)
+            total -= size
+            self.evicted += 1
+            log.info("executable store: evicted %s (%.1f MB; the store is bounded at %.1f GB by %s)",
+                     p.name, size / 1e6, self.max_bytes / 2**30, MAX_GB_ENV)
