@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,15 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from runtime.bench_soak import start_server  # noqa: E402
+from runtime.worker.executables import ENV_SWITCH  # noqa: E402
 
 
 def settle(max_load: float, timeout_s: float = 180.0) -> None:
@@ -43,37 +38,20 @@ def settle(max_load: float, timeout_s: float = 180.0) -> None:
         time.sleep(5)
 
 
-def start_once(cache: str, store: bool, extra: list[str], max_load: float, timeout_s: float = 1200.0) -> dict:
+def start_once(cache: str, store: bool, extra: list[str], max_load: float) -> dict:
     settle(max_load)
-    port = _free_port()
-    env = dict(os.environ, JAXSERVE_EXECUTABLE_STORE="1" if store else "0", JAX_PLATFORMS="cpu")
+    os.environ[ENV_SWITCH] = "1" if store else "0"  # the server inherits it
     log_path = Path(cache) / f"serve-{time.time_ns()}.log"
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--port", str(port),
-                                 "--compilation-cache-dir", cache, *extra],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
-                if time.perf_counter() - t0 > timeout_s:
-                    raise TimeoutError(f"no /health in {timeout_s:.0f} s")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            health_s = time.perf_counter() - t0
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    proc, _ = start_server(["--compilation-cache-dir", cache, *extra], str(log_path), timeout_s=1200.0)
+    health_s = time.perf_counter() - t0
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     text = log_path.read_text()
 
     def logged(pattern: str) -> float | None:
