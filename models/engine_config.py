@@ -166,12 +166,14 @@ class EngineConfig:
     memory_limit: int | None = None  # bytes the allocator can still give; measured on GPU
     kernel_backend: str = "auto"
     # Run the repeated decoder layers as one lax.scan, so XLA compiles one layer, not all of them
-    # (3x faster cold compiles). None: on accelerators, and on CPU under weight-only int8. There,
-    # the C++ kernels read each layer's weights in the stack where they lie, and unrolled, XLA:CPU
-    # widened every layer's int8 weights to f32 at once for a prefill's products (410 MiB of temps
-    # for SmolLM2, which failed the memory check at start-up). Elsewhere on CPU, XLA copies each
-    # layer's weight slice out of the stack before its matmuls, which costs more per step than the
-    # compile saves (f32 batch-1 decode ran at half speed; BENCHMARKS.md, "Scan over layers").
+    # (3x faster cold compiles, 2.5x faster warm starts). None: on accelerators; on CPU, where the
+    # C++ kernels read each layer's weights in the stack where they lie for a decode step's few
+    # rows: under weight-only int8 (unrolled, XLA:CPU also widened every layer's int8 weights to
+    # f32 at once for a prefill's products: 410 MiB of temps for SmolLM2, which failed the memory
+    # check at start-up), and for f32 weights and matmuls where the f32 kernel has its vector path
+    # (see scans_layers). Elsewhere on CPU, XLA copies each layer's weight slice out of the stack
+    # before every product, which costs more per step than the compile saves (f32 batch-1 decode
+    # ran at half speed; BENCHMARKS.md, "Scan over layers").
     scan_layers: bool | None = None
     # vLLM's multi-step decode: an all-decode batch runs this many steps in one executable, the
     # host checking stops after them (amortizes the host's share of a step; 1 = off).
@@ -266,12 +268,18 @@ class EngineConfig:
             platform = jax.default_backend()
         return platform != "cpu" and not self.async_blockers()
 
-    def scans_layers(self, platform: str | None = None) -> bool:
-        """Whether the step runs its layers as a lax.scan (`scan_layers`, or by platform)."""
+    def scans_layers(self, platform: str | None = None, f32_in_place: bool = False) -> bool:
+        """Whether the step runs its layers as a lax.scan (`scan_layers`, or by platform).
+
+        `f32_in_place`: whether this CPU's kernels read a few rows' f32 products from the stack in
+        place (the runtime knows: runtime.worker.executor.scans_layers). Then an f32 engine with
+        f32 matmuls scans on CPU too; only its wide steps' products (prefill, 16+ decode rows) copy
+        a layer's slice, where the product itself takes far longer than the copy."""
         if self.scan_layers is not None:
             return self.scan_layers
         if platform is None:
             import jax
 
             platform = jax.default_backend()
-        return platform != "cpu" or self.quantization == "int8"
+        f32 = self.quantization is None and self.matmul_precision == "float32" and self.dtype == "f32"
+        return platform != "cpu" or self.quantization == "int8" or (f32 and f32_in_place)

@@ -59,6 +59,8 @@ def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
 
 
 def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[int, int | None]) -> PipelineOptions:
+    from runtime.worker.executor import scans_layers
+
     total, limit = memory
     return PipelineOptions(
         block_size=engine.block_size, max_model_len=engine.max_model_len, buckets=tuple(buckets.pairs()),
@@ -67,7 +69,7 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         quantization=engine.quantization, quantize_lm_head=engine.quantize_lm_head,
         matmul_precision=engine.matmul_precision,
         kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
-        scan_layers=engine.scans_layers())
+        scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1))
 
 
 def is_plan_dir(path) -> bool:

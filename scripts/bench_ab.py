@@ -4,7 +4,8 @@ over the same weights, rounds interleaved, medians, the variant's speedup over t
     .venv/bin/python scripts/bench_ab.py [--base KEY=VALUE ...] [--variant KEY=VALUE ...]
                                          [--rounds 3] [--cases ttft,batch1,seqs64,long,long1,mixed1]
                                          [--base-kernels DIR] [--base-sampler FILE]
-                                         [--base-decode-part-tokens N] [--long1-context 3000]
+                                         [--base-decode-part-tokens N] [--base-f32-max-rows N]
+                                         [--long1-context 3000]
                                          [--temperature T --top-p P --seed S]
 
 KEY=VALUE pairs are EngineConfig fields. The default variant is `matmul_precision=bfloat16` against
@@ -15,6 +16,8 @@ same process; the variant's config is then the base's unless `--variant` says ot
 `--base-sampler FILE` does the same for the sampler (another checkout's runtime/worker/sampler.py).
 `--base-decode-part-tokens N` builds the base engine with the C++ decode kernel splitting long rows
 into parts of at least N tokens (0: never; see cpp_kernels.PART_TOKENS), the variant with the default.
+`--base-f32-max-rows N` builds the base engine with f32 products of at most N rows in the C++ kernel
+(0: XLA's products only; see kernels.CPP_F32_MAX_ROWS), the variant with the default.
 Requests are greedy unless `--temperature` (and `--top-p`) say otherwise; sampled requests all take
 `--seed`, so both engines see the same requests.
 Both engines run without prefix caching (every round's prompts are new anyway) and with 2,000
@@ -45,7 +48,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The base engine may trace swapped modules (--base-kernels, --base-sampler, --base-decode-part-tokens)
+# The base engine may trace swapped modules (--base-kernels, --base-sampler, --base-decode-part-tokens, ...)
 # that the executable store's key cannot see (runtime/worker/executables.py): compile every engine.
 os.environ["JAXSERVE_EXECUTABLE_STORE"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -131,6 +134,20 @@ def base_decode_part_tokens(n: int | None):
         cpp_kernels.paged_decode = saved
 
 
+@contextlib.contextmanager
+def base_f32_max_rows(n: int | None):
+    """While open, f32 products of at most `n` rows take the C++ kernel (0: none)."""
+    if n is None:
+        yield
+        return
+    from runtime.worker import kernels
+    saved, kernels.CPP_F32_MAX_ROWS = kernels.CPP_F32_MAX_ROWS, n
+    try:
+        yield
+    finally:
+        kernels.CPP_F32_MAX_ROWS = saved
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -147,6 +164,8 @@ def main() -> int:
                     help="build the base engine with FILE as runtime/worker/sampler.py (another checkout's)")
     ap.add_argument("--base-decode-part-tokens", type=int, default=None, metavar="N",
                     help="build the base engine with the C++ decode kernel's part_tokens=N (0: no split)")
+    ap.add_argument("--base-f32-max-rows", type=int, default=None, metavar="N",
+                    help="build the base engine with f32 products of at most N rows in the C++ kernel (0: none)")
     ap.add_argument("--long1-context", type=int, default=3000, help="the long1 case's prompt length")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -158,8 +177,9 @@ def main() -> int:
     if set(cases) - set(CASES):
         raise SystemExit(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: {', '.join(CASES)}")
     if args.variant is None:
-        args.variant = (args.base if args.base_kernels or args.base_sampler or args.base_decode_part_tokens is not None
-                        else ["matmul_precision=bfloat16"])
+        swapped = (args.base_kernels or args.base_sampler or args.base_decode_part_tokens is not None
+                   or args.base_f32_max_rows is not None)
+        args.variant = args.base if swapped else ["matmul_precision=bfloat16"]
     common = COMMON | ({"max_model_len": max(COMMON["max_model_len"], args.long1_context + 256)}
                        if {"long1", "mixed1"} & set(cases) else {})
     configs = {"base": common | parse_pairs(args.base), "variant": common | parse_pairs(args.variant)}
@@ -169,7 +189,8 @@ def main() -> int:
     for name, kw in configs.items():
         with (base_kernels(args.base_kernels if name == "base" else None),  # engines compile as they are built
               base_sampler(args.base_sampler if name == "base" else None),
-              base_decode_part_tokens(args.base_decode_part_tokens if name == "base" else None)):
+              base_decode_part_tokens(args.base_decode_part_tokens if name == "base" else None),
+              base_f32_max_rows(args.base_f32_max_rows if name == "base" else None)):
             llms[name] = LLM.from_plan(compile_plan(None, EngineConfig(**kw), weights=weights, config=cfg,
                                                     tokenizer=tok))
     rng = np.random.default_rng(0)

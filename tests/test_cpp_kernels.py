@@ -2,9 +2,9 @@
 jnp reference: decode rows over poisoned paged pools (a read past a row's context gives NaN), at
 several head shapes, block sizes and ragged contexts, from f32 pools and from bf16 bits; that it
 reads the pool in place (no gather, no copy in the compiled step); and what `auto` does without a
-compiler. The int8-weight products (cpp/int8_matmul.cc): W8A8 against XLA's dot, bit for bit;
-weight-only against the float64 product, within f32's summation bound; and which products the cpp
-backend gives them."""
+compiler. The products of few rows (cpp/matmul.cc): W8A8 against XLA's dot, bit for bit;
+weight-only int8 and f32 against the float64 product, within f32's summation bound; a layer of a
+stack read in place; and which products the cpp backend gives them."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from ir.int8 import INT8_ACTIVATIONS
 from ir.ops import paged_attention_reference
 from pallas_kernels.testing import random_paged_cache
 from runtime.worker import cpp_kernels, executor
-from runtime.worker.kernels import (BF16_BITS, CPP_INT8_MAX_ROWS, CPP_INT8_WEIGHT_ONLY_MAX_ROWS, matmul_int8_cpp,
-                                    paged_attention_xla)
+from runtime.worker.kernels import (BF16_BITS, CPP_F32_MAX_ROWS, CPP_INT8_MAX_ROWS, CPP_INT8_WEIGHT_ONLY_MAX_ROWS,
+                                    matmul_cpp, matmul_int8_cpp, paged_attention_xla)
 from tolerances import KERNEL, SAME_MATH_F32
 
 # (query heads, kv heads, head_dim, block_size, contexts): GQA 3:1 like SmolLM2, 4:1 at head_dim 128
@@ -244,16 +244,32 @@ def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n):
     assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound)
 
 
+@pytest.mark.parametrize("m,k,n", INT8_SHAPES + [(8, 576, 960), (6, 1536, 576)])
+def test_f32_matmul_is_the_f32_product(m, k, n):
+    """f32 rows times f32 weights, within the error bound of a k-term f32 sum of the exact float64
+    product, at every shape (the int8 shapes' tails and splits, and the 8-row decode bucket)."""
+    rng = np.random.default_rng(m * 7919 + k * 31 + n + 1)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    got = jax.jit(cpp_kernels.f32_matmul)(jnp.asarray(x), jnp.asarray(w))
+    assert got.dtype == jnp.float32 and got.shape == (m, n)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    bound = k * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))
+    assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound)
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 577, 1000), (4, 1536, 576)])
-def test_int8_products_take_a_layer_of_a_stack_where_it_lies(m, k, n):
+def test_products_take_a_layer_of_a_stack_where_it_lies(m, k, n):
     """A stack w [L, K, N] and a layer index (traced, as in a scanned step): each layer's product is
-    exactly the product with that layer's [K, N] slice, for both kernels; a layer outside the stack
+    exactly the product with that layer's [K, N] slice, for every kernel; a layer outside the stack
     is an error, not a read past it."""
     rng = np.random.default_rng(m + k + n)
-    stack = jnp.asarray(rng.integers(-128, 128, (3, k, n), dtype=np.int8))
-    rows = {cpp_kernels.int8_matmul: jnp.asarray(rng.integers(-128, 128, (m, k), dtype=np.int8)),
-            cpp_kernels.int8_weight_matmul: jnp.asarray(rng.standard_normal((m, k)), jnp.float32)}
-    for product, x in rows.items():
+    stacks = {"i8": jnp.asarray(rng.integers(-128, 128, (3, k, n), dtype=np.int8)),
+              "f32": jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)}
+    xf = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    rows = {cpp_kernels.int8_matmul: (jnp.asarray(rng.integers(-128, 128, (m, k), dtype=np.int8)), stacks["i8"]),
+            cpp_kernels.int8_weight_matmul: (xf, stacks["i8"]), cpp_kernels.f32_matmul: (xf, stacks["f32"])}
+    for product, (x, stack) in rows.items():
         at = jax.jit(lambda x, w, layer: product(x, w, layer))
         for layer in range(3):
             np.testing.assert_array_equal(np.asarray(at(x, stack, jnp.int32(layer))),
@@ -266,13 +282,43 @@ def test_int8_products_take_a_layer_of_a_stack_where_it_lies(m, k, n):
 
 
 def _takes_kernel(activations, rows, dtype):
-    if not cpp_kernels.int8_matmul_vectorized():
+    if not cpp_kernels.matmul_vectorized():
         return None
     if activations == INT8_ACTIVATIONS:
         return cpp_kernels.INT8_MATMUL_TARGET if rows <= CPP_INT8_MAX_ROWS else None
     if dtype == jnp.float32 and rows <= CPP_INT8_WEIGHT_ONLY_MAX_ROWS:
         return cpp_kernels.INT8_WEIGHT_MATMUL_TARGET
     return None
+
+
+@pytest.mark.parametrize("rows", [1, 5, CPP_F32_MAX_ROWS, CPP_F32_MAX_ROWS + 1])
+@pytest.mark.parametrize("scanned", [False, True])
+def test_f32_products_of_few_rows_take_the_kernel(rows, scanned):
+    """Under kernel_backend="cpp", where the kernel has its vector path: an f32 product of at most
+    CPP_F32_MAX_ROWS rows (leading dims flattened) calls f32_matmul, and with a stack and a layer
+    reads that layer in place (no slice of the stack in the compiled HLO); wider products, and the
+    tied head's transposed product, keep ir.ops's lowering (on the layer's slice). All give ir.ops's
+    result up to f32 summation order."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((1, rows, 576)), jnp.float32)
+    stack = jnp.asarray(rng.standard_normal((3, 576, 960)), jnp.float32)
+    if scanned:
+        f = jax.jit(lambda x, w, layer: matmul_cpp(x, w, layer=layer))
+        args, w = (x, stack, jnp.int32(2)), stack[2]
+    else:
+        f = jax.jit(lambda x, w: matmul_cpp(x, w))
+        args, w = (x, stack[2]), stack[2]
+    hlo = f.lower(*args).compile().as_text()
+    kernel = cpp_kernels.matmul_vectorized() and rows <= CPP_F32_MAX_ROWS
+    assert (cpp_kernels.F32_MATMUL_TARGET in hlo) == kernel
+    if scanned:
+        assert ("dynamic-slice" in hlo) == (not kernel)
+    got, ref = np.asarray(f(*args)), np.asarray(OPS["matmul"].impl(x, w))
+    assert got.shape == (1, rows, 960)
+    bound = 2 * 576 * 2.0 ** -24 * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w)))
+    assert np.all(np.abs(got - ref) <= bound)
+    head = jax.jit(lambda x, e: matmul_cpp(x, e, transpose_b=True))
+    assert cpp_kernels.F32_MATMUL_TARGET not in head.lower(x, w.T).compile().as_text()
 
 
 @pytest.mark.parametrize("rows", [1, 3, CPP_INT8_MAX_ROWS, CPP_INT8_MAX_ROWS + 1, CPP_INT8_WEIGHT_ONLY_MAX_ROWS,

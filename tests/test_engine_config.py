@@ -153,10 +153,23 @@ def test_scans_layers(scan_layers, platform, expected):
 @pytest.mark.parametrize("quantization, expected", [("int8", True), ("w8a8", False), (None, False)])
 def test_cpu_scans_layers_by_default_under_weight_only_int8(quantization, expected):
     """On CPU, weight-only int8 scans by default (its kernels read the stack in place; unrolled,
-    XLA widened every layer's weights at once); W8A8's wide products (XLA's dot) and f32 would copy
-    each layer's slice, and stay unrolled. An explicit scan_layers wins either way."""
+    XLA widened every layer's weights at once); W8A8's wide products (XLA's dot) and f32 without
+    the f32 kernel would copy each layer's slice, and stay unrolled. An explicit scan_layers wins
+    either way."""
     assert EngineConfig(quantization=quantization).scans_layers("cpu") is expected
     assert EngineConfig(quantization=quantization, scan_layers=False).scans_layers("cpu") is False
+
+
+@pytest.mark.parametrize("engine, expected", [
+    ({}, True), ({"dtype": "bfloat16"}, False), ({"matmul_precision": "bfloat16"}, False),
+    ({"quantization": "w8a8"}, False), ({"quantization": "int8"}, True), ({"scan_layers": False}, False),
+])
+def test_cpu_scans_f32_layers_where_the_f32_kernel_reads_them_in_place(engine, expected):
+    """Where the f32 kernel reads a layer's weights in the stack (f32_in_place), an f32 engine with
+    f32 matmuls scans on CPU by default; a bf16 plan and bf16 matmuls (whose products XLA takes on a
+    slice) stay unrolled; an explicit scan_layers wins. Without the kernel, f32 stays unrolled."""
+    assert EngineConfig(**engine).scans_layers("cpu", f32_in_place=True) is expected
+    assert EngineConfig(**engine).scans_layers("cpu", f32_in_place=False) is (engine.get("quantization") == "int8")
 
 
 # ------------------------------------------------------------------------------ flags (runtime.args)

@@ -87,23 +87,24 @@ def test_scanned_engine_equals_unrolled():
     assert got[0] == got[1]
 
 
-def int8_weight_operands(hlo: str) -> list[str]:
-    """The instructions that give the int8 kernels' custom calls in `hlo` their weight operand."""
+def kernel_weight_operands(hlo: str) -> list[str]:
+    """The instructions that give the matmul kernels' custom calls in `hlo` their weight operand."""
     defs = dict(re.findall(r"^\s*(?:ROOT )?(%\S+) = (\S+ [\w-]+)\(", hlo, re.M))
-    calls = re.findall(r"custom-call\((%[^,]+), (%[^,)]+)[^)]*\), custom_call_target=\"jaxserve_int8", hlo)
+    calls = re.findall(r"custom-call\((%[^,]+), (%[^,)]+)[^)]*\), "
+                       r"custom_call_target=\"jaxserve_(?:int8|f32)", hlo)
     return [defs[w] for _, w in calls]
 
 
 @pytest.mark.parametrize("kernels_off", [False, True])
-@pytest.mark.parametrize("quantization", ["w8a8", "int8"])
-def test_scanned_int8_kernels_read_the_stacked_weights_in_place(quantization, kernels_off, monkeypatch):
-    """Under kernel_backend="cpp" the int8 kernels of a scanned step take each layer's weights out
-    of the stack where they lie: their weight operand is the whole stacked parameter, not a slice
-    that XLA would copy on every step. On a CPU without the kernels' vector paths no step calls
+@pytest.mark.parametrize("quantization", ["w8a8", "int8", None])
+def test_scanned_matmul_kernels_read_the_stacked_weights_in_place(quantization, kernels_off, monkeypatch):
+    """Under kernel_backend="cpp" the matmul kernels (int8 and f32) of a scanned step take each
+    layer's weights out of the stack where they lie: their weight operand is the whole stacked
+    parameter, not a slice that XLA would copy on every step. On a CPU without the kernels' vector paths no step calls
     them, and XLA's products take the layer's slice (`kernels_off` makes this CPU such a one).
     Tokens and logprobs equal the unrolled step's."""
     if kernels_off:
-        monkeypatch.setattr(cpp_kernels, "int8_matmul_vectorized", lambda: False)
+        monkeypatch.setattr(cpp_kernels, "matmul_vectorized", lambda: False)
     prompts = [list(range(5, 9)), list(range(10, 40))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     got = []
@@ -111,10 +112,10 @@ def test_scanned_int8_kernels_read_the_stacked_weights_in_place(quantization, ke
         llm = tiny_llm(scan, quantization=quantization, kernel_backend="cpp")
         got.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
         if scan:
-            operands = [d for c in llm.engine.runner.compiled.values() for d in int8_weight_operands(c.as_text())]
+            operands = [d for c in llm.engine.runner.compiled.values() for d in kernel_weight_operands(c.as_text())]
             layers = llm.engine.runner.layout.num_layers
-            stacked = [d for d in operands if re.match(rf"s8\[{layers},\d+,\d+\]", d)]
-            if cpp_kernels.int8_matmul_vectorized():
+            stacked = [d for d in operands if re.match(rf"{'f32' if quantization is None else 's8'}\[{layers},\d+,\d+\]", d)]
+            if cpp_kernels.matmul_vectorized():
                 # Every layer product reads its stack in place; the LM head's weight is a plain parameter.
                 assert stacked and all(d.endswith(("get-tuple-element", "parameter")) for d in operands), operands
             else:

@@ -1,9 +1,9 @@
 """Our C++ kernels for XLA:CPU, built on first use and called through XLA's FFI.
 
 `kernel_backend="cpp"` (the default on CPU, through `auto`) runs decode attention in
-cpp/paged_decode.cc, which reads K/V from the paged pool in place, and int8-weight products of a
-few rows (decode steps, W8A8 and weight-only) in cpp/int8_matmul.cc; everything else stays the XLA lowering of
-runtime.worker.kernels. The sources are compiled once per machine into one library with the
+cpp/paged_decode.cc, which reads K/V from the paged pool in place, and products of a few rows
+(decode steps: W8A8, weight-only int8 and f32) in cpp/matmul.cc, which read a scanned step's
+weights in place; everything else stays the XLA lowering of runtime.worker.kernels. The sources are compiled once per machine into one library with the
 system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, and cached
 under ~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the sources, the flags, the
 compiler, jaxlib and the CPU. Without a compiler, `auto` falls back to the plain XLA lowering and
@@ -28,13 +28,13 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "int8_matmul.cc"))
+SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "matmul.cc"))
 HEADERS = (Path(__file__).with_name("cpp") / "parallel_for.h",)
 PAGED_DECODE_TARGET, INT8_MATMUL_TARGET = "jaxserve_paged_decode", "jaxserve_int8_matmul"
-INT8_WEIGHT_MATMUL_TARGET = "jaxserve_int8_weight_matmul"
+INT8_WEIGHT_MATMUL_TARGET, F32_MATMUL_TARGET = "jaxserve_int8_weight_matmul", "jaxserve_f32_matmul"
 # FFI target name -> the library's handler symbol.
 TARGETS = {PAGED_DECODE_TARGET: "JaxservePagedDecode", INT8_MATMUL_TARGET: "JaxserveInt8Matmul",
-           INT8_WEIGHT_MATMUL_TARGET: "JaxserveInt8WeightMatmul"}
+           INT8_WEIGHT_MATMUL_TARGET: "JaxserveInt8WeightMatmul", F32_MATMUL_TARGET: "JaxserveF32Matmul"}
 # -ffast-math lets the compiler call glibc's vector expf; the kernel has no inf or NaN of its own
 # (its running max starts at -1e30, as the XLA lowering's does). It is a compile flag only: linked
 # with it, gcc adds crtfastmath.o, which on load turns on flush-to-zero for the whole process
@@ -160,12 +160,13 @@ def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS
 
 
 @functools.cache
-def int8_matmul_vectorized() -> bool:
-    """Whether int8_matmul and int8_weight_matmul have their vector paths on this CPU (AVX-512BW);
-    without them the engine keeps XLA's products (the scalar loops are there for correctness only)."""
+def matmul_vectorized() -> bool:
+    """Whether int8_matmul, int8_weight_matmul and f32_matmul have their vector paths on this CPU
+    (AVX-512BW); without them the engine keeps XLA's products (the scalar loops are there for
+    correctness only)."""
     if not available():
         return False
-    return bool(_library().JaxserveInt8MatmulVectorized())
+    return bool(_library().JaxserveMatmulVectorized())
 
 
 def _layer_operand(w, layer):
@@ -177,7 +178,7 @@ def _layer_operand(w, layer):
 
 
 def int8_matmul(x, w, layer=None):
-    """x s8 [M, K] @ w s8 [K, N] -> s32 [M, N], exact; see cpp/int8_matmul.cc. Built for a few rows
+    """x s8 [M, K] @ w s8 [K, N] -> s32 [M, N], exact; see cpp/matmul.cc. Built for a few rows
     (W8A8 decode steps): it streams the weights once per four rows. With `layer` (an int32 scalar,
     traced or not), w is a stack [L, K, N] and the product takes its layer `layer` where it lies."""
     ensure()
@@ -187,10 +188,20 @@ def int8_matmul(x, w, layer=None):
 
 
 def int8_weight_matmul(x, w, layer=None):
-    """x f32 [M, K] @ w s8 [K, N] -> f32 [M, N], w widened in registers; see cpp/int8_matmul.cc.
+    """x f32 [M, K] @ w s8 [K, N] -> f32 [M, N], w widened in registers; see cpp/matmul.cc.
     Built for decode steps under weight-only int8: it streams the weights once per four rows.
     `layer` as in int8_matmul."""
     ensure()
     m, n = x.shape[0], w.shape[-1]
     return jax.ffi.ffi_call(INT8_WEIGHT_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+        x, w, _layer_operand(w, layer))
+
+
+def f32_matmul(x, w, layer=None):
+    """x f32 [M, K] @ w f32 [K, N] -> f32 [M, N] (sums in k order per column); see cpp/matmul.cc.
+    Built for decode steps: it streams the weights once per four rows. `layer` as in int8_matmul:
+    what it is for, since XLA's own product would take a scanned step's layer as a copy."""
+    ensure()
+    m, n = x.shape[0], w.shape[-1]
+    return jax.ffi.ffi_call(F32_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
         x, w, _layer_operand(w, layer))

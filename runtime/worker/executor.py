@@ -44,6 +44,17 @@ def resolve_backend(backend: str, sharded: bool = False) -> str:
     return backend
 
 
+def scans_layers(engine, sharded: bool = False) -> bool:
+    """EngineConfig.scans_layers, told whether this CPU's C++ kernels read an f32 layer's weights in
+    place in the stack (kernel backend cpp, with the matmul kernels' vector path)."""
+    from runtime.worker import cpp_kernels
+
+    if engine.scan_layers is not None or jax.default_backend() != "cpu":
+        return engine.scans_layers()
+    in_place = resolve_backend(engine.kernel_backend, sharded) == "cpp" and cpp_kernels.matmul_vectorized()
+    return engine.scans_layers(f32_in_place=in_place)
+
+
 def _kernel_impls(backend: str) -> dict[str, Callable]:
     """Overrides of the jnp references for the attention ops, by backend."""
     from runtime.worker import kernels

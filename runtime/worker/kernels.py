@@ -34,13 +34,15 @@ BF16_BITS = jnp.uint16
 # Query tile of a prefill step's attention over its own tokens (_self_attention).
 SELF_TILE = 128
 
-# int8-weight products of at most this many rows (decode steps) run in cpp/int8_matmul.cc where it
+# int8-weight products of at most this many rows (decode steps) run in cpp/matmul.cc where it
 # has its vector paths; wider ones keep XLA's products. W8A8: XLA's int8 dot is as fast or faster
 # from 8 rows on (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel"). Weight-only: XLA's product
 # with the weights widened is 1.5-10x slower than the kernel up to 64 rows (a 64-sequence decode
 # step), and about even at 128 (BENCHMARKS.md, "Weight-only int8 decode rows in our C++ kernel").
 CPP_INT8_MAX_ROWS = 4
 CPP_INT8_WEIGHT_ONLY_MAX_ROWS = 64
+# f32 products of at most this many rows run in cpp/matmul.cc too, where it has its vector paths.
+CPP_F32_MAX_ROWS = 8
 
 
 def pool_storage_dtype(dtype, backend: str):
@@ -324,7 +326,7 @@ def matmul_int8_cpp(x, w, scale, *, activations=None, layer=None):
     [L, K, N] of every layer's weight: the kernels read layer `layer` where it lies, and only XLA's
     products take the slice (a copy)."""
     rows = math.prod(x.shape[:-1])
-    if cpp_kernels.int8_matmul_vectorized():
+    if cpp_kernels.matmul_vectorized():
         if activations == INT8_ACTIVATIONS and rows <= CPP_INT8_MAX_ROWS:
             return w8a8_matmul(x, w, scale, product=functools.partial(cpp_kernels.int8_matmul, layer=layer))
         if activations is None and x.dtype == jnp.float32 and rows <= CPP_INT8_WEIGHT_ONLY_MAX_ROWS:
@@ -335,18 +337,32 @@ def matmul_int8_cpp(x, w, scale, *, activations=None, layer=None):
     return OPS["matmul_int8"].impl(x, w, scale, activations=activations)
 
 
+def matmul_cpp(x, w, *, transpose_b=False, layer=None):
+    """matmul under kernel_backend="cpp": an f32 product of at most CPP_F32_MAX_ROWS rows in our C++
+    kernel (f32 sums in another order than XLA's), anything else as ir.ops lowers it. `layer` as in
+    matmul_int8_cpp: the kernel reads a scanned step's layer where it lies in the stack [L, K, N]."""
+    rows = math.prod(x.shape[:-1])
+    if (cpp_kernels.matmul_vectorized() and not transpose_b and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and rows <= CPP_F32_MAX_ROWS):
+        y = cpp_kernels.f32_matmul(x.reshape(rows, x.shape[-1]), w, layer=layer)
+        return y.reshape(x.shape[:-1] + (w.shape[-1],))
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    return OPS["matmul"].impl(x, w, transpose_b=transpose_b)
+
+
 def layer_indexed_inputs(backend: str) -> dict[str, int]:
     """op name -> the input that `backend`'s lowering of the op can take as a whole layer stack
     [L, ...] plus a `layer` attr, in a step scanned over layers (runtime/worker/executor.py): the
-    int8 weights of matmul_int8 under "cpp", which its kernels read in place."""
-    return {"matmul_int8": 1} if backend == "cpp" else {}
+    weights of matmul and matmul_int8 under "cpp", which its kernels read in place."""
+    return {"matmul": 1, "matmul_int8": 1} if backend == "cpp" else {}
 
 
 def lowerings(backend: str) -> dict:
     """op name -> implementation for the given backend (`xla`, `cpp`, `pallas` or `interpret`)."""
     if backend == "cpp":
         return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=True),
-                "kv_write": kv_write_xla, "matmul_int8": matmul_int8_cpp}
+                "kv_write": kv_write_xla, "matmul": matmul_cpp, "matmul_int8": matmul_int8_cpp}
     if backend == "xla":
         return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=False), "kv_write": kv_write_xla}
     import pallas_kernels as pk

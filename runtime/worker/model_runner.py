@@ -19,7 +19,7 @@ from ir import bind_shape
 from ir.head import HEAD_INPUT, head_graph
 from passes.plan_memory import MemoryPlan
 from runtime.worker.executables import ExecutableStore, num_backend_compiles  # noqa: F401  (re-exported)
-from runtime.worker.executor import JNP_DTYPES, build_step, resolve_backend, state_names, step_layout
+from runtime.worker.executor import JNP_DTYPES, build_step, resolve_backend, scans_layers, state_names, step_layout
 from runtime.worker import kernels, sampler
 
 log = logging.getLogger("runtime.worker.model_runner")
@@ -118,7 +118,7 @@ class ModelRunner:
         self.mesh = mesh
         self.backend = resolve_backend(self.backend, sharded=mesh is not None)
         self.state_names = state_names(self.graph)
-        self.layout = step_layout(self.graph, scan_layers=engine.scans_layers())
+        self.layout = step_layout(self.graph, scan_layers=scans_layers(engine, sharded=mesh is not None))
         check_fit(plan.memory)  # before any weight or pool reaches the device
         self.params = self._put_params(plan.weights)
         self.state = self._alloc_state()

@@ -1,11 +1,14 @@
-// Products of a few rows with an int8 weight matrix, for decode steps on XLA:CPU, called through
-// XLA's FFI (runtime/worker/cpp_kernels.py):
-//   W8A8         x s8  [M, K] @ w s8 [K, N] -> y s32 [M, N]   (exact int32 sums)
-//   weight-only  x f32 [M, K] @ w s8 [K, N] -> y f32 [M, N]   (w widened to f32 in registers)
-// The per-column scales are applied by the caller (ir/int8.py). w may also be a stack [L, K, N] of
-// every layer's weight, with the layer to take given by a third operand, an int32 scalar: a step
-// scanned over layers calls the kernel on the stack where it lies, where a slice of it would be a
-// copy of the layer's weights on every step (BENCHMARKS.md, "Scan over layers").
+// Products of a few rows with a weight matrix, for decode steps on XLA:CPU, called through XLA's
+// FFI (runtime/worker/cpp_kernels.py):
+//   W8A8         x s8  [M, K] @ w s8  [K, N] -> y s32 [M, N]   (exact int32 sums)
+//   weight-only  x f32 [M, K] @ w s8  [K, N] -> y f32 [M, N]   (w widened to f32 in registers)
+//   f32          x f32 [M, K] @ w f32 [K, N] -> y f32 [M, N]
+// The int8 products' per-column scales are applied by the caller (ir/int8.py). w may also be a
+// stack [L, K, N] of every layer's weight, with the layer to take given by a third operand, an
+// int32 scalar: a step scanned over layers calls the kernel on the stack where it lies, where a
+// slice of it would be a copy of the layer's weights on every step (BENCHMARKS.md, "Scan over
+// layers"). That is what the f32 product is for: XLA's own one-row f32 product streams the weights
+// about as fast, but only from a [K, N] buffer of their own.
 //
 // A decode step of a few rows reads every weight once and does little else, so its speed is the
 // speed at which the weights stream in from memory. XLA:CPU's int8 dot reaches about a third of
@@ -18,7 +21,7 @@
 // order per column.
 //
 // The vector paths need AVX-512BW (VNNI when the CPU has it); elsewhere a scalar loop gives the
-// same numbers, and cpp_kernels.int8_matmul_vectorized() tells the engine to keep XLA's products.
+// same numbers, and cpp_kernels.matmul_vectorized() tells the engine to keep XLA's products.
 
 #include <algorithm>
 #include <cstdint>
@@ -45,16 +48,17 @@ constexpr int64_t kMinShareRows = 256;  // K rows per share, at least, when K is
 
 // A share of the product: y[m, n] (+)= sum over its K rows of x[m, k] w[k, n], with the rows'
 // strides; a split over K gives each share its own slice of x's columns and w's rows.
-template <typename X, typename Y>
+template <typename X, typename W, typename Y>
 struct Part {
   const X* x;
   int64_t ldx;
-  const int8_t* w;  // row stride N
+  const W* w;  // row stride N
   int64_t K;
   Y* y;  // row stride N
 };
-using IntPart = Part<int8_t, int32_t>;     // W8A8
-using FloatPart = Part<float, float>;      // weight-only
+using IntPart = Part<int8_t, int8_t, int32_t>;  // W8A8
+template <typename W>
+using FloatPart = Part<float, W, float>;  // weight-only (W = int8_t) and f32 (W = float)
 
 #if defined(__AVX512BW__)
 inline __m512i Dot(__m512i acc, __m512i w, __m512i x) {
@@ -69,7 +73,8 @@ inline __m512i Dot(__m512i acc, __m512i w, __m512i x) {
 // reads, requested while this pass computes, since the hardware prefetcher may not follow these
 // short strided runs. One run measured a decode step's products 1.3-1.5x faster with it, a later
 // one within noise either way (BENCHMARKS.md, "Weight-only int8 decode rows in our C++ kernel").
-inline void Prefetch(const int8_t* p, int64_t N, int rows) {
+template <typename W>
+inline void Prefetch(const W* p, int64_t N, int rows) {
   for (int i = 0; i < rows; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + i * N), _MM_HINT_T0);
 }
 
@@ -126,14 +131,17 @@ void VectorChunk(const IntPart& p, int64_t N, int64_t m0, int64_t n0, int64_t ti
   }
 }
 
-inline __m512 Widen16(const int8_t* p) {  // 16 int8 -> 16 f32
+inline __m512 Load16(const int8_t* p) {  // 16 int8 -> 16 f32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Weight-only: rows [m0, m0 + MR) times columns [n0, n0 + 64 * tiles), accumulated in y itself,
-// four weight rows per pass over a row's accumulators (one load and store of each for four FMAs).
-template <int MR>
-void VectorChunk(const FloatPart& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles) {
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// f32 rows (weight-only int8 or f32 weights): rows [m0, m0 + MR) times columns [n0, n0 + 64 * tiles),
+// accumulated in y itself, four weight rows per pass over a row's accumulators (one load and store
+// of each for four FMAs). The next pass's rows are requested a cache line at a time.
+template <int MR, typename W>
+void VectorChunk(const FloatPart<W>& p, int64_t N, int64_t m0, int64_t n0, int64_t tiles) {
   const int64_t width = 64 * tiles;
   float* out[MR];
   for (int m = 0; m < MR; ++m) {
@@ -144,14 +152,14 @@ void VectorChunk(const FloatPart& p, int64_t N, int64_t m0, int64_t n0, int64_t 
   for (int m = 0; m < MR; ++m) x[m] = p.x + (m0 + m) * p.ldx;
   int64_t k = 0;
   for (; k + 4 <= p.K; k += 4) {
-    const int8_t* w0 = p.w + k * N + n0;
+    const W* w0 = p.w + k * N + n0;
     __m512 xb[MR][4];
     for (int m = 0; m < MR; ++m)
       for (int i = 0; i < 4; ++i) xb[m][i] = _mm512_set1_ps(x[m][k + i]);
     for (int64_t j = 0; j < width; j += 16) {
-      if ((j & 63) == 0 && k + 8 <= p.K) Prefetch(w0 + 4 * N + j, N, 4);
-      const __m512 a0 = Widen16(w0 + j), a1 = Widen16(w0 + N + j);
-      const __m512 a2 = Widen16(w0 + 2 * N + j), a3 = Widen16(w0 + 3 * N + j);
+      if ((j * static_cast<int64_t>(sizeof(W))) % 64 == 0 && k + 8 <= p.K) Prefetch(w0 + 4 * N + j, N, 4);
+      const __m512 a0 = Load16(w0 + j), a1 = Load16(w0 + N + j);
+      const __m512 a2 = Load16(w0 + 2 * N + j), a3 = Load16(w0 + 3 * N + j);
       for (int m = 0; m < MR; ++m) {
         __m512 s = _mm512_loadu_ps(out[m] + j);
         s = _mm512_fmadd_ps(a0, xb[m][0], s);
@@ -163,32 +171,32 @@ void VectorChunk(const FloatPart& p, int64_t N, int64_t m0, int64_t n0, int64_t 
     }
   }
   for (; k < p.K; ++k) {
-    const int8_t* wk = p.w + k * N + n0;
+    const W* wk = p.w + k * N + n0;
     for (int m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m][k]);
       for (int64_t j = 0; j < width; j += 16)
-        _mm512_storeu_ps(out[m] + j, _mm512_fmadd_ps(Widen16(wk + j), xv, _mm512_loadu_ps(out[m] + j)));
+        _mm512_storeu_ps(out[m] + j, _mm512_fmadd_ps(Load16(wk + j), xv, _mm512_loadu_ps(out[m] + j)));
     }
   }
 }
 #endif
 
-template <typename X, typename Y>
-void ScalarColumns(const Part<X, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+template <typename X, typename W, typename Y>
+void ScalarColumns(const Part<X, W, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < M; ++m) {
     Y* out = p.y + m * N;
     std::fill(out + n0, out + n1, Y(0));
     for (int64_t k = 0; k < p.K; ++k) {
       const Y xv = p.x[m * p.ldx + k];
-      const int8_t* wk = p.w + k * N;
-      for (int64_t n = n0; n < n1; ++n) out[n] += xv * wk[n];
+      const W* wk = p.w + k * N;
+      for (int64_t n = n0; n < n1; ++n) out[n] += xv * static_cast<Y>(wk[n]);
     }
   }
 }
 
 // Columns [n0, n1) of a share, for every row.
-template <typename X, typename Y>
-void Columns(const Part<X, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+template <typename X, typename W, typename Y>
+void Columns(const Part<X, W, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n1) {
   int64_t vector_end = n0;
 #if defined(__AVX512BW__)
   const int64_t tiles = (n1 - n0) / 64;
@@ -207,24 +215,27 @@ void Columns(const Part<X, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n1) 
   if (vector_end < n1) ScalarColumns(p, M, N, vector_end, n1);
 }
 
-// y = x @ w over the calling thread and XLA's intra-op pool. Wide products: chunks of columns, each
-// walking all of K. Narrow ones (one chunk's worth, the down projection's N = hidden size): shares
-// of K, each thread streaming its own contiguous rows of w, their partial sums added at the end.
-template <typename X, typename Y>
-void Product(ffi::ThreadPool& pool, const X* xp, const int8_t* wp, Y* yp, int64_t M, int64_t K, int64_t N) {
+// y = x @ w over the calling thread and XLA's intra-op pool. Wide int8 products: chunks of columns,
+// each walking all of K. Narrow ones (one chunk's worth, the down projection's N = hidden size) and
+// every f32 one: shares of K, each thread streaming its own contiguous rows of w, their partial
+// sums added at the end. An f32 weight row is 4x an int8 one, so whole rows are long runs already;
+// column chunks of f32 rows streamed at 15.5 GB/s where XLA's one-row product did 20.3, shares of K
+// at 18.8 (BENCHMARKS.md, "f32 decode rows in our C++ kernel").
+template <typename X, typename W, typename Y>
+void Product(ffi::ThreadPool& pool, const X* xp, const W* wp, Y* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t threads = pool.num_threads() + 1;
-  const int64_t k_shares = N <= kChunk ? std::clamp<int64_t>(K / kMinShareRows, 1, threads) : 1;
+  const int64_t k_shares = N <= kChunk || sizeof(W) == 4 ? std::clamp<int64_t>(K / kMinShareRows, 1, threads) : 1;
   const int64_t chunk = std::min<int64_t>(kChunk, ((N + threads - 1) / threads + 63) / 64 * 64);
   const int64_t items = k_shares > 1 ? k_shares : (N + chunk - 1) / chunk;
   std::vector<Y> partial((k_shares - 1) * M * N);
   auto item = [=, &partial](int64_t t) {
     if (k_shares == 1) {
-      return Columns(Part<X, Y>{xp, K, wp, K, yp}, M, N, t * chunk, std::min(N, (t + 1) * chunk));
+      return Columns(Part<X, W, Y>{xp, K, wp, K, yp}, M, N, t * chunk, std::min(N, (t + 1) * chunk));
     }
     // Even share bounds: the W8A8 path takes weight rows in pairs.
     const int64_t k0 = K * t / k_shares / 2 * 2, k1 = t + 1 == k_shares ? K : K * (t + 1) / k_shares / 2 * 2;
     Y* out = t == 0 ? yp : partial.data() + (t - 1) * M * N;
-    Columns(Part<X, Y>{xp + k0, K, wp + k0 * N, k1 - k0, out}, M, N, 0, N);
+    Columns(Part<X, W, Y>{xp + k0, K, wp + k0 * N, k1 - k0, out}, M, N, 0, N);
   };
   jaxserve::ParallelFor(pool, items, item);
   for (int64_t t = 1; t < k_shares; ++t) {
@@ -233,10 +244,11 @@ void Product(ffi::ThreadPool& pool, const X* xp, const int8_t* wp, Y* yp, int64_
   }
 }
 
-// x [M, K] @ w s8 [K, N] (or layer `layer` of w s8 [L, K, N]) -> y [M, N], with x and y of the given
+// x [M, K] @ w [K, N] (or layer `layer` of w [L, K, N]) -> y [M, N], with x, w and y of the given
 // element types; on success, *offset is where the layer's weights start in w.
 ffi::Error Check(const char* name, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& layer,
-                 ffi::Result<ffi::AnyBuffer>& y, ffi::DataType xt, ffi::DataType yt, int64_t* offset) {
+                 ffi::Result<ffi::AnyBuffer>& y, ffi::DataType xt, ffi::DataType wt, ffi::DataType yt,
+                 int64_t* offset) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const size_t r = wd.size();
   if (xd.size() != 2 || (r != 2 && r != 3) || yd.size() != 2 || xd[1] != wd[r - 2] || yd[0] != xd[0] ||
@@ -244,9 +256,9 @@ ffi::Error Check(const char* name, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::An
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": x [M, K] @ w [K, N] or [L, K, N], layer [] -> y [M, N]");
   }
-  if (x.element_type() != xt || w.element_type() != ffi::S8 || y->element_type() != yt ||
+  if (x.element_type() != xt || w.element_type() != wt || y->element_type() != yt ||
       layer.element_type() != ffi::S32) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": wrong element types (see int8_matmul.cc)");
+    return ffi::Error::InvalidArgument(std::string(name) + ": wrong element types (see matmul.cc)");
   }
   const int64_t l = *static_cast<const int32_t*>(layer.untyped_data()), layers = r == 3 ? wd[0] : 1;
   if (l < 0 || l >= layers) {
@@ -257,15 +269,15 @@ ffi::Error Check(const char* name, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::An
   return ffi::Error::Success();
 }
 
-template <typename X, typename Y>
-ffi::Error Run(const char* name, ffi::DataType xt, ffi::DataType yt, ffi::ThreadPool& pool, ffi::AnyBuffer& x,
-               ffi::AnyBuffer& w, ffi::AnyBuffer& layer, ffi::Result<ffi::AnyBuffer>& y) {
+template <typename X, typename W, typename Y>
+ffi::Error Run(const char* name, ffi::DataType xt, ffi::DataType wt, ffi::DataType yt, ffi::ThreadPool& pool,
+               ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& layer, ffi::Result<ffi::AnyBuffer>& y) {
   int64_t offset = 0;
-  ffi::Error error = Check(name, x, w, layer, y, xt, yt, &offset);
+  ffi::Error error = Check(name, x, w, layer, y, xt, wt, yt, &offset);
   if (error.failure()) return error;
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = y->dimensions()[1];
   if (M > 0 && N > 0) {
-    Product(pool, static_cast<const X*>(x.untyped_data()), static_cast<const int8_t*>(w.untyped_data()) + offset,
+    Product(pool, static_cast<const X*>(x.untyped_data()), static_cast<const W*>(w.untyped_data()) + offset,
             static_cast<Y*>(y->untyped_data()), M, K, N);
   }
   return ffi::Error::Success();
@@ -273,18 +285,23 @@ ffi::Error Run(const char* name, ffi::DataType xt, ffi::DataType yt, ffi::Thread
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
                           ffi::Result<ffi::AnyBuffer> y) {
-  return Run<int8_t, int32_t>("int8_matmul", ffi::S8, ffi::S32, pool, x, w, layer, y);
+  return Run<int8_t, int8_t, int32_t>("int8_matmul", ffi::S8, ffi::S8, ffi::S32, pool, x, w, layer, y);
 }
 
 ffi::Error Int8WeightMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
                                 ffi::Result<ffi::AnyBuffer> y) {
-  return Run<float, float>("int8_weight_matmul", ffi::F32, ffi::F32, pool, x, w, layer, y);
+  return Run<float, int8_t, float>("int8_weight_matmul", ffi::F32, ffi::S8, ffi::F32, pool, x, w, layer, y);
+}
+
+ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
+                         ffi::Result<ffi::AnyBuffer> y) {
+  return Run<float, float, float>("f32_matmul", ffi::F32, ffi::F32, ffi::F32, pool, x, w, layer, y);
 }
 
 }  // namespace
 
 // 1 where this build has the vector paths (the engine routes decode rows here only then).
-extern "C" int JaxserveInt8MatmulVectorized() {
+extern "C" int JaxserveMatmulVectorized() {
 #if defined(__AVX512BW__)
   return 1;
 #else
@@ -305,5 +322,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8WeightMatmul, Int8WeightMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // x f32
                                   .Arg<ffi::AnyBuffer>()   // w s8
+                                  .Arg<ffi::AnyBuffer>()   // layer s32
+                                  .Ret<ffi::AnyBuffer>());  // y f32
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveF32Matmul, F32MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // x f32
+                                  .Arg<ffi::AnyBuffer>()   // w f32
                                   .Arg<ffi::AnyBuffer>()   // layer s32
                                   .Ret<ffi::AnyBuffer>());  // y f32
