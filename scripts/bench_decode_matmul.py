@@ -61,16 +61,15 @@ def scanned(product):
     def step(x, stacks):
         def body(x, xs):
             layer, ws = xs
-            for stack, w in zip(stacks, ws):
+            for i, stack in enumerate(stacks):
                 k = stack.shape[1]
                 xin = jnp.tile(x, (1, k // x.shape[1] + 1))[:, :k]
-                y = jnp.matmul(xin, w, preferred_element_type=jnp.float32) if product is None else \
+                y = jnp.matmul(xin, ws[i], preferred_element_type=jnp.float32) if product is None else \
                     product(xin, stack, layer)
                 x = y[:, :576] * 1e-3
             return x, None
         ids = jnp.arange(stacks[0].shape[0], dtype=jnp.int32)
-        sliced = tuple(stacks) if product is None else tuple(s[:, :1, :1] for s in stacks)
-        return jax.lax.scan(body, x, (ids, sliced))[0]
+        return jax.lax.scan(body, x, (ids, tuple(stacks) if product is None else None))[0]
     return jax.jit(step)
 
 

@@ -49,8 +49,6 @@ def scans_layers(engine, sharded: bool = False) -> bool:
     place in the stack (kernel backend cpp, with the matmul kernels' vector path)."""
     from runtime.worker import cpp_kernels
 
-    if engine.scan_layers is not None or jax.default_backend() != "cpu":
-        return engine.scans_layers()
     in_place = resolve_backend(engine.kernel_backend, sharded) == "cpp" and cpp_kernels.matmul_vectorized()
     return engine.scans_layers(f32_in_place=in_place)
 

@@ -298,6 +298,17 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   return Run<float, float, float>("f32_matmul", ffi::F32, ffi::F32, ffi::F32, pool, x, w, layer, y);
 }
 
+// Every product's FFI signature: x [M, K], w [K, N] or [L, K, N], layer s32 [] -> y [M, N], with
+// the element types Run checks (s8/s8 -> s32, f32/s8 -> f32, f32/f32 -> f32).
+auto MatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()   // x
+      .Arg<ffi::AnyBuffer>()   // w
+      .Arg<ffi::AnyBuffer>()   // layer
+      .Ret<ffi::AnyBuffer>();  // y
+}
+
 }  // namespace
 
 // 1 where this build has the vector paths (the engine routes decode rows here only then).
@@ -309,26 +320,6 @@ extern "C" int JaxserveMatmulVectorized() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<ffi::AnyBuffer>()   // w
-                                  .Arg<ffi::AnyBuffer>()   // layer
-                                  .Ret<ffi::AnyBuffer>());  // y
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8WeightMatmul, Int8WeightMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()   // x f32
-                                  .Arg<ffi::AnyBuffer>()   // w s8
-                                  .Arg<ffi::AnyBuffer>()   // layer s32
-                                  .Ret<ffi::AnyBuffer>());  // y f32
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveF32Matmul, F32MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()   // x f32
-                                  .Arg<ffi::AnyBuffer>()   // w f32
-                                  .Arg<ffi::AnyBuffer>()   // layer s32
-                                  .Ret<ffi::AnyBuffer>());  // y f32
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl, MatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8WeightMatmul, Int8WeightMatmulImpl, MatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveF32Matmul, F32MatmulImpl, MatmulBinding());
