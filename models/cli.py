@@ -240,10 +240,9 @@ def resolve_model_config(spec: str, *, need_weights: bool = True):
         if path.name == "config.json" and path.is_file() and not need_weights:
             return config_from_hf(path)
         if path.is_file() and path.suffix == ".gguf":
-            from models.weights import read_gguf_fields
+            from models.weights import read_gguf_index
 
-            reader, fields = read_gguf_fields(path)  # metadata only; tensors are not dequantized
-            tensors = {t.name for t in reader.tensors}
+            fields, tensors = read_gguf_index(path)  # metadata only; tensors are not dequantized
             config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=path.stem)
             return config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
     except (ValueError, FileNotFoundError) as e:

@@ -7,6 +7,8 @@ rotate-half RoPE layout. One declarative table (`WEIGHT_MAP`) names every tensor
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -112,26 +114,121 @@ def decode_gguf_fields(reader) -> dict[str, Any]:
     return {name: _field_value(f) for name, f in reader.fields.items()}
 
 
-def read_gguf_fields(path: str | os.PathLike):
-    """Opens a GGUF file; returns (reader, metadata dict). Errors name the file."""
+# The GGUF header's index, cached. gguf.GGUFReader parses every metadata value into its own numpy
+# view: SmolLM2's 147k tokenizer entries take it about 2 s, on every start. The index (the plain
+# metadata and each tensor's type, shape and place in the file) is the same for as long as the file
+# is, so it is kept as JSON under ~/.cache/jaxserve/gguf (JAXSERVE_GGUF_CACHE; "none" turns the
+# cache off), keyed by the file's path, size and mtime and the gguf package's version; the
+# tensors are read from the file itself at the recorded offsets. JSON, not pickle: a cache file
+# is data, never code.
+GGUF_INDEX_VERSION = 1
+GGUF_CACHE_ENV = "JAXSERVE_GGUF_CACHE"
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor's entry in a GGUF file: where its bytes lie and how to read them."""
+
+    name: str
+    tensor_type: int  # a gguf.GGMLQuantizationType value
+    shape: tuple[int, ...]  # GGUF's order: fastest-varying dim first
+    data_offset: int  # from the start of the file
+    n_bytes: int
+
+
+def gguf_cache_dir() -> Path | None:
+    raw = os.environ.get(GGUF_CACHE_ENV)
+    if raw is not None and raw.strip().lower() in ("", "0", "none", "off"):
+        return None
+    return Path(raw) if raw else Path.home() / ".cache" / "jaxserve" / "gguf"
+
+
+def _index_path(path: Path, stat: os.stat_result) -> Path | None:
+    import hashlib
+
+    directory = gguf_cache_dir()
+    if directory is None:
+        return None
+    try:
+        version = importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version}|{GGUF_INDEX_VERSION}"
+    return directory / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _load_index(index: Path | None):
+    if index is None or not index.is_file():
+        return None
+    try:
+        doc = json.loads(index.read_text())
+        tensors = {t["name"]: GGUFTensor(t["name"], int(t["tensor_type"]), tuple(t["shape"]),
+                                         int(t["data_offset"]), int(t["n_bytes"])) for t in doc["tensors"]}
+        return doc["fields"], tensors
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or from an older layout: parse the file again and overwrite it
+
+
+def _save_index(index: Path | None, fields: dict, tensors: dict[str, GGUFTensor]) -> None:
+    if index is None:
+        return
+    doc = {"fields": fields, "tensors": [dataclasses.asdict(t) for t in tensors.values()]}
+    tmp = index.with_name(f"{index.name}.{os.getpid()}.tmp")
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, index)  # whole or not at all, also with two processes at once
+    except (OSError, TypeError, ValueError):  # a read-only home; a value JSON cannot hold
+        tmp.unlink(missing_ok=True)
+
+
+def _parse_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     import gguf
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: GGUF file not found")
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises assorted errors on a damaged header
         raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?; file is "
                          f"{path.stat().st_size} bytes): {type(e).__name__}: {e}") from None
-    fields = decode_gguf_fields(reader)
-    size = path.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != int(t.n_bytes):
+    tensors = {t.name: GGUFTensor(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape),
+                                  int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+    return decode_gguf_fields(reader), tensors
+
+
+def read_gguf_index(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """A GGUF file's metadata (plain Python values) and its tensors by name, from the index cache
+    when the file is unchanged (see GGUF_INDEX_VERSION). Errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: GGUF file not found")
+    stat = path.stat()
+    index = _index_path(path, stat)
+    cached = _load_index(index)
+    fields, tensors = cached if cached is not None else _parse_gguf(path)
+    for t in tensors.values():
+        end = t.data_offset + t.n_bytes
+        if end > stat.st_size:
             raise ValueError(f"{path}: GGUF file is truncated: tensor {t.name!r} needs bytes up to {end}, "
-                             f"file has {size}")
-    return reader, fields
+                             f"file has {stat.st_size}")
+    if cached is None:
+        _save_index(index, fields, tensors)
+    return fields, tensors
+
+
+def gguf_tensor_data(file: np.ndarray, t: GGUFTensor) -> np.ndarray:
+    """`t`'s bytes in `file` (the whole file's bytes, uint8, mapped) as gguf.quants.dequantize takes
+    them: typed elements for plain types, rows of blocks' bytes for quantized ones."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quant_shape_to_byte_shape
+
+    plain = {Q.F16: np.float16, Q.F32: np.float32, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
+             Q.I32: np.int32, Q.I64: np.int64}
+    qtype = Q(t.tensor_type)
+    shape = tuple(reversed(t.shape))
+    raw = file[t.data_offset:t.data_offset + t.n_bytes]
+    if qtype in plain:
+        return raw.view(plain[qtype]).reshape(shape)
+    return raw.reshape(quant_shape_to_byte_shape(shape, qtype))
 
 
 def load_gguf(path: str | os.PathLike, name: str | None = None):
@@ -140,11 +237,13 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
     Dequantizes every tensor, undoes llama.cpp's q/k row permutation, and detects tied embeddings
     (no `output.weight`). The metadata dict holds plain Python values for the tokenizer.
     """
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     path = Path(path)
-    reader, fields = read_gguf_fields(path)
-    tensors = {t.name: t for t in reader.tensors}
+    fields, tensors = read_gguf_index(path)
+    # A plain ndarray over the mapped file: memmap's per-slice bookkeeping cost 0.25 s over SmolLM2.
+    file = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
     arch = fields.get("general.architecture", "llama")
     cfg_fields = dict(fields, _tied="output.weight" not in tensors)
     try:
@@ -162,7 +261,7 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
         if t is None:
             raise ValueError(f"{path}: missing tensor {canon!r} ({src})")
         try:
-            arr = dequantize(t.data, t.tensor_type)
+            arr = dequantize(gguf_tensor_data(file, t), GGMLQuantizationType(t.tensor_type))
         except NotImplementedError as e:
             raise ValueError(f"{path}: tensor {src!r}: {e}") from None
         # GGUF lists dims fastest-first (ne[0] = in_features); numpy order is the reverse.

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_startup.py [--rounds 2] [-- extra serve flags]
 
-One cold start on an empty cache directory, then `--rounds` pairs of warm starts on that cache,
+One cold start on an empty cache directory (the compile caches and the GGUF index), then `--rounds` pairs of warm starts on that cache,
 alternating the executable store on and off (JAXSERVE_EXECUTABLE_STORE), each start its own
 process, each after the load average has settled (`--max-load`). Per start: seconds to /health,
 and the server's own "plan ready" and "engine warm" log times. Numbers for BENCHMARKS.md
@@ -26,6 +26,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.weights import GGUF_CACHE_ENV  # noqa: E402
 from runtime.bench_soak import start_server  # noqa: E402
 from runtime.worker.executables import ENV_SWITCH  # noqa: E402
 
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("extra", nargs="*", help="flags passed to runtime.serve (after --)")
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="bench_startup_")
+    os.environ[GGUF_CACHE_ENV] = str(Path(cache) / "gguf")  # cold means the GGUF index too
     cold = start_once(cache, True, args.extra, args.max_load)
     print(json.dumps(dict(cold=cold)), flush=True)
     warm = []

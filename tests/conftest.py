@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The GGUF header index (models.weights) the tests write goes beside their compile cache, not the user's.
+os.environ.setdefault("JAXSERVE_GGUF_CACHE", str(Path.home() / ".cache" / "jaxserve-tests" / "gguf"))
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

@@ -10,9 +10,9 @@ from runtime.core import detokenizer
 @pytest.fixture(scope="module")
 def tok():
     from models.tokenizer import Tokenizer
-    from models.weights import find_smollm2_gguf, read_gguf_fields
+    from models.weights import find_smollm2_gguf, read_gguf_index
 
-    _, fields = read_gguf_fields(find_smollm2_gguf())
+    fields, _ = read_gguf_index(find_smollm2_gguf())
     return Tokenizer.from_gguf_fields(fields)
 
 

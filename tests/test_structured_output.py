@@ -257,9 +257,9 @@ def test_bad_schema_from_response_format(tiny_compiler):
 
 @pytest.fixture(scope="module")
 def tok():
-    from models.weights import find_smollm2_gguf, read_gguf_fields
+    from models.weights import find_smollm2_gguf, read_gguf_index
 
-    _, fields = read_gguf_fields(find_smollm2_gguf())
+    fields, _ = read_gguf_index(find_smollm2_gguf())
     return Tokenizer.from_gguf_fields(fields), int(fields["llama.vocab_size"])
 
 

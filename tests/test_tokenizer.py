@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from models.tokenizer import Tokenizer
-from models.weights import find_smollm2_gguf, read_gguf_fields
+from models.weights import find_smollm2_gguf, read_gguf_index
 
 GOLDEN = Path(os.environ.get("GOLDEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "golden"))
 PROMPTS = json.loads((GOLDEN / "prompts.json").read_text())
@@ -24,7 +24,7 @@ VARIED_TEXTS = [
 
 @pytest.fixture(scope="module")
 def gguf_fields():
-    return read_gguf_fields(find_smollm2_gguf())[1]
+    return read_gguf_index(find_smollm2_gguf())[0]
 
 
 @pytest.fixture(scope="module")

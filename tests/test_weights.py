@@ -11,13 +11,16 @@ from models.weights import (
     WEIGHT_MAP,
     decode_gguf_fields,
     expected_shapes,
+    GGUF_CACHE_ENV,
     find_smollm2_gguf,
+    gguf_tensor_data,
     load_gguf,
     load_model,
     load_orbax,
     load_safetensors,
     permute_qk_rows,
     random_weights,
+    read_gguf_index,
     save_orbax,
     save_safetensors,
     source_names,
@@ -69,6 +72,98 @@ def test_gguf_metadata_is_plain_python(gguf_reader):
     assert isinstance(fields["tokenizer.ggml.tokens"], list) and fields["tokenizer.ggml.tokens"][1] == "<|im_start|>"
     assert isinstance(fields["tokenizer.chat_template"], str)
     json.dumps({k: v for k, v in fields.items() if not k.startswith("tokenizer.ggml.")})  # serialisable
+
+
+def _index_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.json")) if directory.exists() else []
+
+
+def test_gguf_index_cache_serves_the_parse(tmp_path, monkeypatch, gguf_reader):
+    """The second read of an unchanged file comes from the JSON index, equal to GGUFReader's own
+    parse (values and their Python types, every tensor's bytes), without running the reader."""
+    import gguf
+
+    monkeypatch.setenv(GGUF_CACHE_ENV, str(tmp_path / "index"))
+    path = find_smollm2_gguf()
+    fields, tensors = read_gguf_index(path)
+    assert len(_index_files(tmp_path / "index")) == 1
+    assert fields == decode_gguf_fields(gguf_reader)
+
+    def no_parse(*a, **k):
+        raise AssertionError("the index cache was not used")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    cached_fields, cached_tensors = read_gguf_index(path)
+    assert cached_fields == fields and cached_tensors == tensors
+    assert [type(v) for v in cached_fields.values()] == [type(v) for v in fields.values()]
+    file = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
+    assert [t.name for t in gguf_reader.tensors] == list(cached_tensors)
+    for t in gguf_reader.tensors:
+        data = gguf_tensor_data(file, cached_tensors[t.name])
+        assert data.dtype == t.data.dtype and data.shape == t.data.shape, t.name
+        np.testing.assert_array_equal(data, t.data, err_msg=t.name)
+
+
+def _write_small_gguf(path: Path, scale: float, rows: int) -> dict[str, np.ndarray]:
+    """A GGUF with one f32 and one Q8_0 tensor and a few metadata values."""
+    import gguf
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(rows)
+    plain = (rng.standard_normal((rows, 8)) * scale).astype(np.float32)
+    quant = (rng.standard_normal((rows, 64)) * scale).astype(np.float32)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("test.rows", rows)
+    w.add_float32("test.scale", scale)
+    w.add_array("test.names", [f"t{i}" for i in range(rows)])
+    w.add_tensor("plain", plain)
+    w.add_tensor("quant", quantize(quant, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"plain": plain, "quant": quant}
+
+
+def test_gguf_index_cache_follows_the_file(tmp_path, monkeypatch):
+    """A rewritten file gets a new index, a damaged index is parsed again and replaced, and
+    JAXSERVE_GGUF_CACHE=none writes nothing."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    index_dir = tmp_path / "index"
+    monkeypatch.setenv(GGUF_CACHE_ENV, str(index_dir))
+    path = tmp_path / "small.gguf"
+
+    def read_back():
+        fields, tensors = read_gguf_index(path)
+        file = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
+        out = {n: dequantize(gguf_tensor_data(file, t), GGMLQuantizationType(t.tensor_type)).reshape(
+            tuple(reversed(t.shape))) for n, t in tensors.items()}
+        return fields, out
+
+    for rows, scale in ((4, 1.0), (6, 3.0)):  # the second file replaces the first in place
+        want = _write_small_gguf(path, scale, rows)
+        for _ in range(2):  # parsed, then from the index
+            fields, got = read_back()
+            assert fields["test.rows"] == rows and fields["test.names"] == [f"t{i}" for i in range(rows)]
+            assert abs(fields["test.scale"] - scale) < 1e-6
+            np.testing.assert_array_equal(got["plain"], want["plain"])
+            np.testing.assert_allclose(got["quant"], want["quant"], atol=scale * 0.05)
+    assert len(_index_files(index_dir)) == 2
+
+    newest = max(_index_files(index_dir), key=lambda f: f.stat().st_mtime_ns)
+    newest.write_text("{not json")
+    assert read_back()[0]["test.rows"] == 6
+    assert json.loads(newest.read_text())["fields"]["test.rows"] == 6
+
+    monkeypatch.setenv(GGUF_CACHE_ENV, "none")
+    other = tmp_path / "other"
+    monkeypatch.setenv("HOME", str(other))
+    _write_small_gguf(path, 2.0, 5)
+    assert read_back()[0]["test.rows"] == 5
+    assert len(_index_files(index_dir)) == 2 and not other.exists()
 
 
 def _reference_unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
