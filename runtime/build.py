@@ -46,7 +46,7 @@ def build_runner(plan: Plan, cache_dir: str | Path | None = None, **runner_kwarg
 
 
 def build_engine(plan: Plan, *, cache_dir: str | Path | None = None, runner=None, tokenizer=None,
-                 warmup: bool = True, progress: bool = False, warm_execute: bool = False,
+                 warmup: bool = True, progress: bool = False, warm_execute: bool | str = False,
                  check_invariants: bool = False):
     """The LLMEngine over `plan`: a new runner unless one is given (the benchmarks share one across
     engines), compiled (or loaded from the cache) unless `warmup=False`."""

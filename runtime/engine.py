@@ -34,7 +34,7 @@ class LLMEngine:
     """Continuous-batching engine over a compiled plan. Thread-safe add/abort; `step` from one thread."""
 
     def __init__(self, plan: Plan, tokenizer=None, *, runner: ModelRunner, warmup: bool = True,
-                 progress: bool = False, check_invariants: bool = False, warm_execute: bool = False):
+                 progress: bool = False, check_invariants: bool = False, warm_execute: bool | str = False):
         """Over a plan and the runner holding it on the device; runtime.build.build_engine assembles them."""
         self.plan = plan
         self.config = plan.config

@@ -50,7 +50,7 @@ def main() -> int:
                                  matmul_precision=args.matmul_precision, kv_cache_dtype=args.kv_cache_dtype,
                                  quantization=args.quantization)
     llm = LLM.from_plan(compile_plan(None, engine_config, weights=weights, config=cfg, tokenizer=tok),
-                        warm_execute=True)
+                        warm_execute="auto")  # as the server starts
     engine = llm.engine
     work = make_workload("mixed", args.num_prompts, 0, args.max_model_len, cfg.vocab_size)
     llm.generate([ids for ids, _ in work[:4]], SamplingParams(temperature=0, max_tokens=8))  # warm-up

@@ -251,6 +251,22 @@ def test_a_warm_execute_runs_each_bucket_once_and_writes_no_kv(monkeypatch):
         np.testing.assert_array_equal(np.asarray(v), before[k], err_msg=k)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_servers_warm_execute_runs_buckets_only_where_first_runs_are_slow(monkeypatch, scan_layers):
+    """execute="auto" (the server's): on CPU, a scanned step's buckets are not run at start (their
+    first runs cost about what later ones do), an unrolled step's all are."""
+    runner = ModelRunner(tiny_plan(scan_layers=scan_layers))
+    assert (runner.layout.layers is not None) == scan_layers
+    runs = []
+    real_execute = runner.execute
+    monkeypatch.setattr(runner, "execute",
+                        lambda bucket, *a, **kw: runs.append(bucket) or real_execute(bucket, *a, **kw))
+    runner.warmup(execute="auto")
+    assert runner.first_runs_are_slow == (not scan_layers)
+    assert sorted(runs) == ([] if scan_layers else sorted(runner.plan.buckets.pairs()))
+    assert set(runner.compiled) == set(runner.plan.buckets.pairs())  # compiled (or loaded) either way
+
+
 def test_the_store_is_bounded_and_evicts_what_was_used_least_recently(tmp_path):
     device = jax.devices()[0]
     store = executables.ExecutableStore(tmp_path, device, "bound")

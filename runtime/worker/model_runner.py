@@ -223,14 +223,20 @@ class ModelRunner:
     def _alloc_state(self):
         """KV pools by layout key; a scanned layout keeps one flat [L * B, ...] pool per role."""
         by_name = {leaf.name: leaf for leaf in self.graph.runtime_inputs}
-        state = {}
-        for key, names in self.layout.state_groups.items():
+
+        def zeros(item):
+            key, names = item
             leaf = by_name[names[0]]
             shape = bind_shape(leaf.shape, {"B": self.num_blocks * len(names)})
             device = self.mesh.node_sharding(leaf) if self.mesh is not None else None
             dtype = kernels.pool_storage_dtype(JNP_DTYPES[leaf.dtype], resolve_backend(self.backend))
-            state[key] = jnp.zeros(shape, dtype, device=device)
-        return state
+            return key, jax.block_until_ready(jnp.zeros(shape, dtype, device=device))
+
+        # Zeroing a pool is one thread's page faults, gigabytes of them: the pools side by side
+        # (1.4 against 2.2 s for SmolLM2's two 1.5 GB pools on 2 cores).
+        groups = self.layout.state_groups.items()
+        with ThreadPoolExecutor(max_workers=max(1, min(len(groups), os.cpu_count() or 1))) as pool:
+            return dict(pool.map(zeros, groups))
 
     def kv_cache_bytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in self.state.values())
@@ -290,14 +296,27 @@ class ModelRunner:
             outs = {k: self.mesh.local_copy(v) for k, v in outs.items()}
         return outs
 
-    def warmup(self, progress: bool = False, execute: bool = False) -> float:
+    @property
+    def first_runs_are_slow(self) -> bool:
+        """Whether a step executable's first run costs much more than its later ones. On CPU, an
+        unrolled step's first run is 2-3x slower (XLA builds each of its per-layer YNNPACK fusions
+        on first use); a scanned step has one layer's fusions, and its first runs took 1.09x the
+        second ones, summed over SmolLM2's 20 buckets (4.5 against 4.1 s, the rest all compute).
+        Off CPU it has not been measured, so it counts as slow (BENCHMARKS.md, "Start-up")."""
+        return self.layout.layers is None or jax.default_backend() != "cpu"
+
+    def warmup(self, progress: bool = False, execute: bool | str = False) -> float:
         """AOT-compiles every bucket's step (model + sampler; from the persistent cache when warm).
 
         With `execute`, also runs each bucket once on all-padding inputs (nothing is written to
-        the KV pools): an executable's first run on CPU is 2-3x slower than later ones, and a
-        server should pay that before its first request, not during it. One run is enough: the
-        second already runs at the third's speed (BENCHMARKS.md, "Start-up").
+        the KV pools), so that a timed run or a first request does not pay an executable's first
+        run. One run is enough: the second already runs at the third's speed (BENCHMARKS.md,
+        "Start-up"). `execute="auto"` (the server's) runs them only where `first_runs_are_slow`:
+        elsewhere they would add the buckets' compute to the start (4.5 s for SmolLM2 on 2 cores)
+        to save 0.4 s spread over the first requests.
         """
+        if execute == "auto":
+            execute = self.first_runs_are_slow
         t0 = time.perf_counter()
         num_backend_compiles()
         buckets = self.plan.buckets.pairs()
