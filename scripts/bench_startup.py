@@ -39,14 +39,34 @@ def settle(max_load: float, timeout_s: float = 180.0) -> None:
         time.sleep(5)
 
 
-def start_once(cache: str, store: bool, extra: list[str], max_load: float) -> dict:
+def first_requests(url: str) -> dict:
+    """Seconds for a short and a long greedy completion, each sent twice (the second time with
+    other words, so that no prefix is cached), one at a time, right after /health: what the first
+    requests pay for buckets whose executables have not run yet."""
+    import httpx
+
+    out = {}
+    for name, words in (("short", 20), ("long", 400)):
+        times = []
+        for word in ("token", "word"):
+            body = dict(model="smollm2-135m", prompt=" ".join([word] * words), max_tokens=16, temperature=0)
+            t0 = time.perf_counter()
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            r.raise_for_status()
+            times.append(round(time.perf_counter() - t0, 3))
+        out[name] = times
+    return out
+
+
+def start_once(cache: str, store: bool, extra: list[str], max_load: float, requests: bool = False) -> dict:
     settle(max_load)
     os.environ[ENV_SWITCH] = "1" if store else "0"  # the server inherits it
     log_path = Path(cache) / f"serve-{time.time_ns()}.log"
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc, _ = start_server(["--compilation-cache-dir", cache, *extra], str(log_path), timeout_s=1200.0)
+    proc, url = start_server(["--compilation-cache-dir", cache, *extra], str(log_path), timeout_s=1200.0)
     health_s = time.perf_counter() - t0
+    timed = first_requests(url) if requests else None
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(60)
@@ -59,8 +79,9 @@ def start_once(cache: str, store: bool, extra: list[str], max_load: float) -> di
         m = re.search(pattern, text)
         return float(m.group(1)) if m else None
 
-    return dict(store=store, health_s=round(health_s, 1), plan_ready_s=logged(r"plan ready in ([\d.]+)s"),
-                engine_warm_s=logged(r"engine warm in ([\d.]+)s"), load_at_start=round(load, 2))
+    out = dict(store=store, health_s=round(health_s, 1), plan_ready_s=logged(r"plan ready in ([\d.]+)s"),
+               engine_warm_s=logged(r"engine warm in ([\d.]+)s"), load_at_start=round(load, 2))
+    return out if timed is None else dict(out, first_requests_s=timed)
 
 
 def main() -> None:
@@ -68,6 +89,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="warm pairs (store on, store off)")
     ap.add_argument("--max-load", type=float, default=1.0,
                     help="wait (up to 3 min) for the 1-minute load average to fall under this before each start")
+    ap.add_argument("--first-requests", action="store_true",
+                    help="after each warm start, time a short and a long completion, each twice")
     ap.add_argument("extra", nargs="*", help="flags passed to runtime.serve (after --)")
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="bench_startup_")
@@ -77,7 +100,7 @@ def main() -> None:
     warm = []
     for _ in range(args.rounds):
         for store in (True, False):
-            warm.append(start_once(cache, store, args.extra, args.max_load))
+            warm.append(start_once(cache, store, args.extra, args.max_load, args.first_requests))
             print(json.dumps(warm[-1]), flush=True)
     on = [w["health_s"] for w in warm if w["store"]]
     off = [w["health_s"] for w in warm if not w["store"]]
