@@ -47,12 +47,12 @@ def build_runner(plan: Plan, cache_dir: str | Path | None = None, **runner_kwarg
 
 def build_engine(plan: Plan, *, cache_dir: str | Path | None = None, runner=None, tokenizer=None,
                  warmup: bool = True, progress: bool = False, warm_execute: bool | str = False,
-                 check_invariants: bool = False):
+                 check_invariants: bool = False, release_host_weights: bool = False):
     """The LLMEngine over `plan`: a new runner unless one is given (the benchmarks share one across
     engines), compiled (or loaded from the cache) unless `warmup=False`."""
     from runtime.engine import LLMEngine
 
     if runner is None:
-        runner = build_runner(plan, cache_dir)
+        runner = build_runner(plan, cache_dir, release_host_weights=release_host_weights)
     return LLMEngine(plan, tokenizer, runner=runner, warmup=warmup, progress=progress,
                      warm_execute=warm_execute, check_invariants=check_invariants)

@@ -267,6 +267,21 @@ def test_the_servers_warm_execute_runs_buckets_only_where_first_runs_are_slow(mo
     assert set(runner.compiled) == set(runner.plan.buckets.pairs())  # compiled (or loaded) either way
 
 
+def test_release_host_weights_drops_the_plans_copy_and_the_runner_still_runs():
+    plan = tiny_plan()
+    kept = ModelRunner(plan)
+    assert plan.weights is not None  # by default the plan keeps them (tests, benchmarks, Plan.save)
+    released = ModelRunner(plan, release_host_weights=True)
+    assert plan.weights is None
+    for k, v in kept.params.items():
+        np.testing.assert_array_equal(np.asarray(released.params[k]), np.asarray(v), err_msg=k)
+    kept.warmup()
+    released.warmup()
+    (tokens_a, logits_a), (tokens_b, logits_b) = step_tokens(kept, (1, 1)), step_tokens(released, (1, 1))
+    np.testing.assert_array_equal(tokens_a, tokens_b)
+    np.testing.assert_array_equal(logits_a, logits_b)
+
+
 def test_the_store_is_bounded_and_evicts_what_was_used_least_recently(tmp_path):
     device = jax.devices()[0]
     store = executables.ExecutableStore(tmp_path, device, "bound")

@@ -97,11 +97,17 @@ def check_fit(memory: MemoryPlan, measured_peak: int | None = None) -> None:
 class ModelRunner:
     """Owns the device state of a plan and executes one bucketed step at a time."""
 
-    def __init__(self, plan, backend: str | None = None, mesh=None, executables: str | Path | None = None):
+    def __init__(self, plan, backend: str | None = None, mesh=None, executables: str | Path | None = None,
+                 release_host_weights: bool = False):
         """The persistent compilation cache is set by runtime.build.build_runner, not here; so is
         `executables`, the directory of an ExecutableStore (runtime.worker.executables), which
         saves this runner's compiled executables whole (not under tensor parallelism: a sharded
-        executable's devices are not part of the store's key)."""
+        executable's devices are not part of the store's key).
+
+        `release_host_weights`: once the weights are on the device, drop the plan's host copy
+        (`plan.weights = None`), for an owner that will neither save the plan nor build another
+        runner from it (the server). On CPU the device arrays are host memory too, so the copy
+        would stay resident beside them (SmolLM2's f32 server: RSS 5,103 -> 4,712 MiB at /health)."""
         self.plan = plan
         self.graph = plan.graph
         engine = plan.engine
@@ -121,6 +127,8 @@ class ModelRunner:
         self.layout = step_layout(self.graph, scan_layers=scans_layers(engine, sharded=mesh is not None))
         check_fit(plan.memory)  # before any weight or pool reaches the device
         self.params = self._put_params(plan.weights)
+        if release_host_weights:
+            plan.weights = None
         self.state = self._alloc_state()
         self.executables = None
         if executables is not None and mesh is None:

@@ -352,7 +352,8 @@ def main(argv=None) -> int:
         plan = load_plan(args.model, engine_kwargs_from_args(args))
         source = args.model
     log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
-    engine = build_engine(plan, cache_dir=args.compilation_cache_dir, progress=True, warm_execute="auto")
+    engine = build_engine(plan, cache_dir=args.compilation_cache_dir, progress=True, warm_execute="auto",
+                          release_host_weights=True)
     log.info("engine warm in %.1fs (%d buckets compiled or loaded)", time.perf_counter() - t0,
              len(plan.buckets.pairs()))
     names = args.served_model_name or [args.model if not args.plan else plan.config.name]
