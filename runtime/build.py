@@ -49,7 +49,8 @@ def build_engine(plan: Plan, *, cache_dir: str | Path | None = None, runner=None
                  warmup: bool = True, progress: bool = False, warm_execute: bool | str = False,
                  check_invariants: bool = False, release_host_weights: bool = False):
     """The LLMEngine over `plan`: a new runner unless one is given (the benchmarks share one across
-    engines), compiled (or loaded from the cache) unless `warmup=False`."""
+    engines), compiled (or loaded from the cache) unless `warmup=False`. `release_host_weights`
+    goes to the new runner (ModelRunner); a given runner has already made that choice."""
     from runtime.engine import LLMEngine
 
     if runner is None:
