@@ -8,7 +8,8 @@ Passes that make params give them roles too: fuse_matmuls' concatenations take t
 of their parts (`FUSED_ROLES`: q/k/v -> qkv, gate/up -> gate_up); quantize_int8's `X.int8` and
 `X.scale` both keep X's role, and tell themselves apart by the recipe attribute each carries
 (`QUANTIZE_INT8` on the int8 weight, `INT8_SCALE` on its per-column scale). bf16_matmuls'
-`X.bf16` keeps X's role, except the [hidden, vocab] copy of a tied embedding, which is an LM head.
+`X.bf16` keeps X's role, except the [hidden, vocab] copy of a tied embedding, which is an LM head;
+gguf_blocks' `X.<format>` likewise (a tied embedding's blocks serve its LM head).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ INT8_TRANSPOSED = "int8_transposed"  # ...of the transposed source: a tied embed
 TP_LAYOUT = "tp_layout"  # per-shard column order of a fused, column-split weight
 BF16_COPY = "bf16_copy"  # bf16 copy of this source weight
 BF16_TRANSPOSED = "bf16_transposed"  # ...transposed: the [hidden, vocab] copy of a tied embedding
+GGUF_BLOCKS = "gguf_blocks"  # GGUF blocks of this source weight (ir.blocks), [N, row bytes]; with
+BLOCK_FORMAT = "block_format"  # ...this format; a concat's sources' blocks are stacked by rows
 
 # Tensor parallelism: the shard pass's annotations and the one mesh axis they name.
 SHARDING, ALL_REDUCE, ALL_GATHER = "sharding", "all_reduce", "all_gather"

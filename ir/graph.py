@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterable, Mapping
 Dim = int | str  # a concrete size, or a symbolic dim bound per bucket (T, S, R, B, M, L)
 Shape = tuple[Dim, ...]
 
-DTYPES = ("f32", "bf16", "f16", "i32", "i8", "bool")
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i8": 1, "bool": 1}
+DTYPES = ("f32", "bf16", "f16", "i32", "i8", "u8", "bool")
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i8": 1, "u8": 1, "bool": 1}
 
 from ir.attrs import ROLE
 

@@ -10,8 +10,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES, blocks_matmul
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
+from ir.rope import rope_inv_freq
 
 
 class IRError(ValueError):
@@ -200,6 +202,29 @@ def _matmul_bf16_impl(x, w, w_bf16, *, min_rows, transpose_b=False):
     return y.astype(x.dtype)
 
 
+@op("matmul_blocks", 3, required_attrs=("format", "max_rows"))
+def _matmul_blocks(inputs, attrs):
+    x, w, wb = inputs
+    shape, dtype = _matmul((x, w), attrs)
+    fmt, k = BLOCK_FORMATS.get(attrs["format"]), x.shape[-1]
+    _need(fmt is not None, f"matmul_blocks format must be one of {sorted(BLOCK_FORMATS)}, got {attrs['format']!r}")
+    _need(wb.dtype == "u8" and len(wb.shape) == 2, f"matmul_blocks' blocks must be u8 [N, row bytes], got {wb}")
+    _need(isinstance(k, int) and k % BLOCK_VALUES == 0, f"matmul_blocks needs K a multiple of {BLOCK_VALUES}, got {k}")
+    _need(tuple(wb.shape) == (shape[-1], fmt.row_bytes(k)), f"matmul_blocks' {fmt.name} blocks must be "
+          f"[N, K / 32 * {fmt.block_bytes}] = {(shape[-1], fmt.row_bytes(k))}, got {tuple(wb.shape)}")
+    _need(int(attrs["max_rows"]) >= 1, "matmul_blocks' max_rows must be >= 1")
+    return shape, dtype
+
+
+@impl("matmul_blocks")
+def _matmul_blocks_impl(x, w, w_blocks, *, format, max_rows, transpose_b=False):
+    """x @ w; steps of at most `max_rows` rows (decode) read the same weights from `w_blocks`, a GGUF
+    file's blocks (ir.blocks), dequantized here; backends read them in their own kernels."""
+    if math.prod(x.shape[:-1]) > max_rows:
+        return _matmul_impl(x, w, transpose_b=transpose_b)
+    return blocks_matmul(x, w_blocks, format)
+
+
 @op("matmul_int8", 3)
 def _matmul_int8(inputs, attrs):
     x, w, scale = inputs
@@ -318,27 +343,6 @@ def _slice(inputs, attrs):
 @impl("slice")
 def _slice_impl(x, *, start, stop):
     return x[..., start:stop]
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling) -> jnp.ndarray:
-    """RoPE inverse frequencies, with HF's `linear` and `llama3` scaling rules."""
-    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    rs = dict(scaling or ())
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind == "linear":
-        inv = inv / float(rs["factor"])
-    elif kind == "llama3":
-        factor = float(rs["factor"])
-        low = float(rs.get("low_freq_factor", 1.0))
-        high = float(rs.get("high_freq_factor", 4.0))
-        old_len = float(rs.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * jnp.pi / inv
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv = jnp.where(is_mid, mid, scaled)
-    return inv
 
 
 @op("rope", 2, ("theta",))

@@ -146,6 +146,10 @@ _ENGINE_FLAGS = (
      dict(choices=MATMUL_PRECISIONS, help="bfloat16: an f32 plan's steps of 4+ rows multiply in bf16 from a bf16 "
           "copy of the weights, with f32 accumulation (2-3x faster GEMMs on CPUs with avx512_bf16/AMX; weight "
           "memory x1.5); default float32")),
+    ("gguf_blocks", ("--gguf-blocks",),
+     dict(type=_bool, metavar="BOOL", help="decode steps read a GGUF model's Q4_0/Q4_1/Q8_0 weights from the "
+          "file's own blocks, widened to f32 in registers (a fifth of f32's bytes per token; weight memory grows "
+          "by the blocks); default: on for f32 engines where the C++ CPU kernels have their vector path")),
     ("kv_cache_dtype", ("--kv-cache-dtype",),
      dict(choices=KV_CACHE_DTYPES, help="auto (the model's dtype) or bfloat16: K/V stored in bf16, attention "
           "computed in f32 (twice the KV blocks; wide decode steps read half the bytes)")),

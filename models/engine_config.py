@@ -157,6 +157,12 @@ class EngineConfig:
     # f32 accumulation (2-3x XLA:CPU's f32 GEMM rate on CPUs with bf16 units); narrower steps, and
     # everything but the matmuls, stay f32. Weight memory grows by half (passes/bf16_matmuls.py).
     matmul_precision: str = "float32"
+    # Decode steps (up to 8 rows) read a GGUF model's weights from the file's own quantization
+    # blocks (Q4_0, Q4_1, Q8_0) in our C++ kernel, widened to f32 in registers: the same values
+    # from a fifth of f32's bytes; wider steps keep the f32 weights (passes/gguf_blocks.py). Weight
+    # memory grows by the blocks' bytes. None: on, where the weights have blocks and the kernel
+    # its vector path, for f32 engines with f32 matmuls and no quantization or tensor parallelism.
+    gguf_blocks: bool | None = None
     # vLLM's --kv-cache-dtype. "bfloat16": K/V stored in bf16 (half the bytes of f32: twice the KV
     # blocks, and half the bytes a decode step's attention reads); attention still computes in f32.
     kv_cache_dtype: str = "auto"
@@ -218,6 +224,11 @@ class EngineConfig:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}")
+        if self.gguf_blocks not in (None, True, False):
+            raise ValueError(f"gguf_blocks must be a bool or None (auto), got {self.gguf_blocks!r}")
+        if self.gguf_blocks and self.gguf_blocks_blockers():
+            raise ValueError(f"gguf_blocks does not combine with {' or '.join(self.gguf_blocks_blockers())}: "
+                             "its decode products take f32 weights and f32 activations")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -267,6 +278,24 @@ class EngineConfig:
 
             platform = jax.default_backend()
         return platform != "cpu" and not self.async_blockers()
+
+    def gguf_blocks_blockers(self) -> list[str]:
+        """The settings that rule out reading GGUF blocks in decode steps."""
+        return [name for name, on in (("quantization", self.quantization is not None),
+                                      ("matmul_precision bfloat16", self.matmul_precision != "float32"),
+                                      (f"dtype {self.dtype}", self.dtype != "f32"),
+                                      ("tensor_parallel_size > 1", self.tensor_parallel_size > 1)) if on]
+
+    def reads_gguf_blocks(self, has_blocks: bool, kernel_ready: bool) -> bool:
+        """Whether decode steps read GGUF blocks (`gguf_blocks`, or by what is there): `has_blocks`,
+        whether the weights came with them; `kernel_ready`, whether this machine's C++ kernel has
+        its vector path (the runtime knows: runtime.worker.executor.reads_gguf_blocks)."""
+        if self.gguf_blocks is False:
+            return False
+        if self.gguf_blocks and not has_blocks:
+            raise ValueError("gguf_blocks: the weights have no GGUF blocks to read (a .gguf model whose "
+                             "matrices are Q4_0, Q4_1 or Q8_0)")
+        return has_blocks and (bool(self.gguf_blocks) or (kernel_ready and not self.gguf_blocks_blockers()))
 
     def scans_layers(self, platform: str | None = None, f32_in_place: bool = False) -> bool:
         """Whether the step runs its layers as a lax.scan (`scan_layers`, or by platform).

@@ -3,6 +3,9 @@
 Every loader returns the canonical layout: a flat dict name -> float32 numpy array, with matmul
 weights stored [in_features, out_features] so the model computes `x @ w`, and q/k in HF's
 rotate-half RoPE layout. One declarative table (`WEIGHT_MAP`) names every tensor in each format.
+The GGUF loader also keeps each matrix stored in a block format of ir.blocks (Q4_0, Q4_1, Q8_0) as
+the file's own blocks, uint8 [rows of the file's matrix, row bytes] under `blocks_name(name,
+format)`: decode steps read those (passes.gguf_blocks).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ir.blocks import BLOCK_FORMATS, FORMAT_OF_TYPE, blocks_name, split_blocks_name
 from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
 from models.llama import weight_shapes
 
@@ -81,7 +85,19 @@ def validate_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, sou
         if actual != shape:
             raise ValueError(f"{source}: tensor {name!r}{src} has shape {actual}, expected {shape} "
                              f"for config {config.name!r}")
-    extra = sorted(set(weights) - set(shapes))
+    for key in weights:  # GGUF blocks: [rows of the file's matrix, row bytes]
+        split = split_blocks_name(key)
+        if split is None:
+            continue
+        name, fmt = split
+        want = None
+        if name in shapes and len(shapes[name]) == 2:
+            rows, k = shapes[name] if name == "embed" else shapes[name][::-1]  # the file's [out, in]
+            want = (rows, BLOCK_FORMATS[fmt].row_bytes(k))
+        if want is None or tuple(weights[key].shape) != want or weights[key].dtype != np.uint8:
+            raise ValueError(f"{source}: {fmt} blocks {key!r} are {weights[key].dtype}{tuple(weights[key].shape)}, "
+                             f"expected uint8{want} for config {config.name!r}")
+    extra = sorted(k for k in set(weights) - set(shapes) if split_blocks_name(k) is None)
     if extra:
         raise ValueError(f"{source}: unexpected tensors for config {config.name!r}: {extra[:8]}")
 
@@ -273,6 +289,13 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
             elif key in ("wk", "bk"):
                 arr = unpermute_qk_rows(arr, config.num_kv_heads)
         weights[canon] = np.ascontiguousarray(arr.T if transposed else arr)
+        fmt = FORMAT_OF_TYPE.get(t.tensor_type)
+        if fmt is not None and len(t.shape) == 2 and (transposed or canon == "embed"):
+            rows = gguf_tensor_data(file, t)  # [file rows, row bytes]: the out features (vocab for embed)
+            if arch in _GGUF_PERMUTED_ARCHS and canon.rsplit(".", 1)[-1] in ("wq", "wk"):
+                heads = config.num_q_heads if canon.endswith("wq") else config.num_kv_heads
+                rows = np.ascontiguousarray(unpermute_qk_rows(rows, heads))
+            weights[blocks_name(canon, fmt)] = rows
     validate_weights(weights, config, source=str(path), names=names)
     return config, weights, fields
 

@@ -58,8 +58,10 @@ def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
     return int(total if total is not None else CPU_DEVICE_MEMORY), limit
 
 
-def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[int, int | None]) -> PipelineOptions:
-    from runtime.worker.executor import scans_layers
+def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[int, int | None],
+                     block_formats: dict[str, str] | None = None) -> PipelineOptions:
+    """`block_formats`: source weight -> GGUF block format, for the weights that came with blocks."""
+    from runtime.worker.executor import reads_gguf_blocks, scans_layers
 
     total, limit = memory
     return PipelineOptions(
@@ -68,6 +70,7 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         reserve_bytes=engine.reserve_bytes, num_kv_blocks=engine.num_kv_blocks,
         quantization=engine.quantization, quantize_lm_head=engine.quantize_lm_head,
         matmul_precision=engine.matmul_precision,
+        block_formats=tuple(sorted(block_formats.items())) if reads_gguf_blocks(engine, bool(block_formats)) else (),
         kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
         scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1))
 
@@ -77,11 +80,13 @@ def is_plan_dir(path) -> bool:
 
 
 def build_graph(config: ModelConfig, engine: EngineConfig, buckets: BucketTable,
-                device_memory: int | None = None, keep_pass_texts: bool = True):
+                device_memory: int | None = None, keep_pass_texts: bool = True,
+                block_formats: dict[str, str] | None = None):
+    """(final graph, memory plan, pass texts); `block_formats` as in pipeline_options."""
     graph = lower(config, engine.dtype)
     texts = [("lower", print_graph(graph))] if keep_pass_texts else []
     memory = (device_memory, engine.memory_limit) if device_memory else measure_device_memory(engine)
-    opts = pipeline_options(engine, buckets, memory)
+    opts = pipeline_options(engine, buckets, memory, block_formats)
     graph = run_pipeline(graph, opts, on_pass=(lambda i, name, g: texts.append((name, print_graph(g))))
                          if keep_pass_texts else None)
     return graph, memory_report(graph, opts), texts
@@ -204,6 +209,13 @@ def resolve_model(model) -> tuple[ModelConfig, dict | None, object | None]:
     return load_model(model)
 
 
+def weight_block_formats(weights) -> dict[str, str]:
+    """Source weight -> GGUF block format, for the weights a loader gave blocks (ir.blocks)."""
+    from ir.blocks import split_blocks_name
+
+    return dict(split for key in weights if (split := split_blocks_name(key)) is not None)
+
+
 def compile_plan(model, engine: EngineConfig | None = None, *, progress: bool = False,
                  weights=None, config: ModelConfig | None = None, tokenizer=None) -> Plan:
     """Lowers the model, runs the passes, and materializes the final weights (in memory)."""
@@ -216,7 +228,7 @@ def compile_plan(model, engine: EngineConfig | None = None, *, progress: bool = 
         raise ValueError(f"max_model_len {engine.max_model_len} exceeds the model's "
                          f"max_position_embeddings {config.max_position_embeddings}")
     buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
-    graph, memory, texts = build_graph(config, engine, buckets)
+    graph, memory, texts = build_graph(config, engine, buckets, block_formats=weight_block_formats(weights or {}))
     if memory.num_kv_blocks * engine.block_size < engine.max_model_len:
         raise ValueError(
             f"the KV cache fits {memory.num_kv_blocks} blocks ({memory.num_kv_blocks * engine.block_size} "

@@ -370,8 +370,8 @@ def test_dump_final_ir_by_default_and_round_trips(capsys):
 def test_dump_after_each_and_after_one(capsys, tmp_path):
     out = _dump(capsys, "--model", "tiny", "--after-each", "--dump-dir", str(tmp_path))
     headers = [l for l in out.splitlines() if l.startswith("IR after ")]
-    names = ["lower", "fuse_attention", "insert_paged_kv", "fuse_matmuls", "quantize_int8", "bf16_matmuls", "shard",
-             "plan_memory"]
+    names = ["lower", "fuse_attention", "insert_paged_kv", "fuse_matmuls", "gguf_blocks", "quantize_int8",
+             "bf16_matmuls", "shard", "plan_memory"]
     assert headers == [f"IR after {n}:" for n in names]
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == [f"{i:02d}-{n}.txt" for i, n in enumerate(names)]
@@ -391,7 +391,7 @@ def test_dump_stats_is_deterministic(capsys):
     assert a == b
     assert "op counts per pass" in a and "memory plan" in a
     row = next(l for l in a.splitlines() if l.startswith("matmul_int8"))
-    assert row.split()[1:] == ["0", "0", "0", "0", "120", "120", "120", "120"]  # lower .. plan_memory
+    assert row.split()[1:] == ["0", "0", "0", "0", "0", "120", "120", "120", "120"]  # lower .. plan_memory
     assert any(l.split()[:3] == ["128", "x", "16"] for l in a.splitlines())
 
 

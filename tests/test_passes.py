@@ -27,6 +27,7 @@ from passes import pipeline as pipeline_mod
 from passes.bf16_matmuls import bf16_matmuls
 from passes.fuse_attention import fuse_attention
 from passes.fuse_matmuls import fuse_matmuls
+from passes.gguf_blocks import gguf_blocks
 from passes.insert_paged_kv import insert_paged_kv
 from passes.pipeline import PipelineOptions, build_pipeline, run_pipeline
 from passes.plan_memory import plan_memory
@@ -316,13 +317,14 @@ output logits = %0
         (fuse_matmuls, plain), (fuse_matmuls, fuse_matmuls(paged)),
         (quantize_int8, no_int8), (quantize_int8, quantize_int8(paged)),
         (bf16_matmuls, lower(get_preset("tiny"), "bf16")), (bf16_matmuls, bf16_matmuls(paged)),
+        (partial(gguf_blocks, formats={}), paged),
         (plan, plain), (plan, fused),
     ]
     for fn, g in cases:
         assert fn(g) is g, getattr(fn, "__name__", fn)
     opts = PipelineOptions()
     for name, fn in build_pipeline(opts):
-        if name in ("quantize_int8", "bf16_matmuls", "shard"):  # off by default: identity
+        if name in ("gguf_blocks", "quantize_int8", "bf16_matmuls", "shard"):  # off by default: identity
             assert fn(paged) is paged
 
 

@@ -53,14 +53,17 @@ def test_gguf_loads_with_expected_shapes(smollm2):
     assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.vocab_size) == (30, 576, 3, 49152)
     assert config.rope_theta == 100000.0 and abs(config.rms_eps - 1e-5) < 1e-9
     shapes = expected_shapes(config)
-    assert set(weights) == set(shapes)
+    # Besides the f32 tensors: each matrix's GGUF blocks (tests/test_gguf_blocks.py).
+    assert {k for k in weights if ":" not in k} == set(shapes)
+    assert {k for k in weights if ":" in k} == {f"{n}:{'q8_0' if n == 'embed' else 'q4_1'}"
+                                                 for n, s in shapes.items() if len(s) == 2}
     for name, shape in shapes.items():
         assert weights[name].shape == shape, name
         assert weights[name].dtype == np.float32, name
     assert weights["layers.0.wq"].shape == (576, 576)
     assert weights["layers.0.wk"].shape == (576, 192)
     assert weights["layers.0.w_down"].shape == (1536, 576)
-    assert sum(w.size for w in weights.values()) == config.num_params()
+    assert sum(weights[n].size for n in shapes) == config.num_params()
     assert tokenizer is not None and tokenizer.eos_token_id == 2
 
 

@@ -2,8 +2,8 @@
 
 `kernel_backend="cpp"` (the default on CPU, through `auto`) runs decode attention in
 cpp/paged_decode.cc, which reads K/V from the paged pool in place, and products of a few rows
-(decode steps: W8A8, weight-only int8 and f32) in cpp/matmul.cc, which read a scanned step's
-weights in place; everything else stays the XLA lowering of runtime.worker.kernels. The sources are compiled once per machine into one library with the
+(decode steps: W8A8, weight-only int8 and f32) in cpp/matmul.cc, and f32 rows against a GGUF
+file's own quantization blocks in cpp/block_matmul.cc; these read a scanned step's weights in place; everything else stays the XLA lowering of runtime.worker.kernels. The sources are compiled once per machine into one library with the
 system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, and cached
 under ~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the sources, the flags, the
 compiler, jaxlib and the CPU. Without a compiler, `auto` falls back to the plain XLA lowering and
@@ -28,13 +28,16 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "matmul.cc"))
+SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "matmul.cc",
+                                                                          "block_matmul.cc"))
 HEADERS = (Path(__file__).with_name("cpp") / "parallel_for.h",)
 PAGED_DECODE_TARGET, INT8_MATMUL_TARGET = "jaxserve_paged_decode", "jaxserve_int8_matmul"
 INT8_WEIGHT_MATMUL_TARGET, F32_MATMUL_TARGET = "jaxserve_int8_weight_matmul", "jaxserve_f32_matmul"
+BLOCK_MATMUL_TARGET = "jaxserve_block_matmul"
 # FFI target name -> the library's handler symbol.
 TARGETS = {PAGED_DECODE_TARGET: "JaxservePagedDecode", INT8_MATMUL_TARGET: "JaxserveInt8Matmul",
-           INT8_WEIGHT_MATMUL_TARGET: "JaxserveInt8WeightMatmul", F32_MATMUL_TARGET: "JaxserveF32Matmul"}
+           INT8_WEIGHT_MATMUL_TARGET: "JaxserveInt8WeightMatmul", F32_MATMUL_TARGET: "JaxserveF32Matmul",
+           BLOCK_MATMUL_TARGET: "JaxserveBlockMatmul"}
 # -ffast-math lets the compiler call glibc's vector expf; the kernel has no inf or NaN of its own
 # (its running max starts at -1e30, as the XLA lowering's does). It is a compile flag only: linked
 # with it, gcc adds crtfastmath.o, which on load turns on flush-to-zero for the whole process
@@ -161,7 +164,7 @@ def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS
 
 @functools.cache
 def matmul_vectorized() -> bool:
-    """Whether int8_matmul, int8_weight_matmul and f32_matmul have their vector paths on this CPU
+    """Whether int8_matmul, int8_weight_matmul, f32_matmul and block_matmul have their vector paths on this CPU
     (AVX-512BW); without them the engine keeps XLA's products (the scalar loops are there for
     correctness only)."""
     if not available():
@@ -205,3 +208,16 @@ def f32_matmul(x, w, layer=None):
     m, n = x.shape[0], w.shape[-1]
     return jax.ffi.ffi_call(F32_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
         x, w, _layer_operand(w, layer))
+
+
+def block_matmul(x, w, fmt: str, layer=None):
+    """x f32 [M, K] @ w -> f32 [M, N], where w u8 [N, K / 32 * block bytes] holds the weights in
+    GGUF quantization blocks of format `fmt` (ir.blocks.BLOCK_FORMATS), widened in registers; see
+    cpp/block_matmul.cc. Built for decode steps: it reads each block once for all M rows. With
+    `layer`, w is a stack [L, N, ...] and the product takes its layer `layer` where it lies."""
+    from ir.blocks import BLOCK_FORMATS
+
+    ensure()
+    m, n = x.shape[0], w.shape[-2]
+    return jax.ffi.ffi_call(BLOCK_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+        x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[fmt].type_id))

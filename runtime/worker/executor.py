@@ -16,7 +16,7 @@ from runtime.config import KERNEL_BACKENDS
 from ir.attrs import ANNOTATION_ATTRS, NEW_KV_WRITTEN
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
-              "i8": jnp.int8, "bool": jnp.bool_}
+              "i8": jnp.int8, "u8": jnp.uint8, "bool": jnp.bool_}
 
 
 
@@ -53,6 +53,17 @@ def scans_layers(engine, sharded: bool = False) -> bool:
     return engine.scans_layers(f32_in_place=in_place)
 
 
+def reads_gguf_blocks(engine, has_blocks: bool) -> bool:
+    """EngineConfig.reads_gguf_blocks, told whether this CPU's C++ kernels have their vector path
+    (kernel backend cpp)."""
+    from runtime.worker import cpp_kernels
+
+    sharded = engine.tensor_parallel_size > 1
+    ready = (has_blocks and not sharded and resolve_backend(engine.kernel_backend) == "cpp"
+             and cpp_kernels.matmul_vectorized())
+    return engine.reads_gguf_blocks(has_blocks, ready)
+
+
 def _kernel_impls(backend: str) -> dict[str, Callable]:
     """Overrides of the jnp references for the attention ops, by backend."""
     from runtime.worker import kernels
@@ -60,7 +71,7 @@ def _kernel_impls(backend: str) -> dict[str, Callable]:
     return kernels.lowerings(backend)
 
 
-def _layer_indexed_inputs(backend: str) -> dict[str, int]:
+def _layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
     from runtime.worker import kernels
 
     return kernels.layer_indexed_inputs(backend)
@@ -151,17 +162,17 @@ def _index_offset_impls(fns: dict[str, Callable], offset) -> dict[str, Callable]
     return {"kv_write": kv_write_at, "paged_attention": paged_at}
 
 
-def _in_place_roles(graph: Graph, layers: Layers, roles: list[str], indexed: dict[str, int]) -> set[str]:
-    """The weight roles of a scanned step that every reader takes at an input `indexed` names (op
-    name -> input position), and nowhere else: those readers get the role's whole stack [L, ...]
+def _in_place_roles(graph: Graph, layers: Layers, roles: list[str], indexed: dict[str, tuple[int, ...]]) -> set[str]:
+    """The weight roles of a scanned step that every reader takes at one input `indexed` names (op
+    name -> input positions), and nowhere else: those readers get the role's whole stack [L, ...]
     and a `layer` attr instead of the scan's slice."""
     users = graph.users()
     out = set()
     for role in roles:
         leaf = layers.leaves[0][role]
         readers = users.get(id(leaf), [])
-        if readers and all(n.op in indexed and [j for j, i in enumerate(n.inputs) if i is leaf] == [indexed[n.op]]
-                           for n in readers):
+        if readers and all(n.op in indexed and len(at := [j for j, i in enumerate(n.inputs) if i is leaf]) == 1
+                           and at[0] in indexed[n.op] for n in readers):
             out.add(role)
     return out
 

@@ -1,7 +1,7 @@
 """Backend lowerings of the attention ops: a blocked XLA loop on CPU (with its decode rows in our
 C++ kernel under kernel_backend="cpp", runtime.worker.cpp_kernels), our Pallas kernels on GPU.
-Under "cpp", int8-weight products of decode steps' few rows (W8A8 and weight-only) run in our C++
-int8 kernels too.
+Under "cpp", products of decode steps' few rows (f32, W8A8 and weight-only int8, and GGUF blocks)
+run in our C++ kernels too.
 
 The jnp references in `ir.ops` gather the whole context of every token at once, which is
 clear but sized by max_model_len. The XLA lowering here walks the context in chunks of
@@ -351,18 +351,39 @@ def matmul_cpp(x, w, *, transpose_b=False, layer=None):
     return OPS["matmul"].impl(x, w, transpose_b=transpose_b)
 
 
-def layer_indexed_inputs(backend: str) -> dict[str, int]:
-    """op name -> the input that `backend`'s lowering of the op can take as a whole layer stack
+def matmul_blocks_cpp(x, w, w_blocks, *, format, max_rows, transpose_b=False, layer=None):
+    """matmul_blocks under kernel_backend="cpp": a product of at most `max_rows` rows reads the GGUF
+    blocks in our C++ kernel (f32 sums in another order than the reference's); wider ones take the
+    f32 weight as matmul_cpp does. `layer` as in matmul_int8_cpp, for whichever weight arrives as
+    a stack [L, ...]."""
+    rows = math.prod(x.shape[:-1])
+    w_layer = layer if w.ndim == 3 else None
+    b_layer = layer if w_blocks.ndim == 3 else None
+    if rows > max_rows:
+        return matmul_cpp(x, w, transpose_b=transpose_b, layer=w_layer)
+    if not cpp_kernels.matmul_vectorized():
+        if b_layer is not None:
+            w_blocks = jax.lax.dynamic_index_in_dim(w_blocks, b_layer, keepdims=False)
+        if w_layer is not None:
+            w = jax.lax.dynamic_index_in_dim(w, w_layer, keepdims=False)
+        return OPS["matmul_blocks"].impl(x, w, w_blocks, format=format, max_rows=max_rows, transpose_b=transpose_b)
+    y = cpp_kernels.block_matmul(x.reshape(rows, x.shape[-1]).astype(jnp.float32), w_blocks, format, layer=b_layer)
+    return y.reshape(x.shape[:-1] + (w_blocks.shape[-2],)).astype(x.dtype)
+
+
+def layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
+    """op name -> the inputs that `backend`'s lowering of the op can take as a whole layer stack
     [L, ...] plus a `layer` attr, in a step scanned over layers (runtime/worker/executor.py): the
-    weights of matmul and matmul_int8 under "cpp", which its kernels read in place."""
-    return {"matmul": 1, "matmul_int8": 1} if backend == "cpp" else {}
+    weights of matmul, matmul_int8 and matmul_blocks under "cpp", which its kernels read in place."""
+    return {"matmul": (1,), "matmul_int8": (1,), "matmul_blocks": (1, 2)} if backend == "cpp" else {}
 
 
 def lowerings(backend: str) -> dict:
     """op name -> implementation for the given backend (`xla`, `cpp`, `pallas` or `interpret`)."""
     if backend == "cpp":
         return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=True),
-                "kv_write": kv_write_xla, "matmul": matmul_cpp, "matmul_int8": matmul_int8_cpp}
+                "kv_write": kv_write_xla, "matmul": matmul_cpp, "matmul_int8": matmul_int8_cpp,
+                "matmul_blocks": matmul_blocks_cpp}
     if backend == "xla":
         return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=False), "kv_write": kv_write_xla}
     import pallas_kernels as pk

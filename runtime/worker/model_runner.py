@@ -218,7 +218,7 @@ class ModelRunner:
         out = {}
         for key, names in self.layout.param_groups.items():
             p = by_name[names[0]]
-            host = np.dtype(weights[names[0]].dtype) if p.dtype == "i8" else np.float32
+            host = np.dtype(weights[names[0]].dtype) if p.dtype in ("i8", "u8") else np.float32
             parts = [np.asarray(weights[n], dtype=host) for n in names]
             arr = parts[0] if len(names) == 1 and key == names[0] else np.stack(parts)
             if self.mesh is not None:

@@ -3,7 +3,8 @@
 Passes never touch weight values: a fused or quantized param records where it comes from
 (`concat=[...]`, `quantize_int8=name`, `int8_scale=name` (with `int8_transposed` for a tied
 head's W8A8 copy, quantized per vocab column), `bf16_copy=name` (with
-`bf16_transposed` for a tied head's copy), and the `shard` pass's column order
+`bf16_transposed` for a tied head's copy), `gguf_blocks=name` (with `block_format`: the loader's GGUF
+blocks of the source, rows stacked for a concat), and the `shard` pass's column order
 `tp_layout={...}`), and this module computes it once.
 """
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from ir import Graph, Node
-from ir.attrs import BF16_COPY, BF16_TRANSPOSED, CONCAT, INT8_SCALE, INT8_TRANSPOSED, QUANTIZE_INT8, TP_LAYOUT
+from ir.attrs import (BF16_COPY, BF16_TRANSPOSED, BLOCK_FORMAT, CONCAT, GGUF_BLOCKS, INT8_SCALE, INT8_TRANSPOSED,
+                      QUANTIZE_INT8, TP_LAYOUT)
+from ir.blocks import blocks_name
 
 
 def quantize_int8_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -43,9 +46,17 @@ def tp_column_layout(w: np.ndarray, parts, repeat, head_dim: int, shards: int) -
 
 def materialize(graph: Graph, weights: dict[str, np.ndarray],
                 progress=None) -> dict[str, np.ndarray]:
-    """Returns {param name: array} for every param of the graph (host numpy, f32 or int8; a bf16
-    copy is cast when it goes to the device)."""
+    """Returns {param name: array} for every param of the graph (host numpy, f32, int8 or u8
+    blocks; a bf16 copy is cast when it goes to the device)."""
     int8_cache: dict[tuple[str, bool], tuple[np.ndarray, np.ndarray]] = {}
+
+    def blocks(node: Node) -> np.ndarray:
+        fmt = node.attr(BLOCK_FORMAT)
+        keys = [blocks_name(s, fmt) for s in (node.attr(CONCAT) or (node.attr(GGUF_BLOCKS),))]
+        missing = [k for k in keys if k not in weights]
+        if missing:
+            raise KeyError(f"weights have no {fmt} blocks {missing} for param %{node.name}")
+        return weights[keys[0]] if len(keys) == 1 else np.concatenate([weights[k] for k in keys])
 
     def base(node: Node) -> np.ndarray:
         src = node.attr(QUANTIZE_INT8) or node.attr(INT8_SCALE) or node.attr(BF16_COPY) or node.name
@@ -59,7 +70,9 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
     params = list(graph.params)
     for p in (progress(params) if progress else params):
         src = p.attr(QUANTIZE_INT8) or p.attr(INT8_SCALE)
-        if src:
+        if p.attr(GGUF_BLOCKS):
+            v = blocks(p)
+        elif src:
             key = (src, bool(p.attr(INT8_TRANSPOSED)))
             if key not in int8_cache:
                 w = base(p)

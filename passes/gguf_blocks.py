@@ -1,0 +1,62 @@
+"""Rewrites matmul(x, f32 param w) into matmul_blocks(x, w, w_blocks) where the loader kept w's
+GGUF quantization blocks: decode steps read the blocks, a fifth of f32's bytes.
+
+A GGUF model's weights arrive as f32 (its blocks dequantized) and, for the block formats in
+ir.blocks, as the file's own blocks too. Wide steps (prefill chunks, many decoding sequences) are
+bound by the f32 GEMM and keep w; steps of at most `max_rows` rows are bound by the weight bytes
+they stream, and read the blocks (runtime.worker.kernels, our C++ kernel). The values are the same,
+so the outputs differ only by the order of f32 sums. Weight memory grows by the blocks' bytes
+(84 MB on SmolLM2-135M's 538 MB of f32), and the memory plan counts them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ir import Graph, Node, add_params, make_node, rewrite
+from ir.attrs import BLOCK_FORMAT, CONCAT, GGUF_BLOCKS, ROLE, Role, role_of
+from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES
+from ir.graph import freeze_attrs
+
+# Rows up to which a step's matmuls read the blocks: decode steps of up to 8 sequences
+# (BENCHMARKS.md, "Decode rows from the GGUF's own blocks").
+BLOCKS_MAX_ROWS = 8
+
+
+def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS_MAX_ROWS) -> Graph:
+    """Every matmul whose weight is an f32 2-D param made of source weights that all have blocks
+    of one format (`formats`: source name -> format) becomes a matmul_blocks that also reads a
+    u8 param of those blocks, [N, K / 32 * block bytes], the sources' rows stacked in the order
+    of the param's concat. A tied LM head's blocks are the embedding's (its rows are the vocab),
+    with the LM head's role."""
+    copies: dict[tuple[str, bool], Node] = {}
+
+    def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
+        if node.op != "matmul" or ins[1].op != "param" or ins[1].dtype != "f32" or len(ins[1].shape) != 2:
+            return None
+        w = ins[1]
+        tb = bool(node.attr("transpose_b"))
+        fmts = {formats.get(s) for s in (w.attr(CONCAT) or (w.name,))}
+        if len(fmts) != 1 or None in fmts:
+            return None
+        fmt = BLOCK_FORMATS[fmts.pop()]
+        k, n = (w.shape[1], w.shape[0]) if tb else tuple(w.shape)
+        if not isinstance(k, int) or k % BLOCK_VALUES:
+            return None
+        key = (w.name, tb)
+        if key not in copies:
+            recipe = {a: v for a, v in w.attrs if a != "name"}
+            if tb and role_of(w) == Role.EMBED:
+                recipe[ROLE] = Role.LM_HEAD
+            attrs = {**recipe, "name": f"{w.name}.{fmt.name}", GGUF_BLOCKS: w.name, BLOCK_FORMAT: fmt.name}
+            copies[key] = Node("param", (), freeze_attrs(attrs), (n, fmt.row_bytes(k)), "u8")
+        attrs = dict(node.attrs) | {"format": fmt.name, "max_rows": max_rows}
+        return make_node("matmul_blocks", (ins[0], w, copies[key]), attrs)
+
+    out = rewrite(graph, fn)
+    if not copies:
+        return graph
+    after: dict[str, tuple[Node, ...]] = {}
+    for (name, _), copy in copies.items():
+        after[name] = after.get(name, ()) + (copy,)
+    return add_params(out, after, order=graph.inputs)

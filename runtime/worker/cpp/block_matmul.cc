@@ -1,0 +1,284 @@
+// Products of a few f32 rows with weights kept in a GGUF file's own quantization blocks, for decode
+// steps on XLA:CPU, called through XLA's FFI (runtime/worker/cpp_kernels.py):
+//   x f32 [M, K] @ w -> y f32 [M, N]
+// where w is u8 [N, K / 32 * B]: output column n's weights along K, as GGUF stores a tensor's rows,
+// in blocks of 32 values of B bytes each, in one of three block formats (attribute `format`, GGML's
+// type id; see ir/blocks.py):
+//   Q4_0 (2):  f16 d, 16 bytes of nibbles           value = d * (q - 8)
+//   Q4_1 (3):  f16 d, f16 m, 16 bytes of nibbles    value = d * q + m
+//   Q8_0 (8):  f16 d, 32 int8                       value = d * q
+// A nibble byte j holds value j in its low half and value j + 16 in its high half. w may also be a
+// stack [L, N, K / 32 * B] with the layer to take given by a third operand, an int32 scalar, as
+// in matmul.cc.
+//
+// Why: a decode step of a few rows streams every weight once, so its speed is the rate at which
+// the weights come in from memory. The f32 weights a GGUF file's blocks dequantize to are 6.4x the
+// bytes of Q4_1 blocks (538 MB against 84 MB for SmolLM2-135M, with its Q8_0 embedding as the LM
+// head); reading the blocks and widening them in registers reads the same values from a fifth of
+// the bytes. The activations stay f32, and each block's values are widened to f32 in registers, so
+// the product is x @ dequantize(w) up to the order (and fusing) of the f32 sums. Each work item is a run of output
+// columns, whose weight rows are contiguous bytes; every block is widened once for all M rows.
+//
+// The vector path needs AVX-512BW; elsewhere a scalar loop gives the same values, and
+// cpp_kernels.matmul_vectorized() keeps the engine on XLA's products.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512BW__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // values per block, in every format here
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int kMaxRows = 8;        // rows per pass over the weights
+constexpr int64_t kItemCols = 16;  // output columns per work item, at least
+
+int64_t BlockBytes(int format) {
+  switch (format) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: return 0;
+  }
+}
+
+inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exp = 113;
+    while (!(man & 0x400)) { man <<= 1; --exp; }
+    bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// The 32 values of a block.
+template <int F>
+inline void Values(const uint8_t* blk, float* out) {
+  const float d = Half(blk);
+  if (F == kQ8_0) {
+    for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+  } else {
+    const uint8_t* qs = blk + (F == kQ4_1 ? 4 : 2);
+    const int bias = F == kQ4_0 ? 8 : 0;
+    const float m = F == kQ4_1 ? Half(blk + 2) : 0.0f;
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * static_cast<float>((qs[j] & 0x0f) - bias) + m;
+      out[j + 16] = d * static_cast<float>((qs[j] >> 4) - bias) + m;
+    }
+  }
+}
+
+struct Args {
+  const float* x;     // [M, K]
+  const uint8_t* w;   // [N, nb * B]
+  float* y;           // [M, N]
+  int64_t M, K, N, nb;
+};
+
+template <int F>
+void ScalarColumns(const Args& a, int64_t n0, int64_t n1) {
+  const int64_t B = BlockBytes(F);
+  float v[kBlock];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = a.w + n * a.nb * B;
+    for (int64_t m = 0; m < a.M; ++m) a.y[m * a.N + n] = 0.0f;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const uint8_t* blk = row + b * B;
+      Values<F>(blk, v);
+      for (int64_t m = 0; m < a.M; ++m) {
+        const float* xb = a.x + m * a.K + b * kBlock;
+        float s = 0.0f;
+        for (int j = 0; j < kBlock; ++j) s += xb[j] * v[j];
+        a.y[m * a.N + n] += s;
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BW__)
+// A block's scale d (and, for Q4_1, its m) in every lane.
+template <int F>
+inline void Scales(const uint8_t* blk, __m512& d, __m512& m) {
+  if (F == kQ4_1) {
+    int32_t dm;
+    std::memcpy(&dm, blk, 4);
+    const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(dm)));
+    d = _mm512_broadcastss_ps(_mm512_castps512_ps128(both));
+    m = _mm512_permutexvar_ps(_mm512_set1_epi32(1), both);
+  } else {
+    d = _mm512_set1_ps(Half(blk));
+  }
+}
+
+// A block's 32 values before its scale, in two vectors: values 0-15 and 16-31.
+template <int F>
+inline void Widen(const uint8_t* blk, __m512& lo, __m512& hi) {
+  if (F == kQ8_0) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))));
+  } else {
+    const __m512i q = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == kQ4_1 ? 4 : 2))));
+    __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(0x0f)), h = _mm512_srli_epi32(q, 4);
+    if (F == kQ4_0) {
+      l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
+      h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
+    }
+    lo = _mm512_cvtepi32_ps(l);
+    hi = _mm512_cvtepi32_ps(h);
+  }
+}
+
+// Rows [m0, m0 + MR) times output columns [n0, n1), C columns at a time, so that each row has C
+// independent accumulator chains in flight. Each block is widened and scaled once (d * q, plus m
+// for Q4_1: two multiply-adds) for all MR rows, which then take two multiply-adds each; a single
+// row of Q4_0 or Q8_0 saves one by scaling its block sum instead (d * sum of x * q).
+template <int F, int MR, int C>
+void VectorColumns(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr bool kScaleSums = MR == 1 && F != kQ4_1;
+  const int64_t B = BlockBytes(F);
+  const int64_t stride = a.nb * B;
+  const float* x[MR];
+  for (int m = 0; m < MR; ++m) x[m] = a.x + (m0 + m) * a.K;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) {
+    const uint8_t* r = a.w + n * stride;
+    __m512 acc[C][MR];
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < MR; ++m) acc[c][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.nb; ++b) {
+      __m512 lo[C], hi[C], d[C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* blk = r + c * stride + b * B;
+        __m512 mn;
+        Widen<F>(blk, lo[c], hi[c]);
+        Scales<F>(blk, d[c], mn);
+        if (!kScaleSums) {
+          lo[c] = F == kQ4_1 ? _mm512_fmadd_ps(lo[c], d[c], mn) : _mm512_mul_ps(lo[c], d[c]);
+          hi[c] = F == kQ4_1 ? _mm512_fmadd_ps(hi[c], d[c], mn) : _mm512_mul_ps(hi[c], d[c]);
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xl = _mm512_loadu_ps(x[m] + b * kBlock), xh = _mm512_loadu_ps(x[m] + b * kBlock + 16);
+        for (int c = 0; c < C; ++c) {
+          if (kScaleSums) {
+            const __m512 p = _mm512_fmadd_ps(hi[c], xh, _mm512_mul_ps(lo[c], xl));
+            acc[c][m] = _mm512_fmadd_ps(p, d[c], acc[c][m]);
+          } else {
+            acc[c][m] = _mm512_fmadd_ps(hi[c], xh, _mm512_fmadd_ps(lo[c], xl, acc[c][m]));
+          }
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < MR; ++m) a.y[(m0 + m) * a.N + n + c] = _mm512_reduce_add_ps(acc[c][m]);
+  }
+  if (C > 1 && n < n1) VectorColumns<F, MR, 1>(a, m0, n, n1);
+}
+
+template <int F>
+void VectorRows(const Args& a, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + kMaxRows <= a.M; m += kMaxRows) VectorColumns<F, kMaxRows, 2>(a, m, n0, n1);
+  switch (a.M - m) {
+    case 7: VectorColumns<F, 7, 2>(a, m, n0, n1); break;
+    case 6: VectorColumns<F, 6, 2>(a, m, n0, n1); break;
+    case 5: VectorColumns<F, 5, 2>(a, m, n0, n1); break;
+    case 4: VectorColumns<F, 4, 2>(a, m, n0, n1); break;
+    case 3: VectorColumns<F, 3, 2>(a, m, n0, n1); break;
+    case 2: VectorColumns<F, 2, 2>(a, m, n0, n1); break;
+    case 1: VectorColumns<F, 1, 2>(a, m, n0, n1); break;
+    default: break;
+  }
+}
+#endif
+
+template <int F>
+void Product(ffi::ThreadPool& pool, const Args& a) {
+  const int64_t threads = pool.num_threads() + 1;
+  // About eight items per thread, so that a thread held up elsewhere delays little.
+  const int64_t cols = std::max<int64_t>(kItemCols, (a.N + 8 * threads - 1) / (8 * threads) / 2 * 2);
+  const int64_t items = (a.N + cols - 1) / cols;
+  jaxserve::ParallelFor(pool, items, [=](int64_t t) {
+    const int64_t n0 = t * cols, n1 = std::min(a.N, n0 + cols);
+#if defined(__AVX512BW__)
+    VectorRows<F>(a, n0, n1);
+#else
+    ScalarColumns<F>(a, n0, n1);
+#endif
+  });
+}
+
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t format) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const size_t r = wd.size();
+  const int64_t B = BlockBytes(static_cast<int>(format));
+  if (B == 0) {
+    return ffi::Error::InvalidArgument("block_matmul: format must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got " +
+                                       std::to_string(format));
+  }
+  if (xd.size() != 2 || (r != 2 && r != 3) || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[r - 2] ||
+      xd[1] % kBlock != 0 || wd[r - 1] != xd[1] / kBlock * B || layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "block_matmul: x [M, K] (K a multiple of 32) @ w [N, K / 32 * block bytes] or [L, N, ...], "
+        "layer [] -> y [M, N]");
+  }
+  if (x.element_type() != ffi::F32 || w.element_type() != ffi::U8 || y->element_type() != ffi::F32 ||
+      layer.element_type() != ffi::S32) {
+    return ffi::Error::InvalidArgument("block_matmul: x f32, w u8, layer s32, y f32");
+  }
+  const int64_t l = *static_cast<const int32_t*>(layer.untyped_data()), layers = r == 3 ? wd[0] : 1;
+  if (l < 0 || l >= layers) {
+    return ffi::Error::InvalidArgument("block_matmul: layer " + std::to_string(l) + " of " + std::to_string(layers));
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[r - 2], nb = K / kBlock;
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const float* xp = static_cast<const float*>(x.untyped_data());
+  const Args a{xp, static_cast<const uint8_t*>(w.untyped_data()) + l * N * nb * B,
+               static_cast<float*>(y->untyped_data()), M, K, N, nb};
+  switch (format) {
+    case kQ4_0: Product<kQ4_0>(pool, a); break;
+    case kQ4_1: Product<kQ4_1>(pool, a); break;
+    default: Product<kQ8_0>(pool, a); break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBlockMatmul, BlockMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w
+                                  .Arg<ffi::AnyBuffer>()  // layer
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Attr<int64_t>("format"));

@@ -1,0 +1,220 @@
+"""Decode steps reading a GGUF model's own quantization blocks (ir.blocks, passes.gguf_blocks,
+cpp/block_matmul.cc): the kernel against gguf's own dequantization, the op's reference, the pass,
+the loader's blocks against its f32 weights, and engines with and without the blocks."""
+
+from __future__ import annotations
+
+import conftest
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf.quants import dequantize, quantize
+
+from ir import OPS, verify
+from ir.attrs import BLOCK_FORMAT, GGUF_BLOCKS, Role, role_of
+from ir.blocks import BLOCK_FORMATS, blocks_name, dequantize_blocks, split_blocks_name
+from models.config import get_preset
+from models.weights import expected_shapes, random_weights
+from runtime import SamplingParams
+from runtime.config import EngineConfig
+from runtime.core.buckets import BucketTable
+from runtime.entrypoints.llm import LLM
+from runtime.plan import build_graph, compile_plan
+from runtime.worker import cpp_kernels
+
+FORMATS = tuple(BLOCK_FORMATS)
+needs_kernel = pytest.mark.skipif(not cpp_kernels.available(), reason="the C++ kernels do not build here")
+
+
+def _quantized(rows_by_k: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks u8 [N, row bytes], their f32 values [N, K]) of a [N, K] f32 matrix."""
+    qtype = gguf.GGMLQuantizationType(BLOCK_FORMATS[fmt].type_id)
+    blocks = quantize(np.asarray(rows_by_k, np.float32), qtype)
+    return blocks, dequantize(blocks, qtype).astype(np.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,k,n", [(1, 32, 1), (1, 64, 17), (2, 96, 50), (4, 576, 33), (5, 128, 64),
+                                   (8, 1536, 19), (11, 64, 7), (16, 160, 3)])
+def test_kernel_matches_gguf_dequantization(fmt, m, k, n):
+    """Ragged rows (1-16, past the kernel's 8-row passes), output columns off its 2-column pairs,
+    and K of 1 to 48 blocks, plain and from a layer stack; an f64 product of gguf's own
+    dequantized values is the reference."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    stack = [_quantized(rng.standard_normal((n, k)) * 0.1, fmt) for _ in range(3)]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    for layer in (None, 0, 2):
+        blocks, values = stack[layer or 0]
+        w = blocks if layer is None else np.stack([b for b, _ in stack])
+        got = np.asarray(jax.jit(lambda a, b, i: cpp_kernels.block_matmul(a, b, fmt, layer=i))(
+            x, w, None if layer is None else jnp.int32(layer)))
+        want = x.astype(np.float64) @ values.T.astype(np.float64)
+        assert got.shape == (m, n)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_jnp_dequantization_matches_gguf(fmt):
+    rng = np.random.default_rng(3)
+    blocks, values = _quantized(rng.standard_normal((5, 96)), fmt)
+    np.testing.assert_array_equal(np.asarray(dequantize_blocks(jnp.asarray(blocks), fmt)), values)
+    assert np.asarray(dequantize_blocks(jnp.asarray(np.stack([blocks] * 2)), fmt)).shape == (2, 5, 96)
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_reference_reads_the_blocks_only_for_few_rows(transpose_b):
+    """The op's reference: up to max_rows rows from the blocks, more from w. A w that differs from
+    the blocks' values shows which one each product read."""
+    rng = np.random.default_rng(0)
+    blocks, values = _quantized(rng.standard_normal((24, 64)), "q4_1")  # [N, K]
+    other = np.zeros_like(values.T) + 1.0  # [K, N], not the blocks' values
+    w = other.T if transpose_b else other
+    impl = OPS["matmul_blocks"].impl
+    for rows in (1, 4, 5, 9):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        got = np.asarray(impl(x, w, blocks, format="q4_1", max_rows=4, transpose_b=transpose_b))
+        want = x @ (values.T if rows <= 4 else other)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def block_weights(cfg, seed: int, formats: dict[str, str]) -> dict[str, np.ndarray]:
+    """Random weights for `cfg` whose matrices, by name suffix (`wq`, `embed`...) in `formats`, are
+    made of GGUF blocks: the f32 tensor is the blocks' values, and the blocks sit beside it under
+    blocks_name, in the file's [out, in] layout (the embedding's [vocab, hidden]), as load_gguf
+    gives them."""
+    weights = random_weights(cfg, seed=seed)
+    for name in list(weights):
+        fmt = formats.get(name.rsplit(".", 1)[-1])
+        if fmt is None or weights[name].ndim != 2:
+            continue
+        rows = weights[name] if name == "embed" else weights[name].T  # the file's layout
+        blocks, values = _quantized(rows * 4.0, fmt)
+        weights[name] = np.ascontiguousarray(values if name == "embed" else values.T)
+        weights[blocks_name(name, fmt)] = blocks
+    return weights
+
+
+ALL_Q4_1 = {k: "q4_1" for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")} | {"lm_head": "q8_0"}
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, device_memory=1 << 30)
+
+
+def served_graph(weights, **engine):
+    cfg = get_preset("tiny")
+    from runtime.plan import weight_block_formats
+
+    graph, memory, _ = build_graph(cfg, EngineConfig(**(ENGINE | engine)), BucketTable.build(32, 8),
+                                   device_memory=1 << 30, keep_pass_texts=False,
+                                   block_formats=weight_block_formats(weights))
+    return verify(graph), memory
+
+
+@needs_kernel
+def test_pass_rewrites_the_matmuls_whose_sources_all_have_blocks():
+    """Fused q/k/v with one format: blocks; gate/up with two formats: left as matmul; the
+    untied LM head: blocks with its role. The memory plan counts the blocks' bytes."""
+    formats = dict(ALL_Q4_1, w_up="q8_0")
+    weights = block_weights(get_preset("tiny"), 0, formats)
+    if not cpp_kernels.matmul_vectorized():
+        pytest.skip("no vector path here: auto leaves the blocks unread")
+    graph, memory = served_graph(weights)
+    blocked = {n.inputs[1].name: n.inputs[2] for n in graph.nodes() if n.op == "matmul_blocks"}
+    plain = {n.inputs[1].name for n in graph.nodes() if n.op == "matmul"}
+    assert {"layers.0.wqkv", "layers.1.wo", "layers.0.w_down", "lm_head"} <= set(blocked)
+    assert "layers.0.w_gate_up" in plain and "layers.0.w_gate_up" not in blocked
+    qkv = blocked["layers.0.wqkv"]
+    assert (qkv.dtype, qkv.shape, qkv.attr(BLOCK_FORMAT)) == ("u8", (64 + 32 + 32, 64 // 32 * 20), "q4_1")
+    assert qkv.attr(GGUF_BLOCKS) == "layers.0.wqkv" and role_of(qkv) == Role.QKV
+    assert blocked["lm_head"].attr(BLOCK_FORMAT) == "q8_0" and role_of(blocked["lm_head"]) == Role.LM_HEAD
+    _, without = served_graph(weights, gguf_blocks=False)
+    extra = sum(int(np.prod(p.shape)) for p in graph.params if p.dtype == "u8")
+    assert memory.weight_bytes == without.weight_bytes + extra
+
+
+def test_engine_config_refuses_what_blocks_do_not_combine_with():
+    for bad in (dict(quantization="int8"), dict(matmul_precision="bfloat16"), dict(dtype="bfloat16")):
+        with pytest.raises(ValueError, match="gguf_blocks does not combine"):
+            EngineConfig(gguf_blocks=True, **bad)
+    EngineConfig(gguf_blocks=None, quantization="int8")  # auto: just off
+    with pytest.raises(ValueError, match="no GGUF blocks"):
+        compile_plan(None, EngineConfig(gguf_blocks=True, **ENGINE), weights=random_weights(get_preset("tiny")),
+                     config=get_preset("tiny"))
+
+
+def test_loader_blocks_are_its_f32_weights(smollm2_weights):
+    """Every SmolLM2 matrix (Q4_1, its tied embedding Q8_0) comes with its blocks, rows in the
+    file's [out, in] order with llama.cpp's q/k permutation undone: they dequantize to the f32
+    weights exactly."""
+    config, weights = smollm2_weights
+    shapes = expected_shapes(config)
+    blocks = {split_blocks_name(k): k for k in weights if split_blocks_name(k)}
+    assert {name for name, _ in blocks} == {n for n, s in shapes.items() if len(s) == 2}
+    for (name, fmt), key in blocks.items():
+        if name.startswith("layers.") and int(name.split(".")[1]) not in (0, 29):
+            continue
+        assert fmt == ("q8_0" if name == "embed" else "q4_1"), name
+        values = np.asarray(dequantize_blocks(jnp.asarray(weights[key]), fmt))
+        np.testing.assert_array_equal(values, weights[name] if name == "embed" else weights[name].T, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_weights():
+    from models.weights import load_model
+
+    config, weights, _ = load_model("smollm2-135m")
+    return config, weights
+
+
+def tiny_block_llm(weights, **engine) -> LLM:
+    cfg = get_preset("tiny")
+    plan = compile_plan(None, EngineConfig(**(dict(ENGINE, num_kv_blocks=40) | engine)), weights=weights, config=cfg)
+    return LLM.from_plan(plan, check_invariants=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scan", [False, True])
+def test_engine_with_blocks_matches_f32(scan):
+    """Batches of 1-8 decode rows (the blocks) and 16+ token prefill steps (f32), chunked prompts
+    and a prefix hit: the same greedy tokens as the engine without the blocks, logprobs within f32
+    rounding, and no recompiles."""
+    if not cpp_kernels.matmul_vectorized():
+        pytest.skip("no vector path here: auto leaves the blocks unread")
+    weights = block_weights(get_preset("tiny"), 5, ALL_Q4_1)
+    shared = list(range(10, 50))
+    prompts = [shared + [3, 4], list(range(5, 9)), shared + [7], list(range(60, 110))] + \
+              [[i, i + 1, i + 2] for i in range(120, 124)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    got = {}
+    for blocks in (False, True):
+        llm = tiny_block_llm(weights, gguf_blocks=blocks, scan_layers=scan)
+        ops = {n.op for n in llm.plan.graph.nodes()}
+        assert ("matmul_blocks" in ops) == blocks
+        got[blocks] = llm.generate(prompts, params)
+        assert llm.engine.stats().num_recompiles == 0
+    for a, b in zip(got[False], got[True]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for tok in la:
+                assert abs(la[tok] - lb[tok]) < 1e-4
+
+
+@needs_kernel
+def test_smollm2_greedy_tokens_with_and_without_blocks():
+    """The bundled GGUF: the same greedy tokens with the blocks read (the default here) as with the
+    f32 weights, batch 1 and a batch of 3."""
+    if not cpp_kernels.matmul_vectorized():
+        pytest.skip("no vector path here: auto leaves the blocks unread")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Three colors of the rainbow are"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for blocks in (None, False):
+        llm = LLM("smollm2-135m", gguf_blocks=blocks, max_model_len=256, max_num_seqs=4,
+                  max_num_batched_tokens=64, num_kv_blocks=64)
+        assert ("matmul_blocks" in {n.op for n in llm.plan.graph.nodes()}) == (blocks is None)
+        outs[blocks] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        outs[blocks].append(llm.generate(prompts[0], params)[0].outputs[0].token_ids)
+        del llm
+    assert outs[None] == outs[False]
