@@ -18,9 +18,9 @@ from ir.attrs import BLOCK_FORMAT, CONCAT, GGUF_BLOCKS, ROLE, Role, role_of
 from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES
 from ir.graph import freeze_attrs
 
-# Rows up to which a step's matmuls read the blocks: decode steps of up to 8 sequences
-# (BENCHMARKS.md, "Decode rows from the GGUF's own blocks").
-BLOCKS_MAX_ROWS = 8
+# Rows up to which a step's matmuls read the blocks: every decode bucket of the default engine (64
+# sequences); prefill chunks of 128+ tokens keep f32 (BENCHMARKS.md, "Decode steps from the GGUF's own blocks").
+BLOCKS_MAX_ROWS = 64
 
 
 def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS_MAX_ROWS) -> Graph:

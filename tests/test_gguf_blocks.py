@@ -176,19 +176,19 @@ def tiny_block_llm(weights, **engine) -> LLM:
 @needs_kernel
 @pytest.mark.parametrize("scan", [False, True])
 def test_engine_with_blocks_matches_f32(scan):
-    """Batches of 1-8 decode rows (the blocks) and 16+ token prefill steps (f32), chunked prompts
-    and a prefix hit: the same greedy tokens as the engine without the blocks, logprobs within f32
-    rounding, and no recompiles."""
+    """Steps of up to 64 rows (decode batches and short prefills: the blocks) and a 128-token step
+    (a 100-token prompt: f32), a prefix hit: the same greedy tokens as the engine without the
+    blocks, logprobs within f32 rounding, and no recompiles."""
     if not cpp_kernels.matmul_vectorized():
         pytest.skip("no vector path here: auto leaves the blocks unread")
     weights = block_weights(get_preset("tiny"), 5, ALL_Q4_1)
     shared = list(range(10, 50))
-    prompts = [shared + [3, 4], list(range(5, 9)), shared + [7], list(range(60, 110))] + \
+    prompts = [shared + [3, 4], list(range(5, 9)), shared + [7], list(range(130, 230))] + \
               [[i, i + 1, i + 2] for i in range(120, 124)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     got = {}
     for blocks in (False, True):
-        llm = tiny_block_llm(weights, gguf_blocks=blocks, scan_layers=scan)
+        llm = tiny_block_llm(weights, gguf_blocks=blocks, scan_layers=scan, max_num_batched_tokens=128)
         ops = {n.op for n in llm.plan.graph.nodes()}
         assert ("matmul_blocks" in ops) == blocks
         got[blocks] = llm.generate(prompts, params)
