@@ -399,11 +399,14 @@ def load_safetensors(path_or_dir: str | os.PathLike, config: ModelConfig) -> dic
 
 
 def save_safetensors(weights: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:
-    """Writes canonical weights as one HF-named safetensors file (inverse of load_safetensors)."""
+    """Writes canonical weights as one HF-named safetensors file (inverse of load_safetensors); GGUF
+    blocks, which have no HF name, stay out."""
     from safetensors.numpy import save_file
 
     out = {}
     for canon, arr in weights.items():
+        if split_blocks_name(canon) is not None:
+            continue
         pattern, layer = _pattern_of(canon)
         src, _, transposed = WEIGHT_MAP[pattern]
         src = src if layer is None else src.format(layer)

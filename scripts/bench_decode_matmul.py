@@ -15,6 +15,9 @@ weights widened to f32 (ir.int8.weight_only_matmul without a kernel). f32 compar
 `cpp_kernels.f32_matmul` with XLA's f32 dot on f32 weights (425 MB for 30 layers). f32-scan runs the
 same products as a `lax.scan` over the layers' stacked weights [L, K, N], as a step scanned over
 layers does: ours reads each layer in place from the stack, XLA's dot takes the scan's slice of it.
+q4_1-scan does the same with GGUF Q4_1 blocks (ir.blocks; 80 MB for 30 layers): ours is
+`cpp_kernels.block_matmul` on the stacked blocks, XLA's the f32 dot on the scan's slice of the
+blocks' values, as a scanned step without and with `gguf_blocks` (the GB/s are each one's own bytes).
 Prints one markdown row per row count and mode: the median milliseconds of each, the weight bytes
 streamed per second, and ours vs XLA.
 Run on a quiet machine (uptime < 1).
@@ -55,14 +58,15 @@ def chained(product, int8_rows: bool):
     return jax.jit(step)
 
 
-def scanned(product):
+def scanned(product, ks=None):
     """The products of `chained`, in a lax.scan over the layers' stacks (one [L, K, N] per shape):
-    product(x, stack, layer) reads layer `layer` of the stack; None takes the scan's slice."""
+    product(x, stack, layer) reads layer `layer` of the stack; None takes the scan's slice.
+    `ks`: each product's K, where the stacks are not [L, K, N] (GGUF blocks)."""
     def step(x, stacks):
         def body(x, xs):
             layer, ws = xs
             for i, stack in enumerate(stacks):
-                k = stack.shape[1]
+                k = stack.shape[1] if ks is None else ks[i]
                 xin = jnp.tile(x, (1, k // x.shape[1] + 1))[:, :k]
                 y = jnp.matmul(xin, ws[i], preferred_element_type=jnp.float32) if product is None else \
                     product(xin, stack, layer)
@@ -93,7 +97,7 @@ MODES = {"w8a8": (cpp_kernels.int8_matmul, xla_int8_dot, True),
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,8,16,32,64")
-    ap.add_argument("--modes", default="w8a8,weight-only")
+    ap.add_argument("--modes", default="w8a8,weight-only", help="w8a8, weight-only, f32, f32-scan, q4_1-scan")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
@@ -111,7 +115,23 @@ def main() -> None:
         if "f32-scan" in modes:
             weights["f32-scan"] = [jnp.asarray(np.stack([layer[i] for layer in f32])) for i in range(len(SHAPES))]
         del f32
+    if "q4_1-scan" in modes:
+        import gguf
+        from gguf.quants import dequantize, quantize
+
+        q41 = gguf.GGMLQuantizationType.Q4_1
+        blocks = [[quantize(rng.standard_normal((n, k), np.float32), q41) for k, n in SHAPES]
+                  for _ in range(args.layers)]
+        weights["q4_1-blocks"] = [jnp.asarray(np.stack([layer[i] for layer in blocks])) for i in range(len(SHAPES))]
+        weights["q4_1-f32"] = [jnp.asarray(np.stack([dequantize(layer[i], q41).T for layer in blocks]))
+                               for i in range(len(SHAPES))]
+        del blocks
     for mode in modes:
+        if mode == "q4_1-scan":
+            fns[mode, "ours"] = (scanned(lambda x, s, i: cpp_kernels.block_matmul(x, s, "q4_1", layer=i),
+                                         ks=[k for k, _ in SHAPES]), "q4_1-blocks")
+            fns[mode, "xla"] = (scanned(None), "q4_1-f32")
+            continue
         if mode == "f32-scan":
             fns[mode, "ours"] = (scanned(lambda x, s, i: cpp_kernels.f32_matmul(x, s, layer=i)), mode)
             fns[mode, "xla"] = (scanned(None), mode)
@@ -120,6 +140,8 @@ def main() -> None:
             fns[mode, who] = (chained(MODES[mode][i], MODES[mode][2]), "f32" if mode == "f32" else "int8")
     counts = args.layers * sum(k * n for k, n in SHAPES)
     nbytes = {mode: counts * (4 if mode.startswith("f32") else 1) for mode in modes}
+    xla_bytes = dict(nbytes, **{"q4_1-scan": counts * 4})
+    nbytes["q4_1-scan"] = counts * 20 // 32
     print(f"weights {counts / 1e6:.0f} M values; matmul_vectorized: {cpp_kernels.matmul_vectorized()}; "
           f"load {os.getloadavg()[0]:.2f}")
     print("| mode | rows | ours ms | ours GB/s | XLA ms | XLA GB/s | ours vs XLA |")
@@ -137,7 +159,7 @@ def main() -> None:
         for mode in modes:
             ours, xla = (float(np.median(times[mode, who])) for who in ("ours", "xla"))
             print(f"| {mode} | {rows} | {ours * 1e3:.2f} | {nbytes[mode] / ours / 1e9:.1f} | {xla * 1e3:.2f} | "
-                  f"{nbytes[mode] / xla / 1e9:.1f} | {xla / ours:.2f}x |", flush=True)
+                  f"{xla_bytes[mode] / xla / 1e9:.1f} | {xla / ours:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -218,3 +218,38 @@ def test_smollm2_greedy_tokens_with_and_without_blocks():
         outs[blocks].append(llm.generate(prompts[0], params)[0].outputs[0].token_ids)
         del llm
     assert outs[None] == outs[False]
+
+
+def test_safetensors_from_weights_with_blocks(tmp_path):
+    """An HF safetensors file written from a GGUF's weights (as `runtime.bench --baseline hf` does)
+    holds the f32 tensors only: blocks have no HF name."""
+    from models.weights import load_safetensors, save_safetensors
+
+    cfg = get_preset("tiny")
+    weights = block_weights(cfg, 1, ALL_Q4_1)
+    save_safetensors(weights, tmp_path / "model.safetensors")
+    back = load_safetensors(tmp_path / "model.safetensors", cfg)
+    assert set(back) == {k for k in weights if split_blocks_name(k) is None}
+    for name, arr in back.items():
+        np.testing.assert_array_equal(arr, weights[name])
+
+
+@needs_kernel
+def test_saved_plan_keeps_the_blocks(tmp_path):
+    """A plan saved with its blocks (u8 params in the Orbax checkpoint) loads and decodes as before."""
+    from runtime.plan import Plan
+
+    if not cpp_kernels.matmul_vectorized():
+        pytest.skip("no vector path here: auto leaves the blocks unread")
+    cfg = get_preset("tiny")
+    plan = compile_plan(None, EngineConfig(**dict(ENGINE, num_kv_blocks=40)), weights=block_weights(cfg, 2, ALL_Q4_1),
+                        config=cfg)
+    blocks = {name: w for name, w in plan.weights.items() if w.dtype == np.uint8}
+    assert blocks and all(name.endswith((".q4_1", ".q8_0")) for name in blocks)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM.from_plan(plan).generate([[5, 6, 7], [9, 10]], params)]
+    plan.save(tmp_path / "plan")
+    loaded = Plan.load(tmp_path / "plan")
+    for name, w in blocks.items():
+        np.testing.assert_array_equal(loaded.weights[name], w)
+    assert [o.outputs[0].token_ids for o in LLM.from_plan(loaded).generate([[5, 6, 7], [9, 10]], params)] == want
