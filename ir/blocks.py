@@ -57,7 +57,8 @@ def split_blocks_name(key: str) -> tuple[str, str] | None:
 
 
 def dequantize_blocks(w, fmt: str):
-    """w u8 [..., N, K / 32 * block bytes] -> f32 [..., N, K], in jnp."""
+    """w u8 [..., N, K / 32 * block bytes] -> f32 [..., N, K], in jnp: the formats' values, which the
+    tests hold the loader and the C++ kernel to."""
     f = BLOCK_FORMATS[fmt]
     lead = w.shape[:-1]
     blocks = w.reshape(lead + (w.shape[-1] // f.block_bytes, f.block_bytes))
@@ -77,9 +78,3 @@ def _half(two_bytes):
     bits = two_bytes[..., 0:1].astype(jnp.uint16) | (two_bytes[..., 1:2].astype(jnp.uint16) << 8)
     return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 
-
-def blocks_matmul(x, w_blocks, fmt: str):
-    """x [..., K] @ the blocks' values (w_blocks [N, K / 32 * block bytes]) -> [..., N] in x's dtype,
-    with f32 sums: the reference of the product that decode steps take from the blocks."""
-    w = dequantize_blocks(w_blocks, fmt)  # [N, K]
-    return jnp.matmul(x.astype(jnp.float32), w.T, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES, blocks_matmul
+from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.rope import rope_inv_freq
@@ -218,11 +218,10 @@ def _matmul_blocks(inputs, attrs):
 
 @impl("matmul_blocks")
 def _matmul_blocks_impl(x, w, w_blocks, *, format, max_rows, transpose_b=False):
-    """x @ w; steps of at most `max_rows` rows (decode) read the same weights from `w_blocks`, a GGUF
-    file's blocks (ir.blocks), dequantized here; backends read them in their own kernels."""
-    if math.prod(x.shape[:-1]) > max_rows:
-        return _matmul_impl(x, w, transpose_b=transpose_b)
-    return blocks_matmul(x, w_blocks, format)
+    """x @ w. `w_blocks` holds the same values in a GGUF file's blocks (ir.blocks): a backend with a
+    kernel for them (cpp) reads them in steps of at most `max_rows` rows; this reference, like any
+    other backend, multiplies by w and never widens the blocks into a temporary."""
+    return _matmul_impl(x, w, transpose_b=transpose_b)
 
 
 @op("matmul_int8", 3)

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from ir import DTYPE_BYTES, Graph, Node, bind_shape
-from ir.attrs import ALL_GATHER, SHARDING, TP_AXIS
+from ir.attrs import ALL_GATHER, GGUF_BLOCKS, SHARDING, TP_AXIS
 from ir.graph import freeze_attrs
 from ir.layers import find_layers
 
@@ -187,7 +187,9 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "ch
         live = 0
         for layer, leaves in zip(layers.layer_nodes, layers.leaves):
             first, last = index[id(layer[0])], index[id(layer[-1])]
-            weights = sum(_nbytes(x, env) for x in leaves.values() if x.op == "param")
+            # A layer's weights as the scan slices them; GGUF blocks are never sliced: the cpp
+            # kernels read them in the stack, and other backends do not read them at all.
+            weights = sum(_nbytes(x, env) for x in leaves.values() if x.op == "param" and not x.attr(GGUF_BLOCKS))
             allocs[first] = weights + sum(hoisted.get(id(n), 0) for n in layer)
             frees[last] = frees.get(last, 0) + weights
     peak = live

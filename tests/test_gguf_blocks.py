@@ -64,20 +64,26 @@ def test_jnp_dequantization_matches_gguf(fmt):
     assert np.asarray(dequantize_blocks(jnp.asarray(np.stack([blocks] * 2)), fmt)).shape == (2, 5, 96)
 
 
+@needs_kernel
 @pytest.mark.parametrize("transpose_b", [False, True])
-def test_reference_reads_the_blocks_only_for_few_rows(transpose_b):
-    """The op's reference: up to max_rows rows from the blocks, more from w. A w that differs from
-    the blocks' values shows which one each product read."""
+def test_lowerings_read_the_blocks_only_for_few_rows(transpose_b):
+    """The op's reference, and every backend but cpp, multiply by w; cpp's lowering reads the
+    blocks for up to max_rows rows where the kernel has its vector path. A w that differs from the
+    blocks' values shows which one each product read."""
+    from runtime.worker.kernels import matmul_blocks_cpp
+
     rng = np.random.default_rng(0)
     blocks, values = _quantized(rng.standard_normal((24, 64)), "q4_1")  # [N, K]
     other = np.zeros_like(values.T) + 1.0  # [K, N], not the blocks' values
     w = other.T if transpose_b else other
-    impl = OPS["matmul_blocks"].impl
+    attrs = dict(format="q4_1", max_rows=4, transpose_b=transpose_b)
     for rows in (1, 4, 5, 9):
         x = rng.standard_normal((rows, 64)).astype(np.float32)
-        got = np.asarray(impl(x, w, blocks, format="q4_1", max_rows=4, transpose_b=transpose_b))
-        want = x @ (values.T if rows <= 4 else other)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(OPS["matmul_blocks"].impl(x, w, blocks, **attrs)), x @ other,
+                                   rtol=1e-5, atol=1e-4)
+        want = x @ (values.T if rows <= 4 and cpp_kernels.matmul_vectorized() else other)
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda a: matmul_blocks_cpp(a, w, blocks, **attrs))(x)), want,
+                                   rtol=1e-5, atol=1e-4)
 
 
 def block_weights(cfg, seed: int, formats: dict[str, str]) -> dict[str, np.ndarray]:

@@ -353,21 +353,14 @@ def matmul_cpp(x, w, *, transpose_b=False, layer=None):
 
 def matmul_blocks_cpp(x, w, w_blocks, *, format, max_rows, transpose_b=False, layer=None):
     """matmul_blocks under kernel_backend="cpp": a product of at most `max_rows` rows reads the GGUF
-    blocks in our C++ kernel (f32 sums in another order than the reference's); wider ones take the
-    f32 weight as matmul_cpp does. `layer` as in matmul_int8_cpp, for whichever weight arrives as
-    a stack [L, ...]."""
+    blocks in our C++ kernel (the same values as w, f32 sums in another order) where it has its
+    vector path; anything else multiplies by w as matmul_cpp does. `layer` as in matmul_int8_cpp,
+    for whichever weight arrives as a stack [L, ...]."""
     rows = math.prod(x.shape[:-1])
-    w_layer = layer if w.ndim == 3 else None
-    b_layer = layer if w_blocks.ndim == 3 else None
-    if rows > max_rows:
-        return matmul_cpp(x, w, transpose_b=transpose_b, layer=w_layer)
-    if not cpp_kernels.matmul_vectorized():
-        if b_layer is not None:
-            w_blocks = jax.lax.dynamic_index_in_dim(w_blocks, b_layer, keepdims=False)
-        if w_layer is not None:
-            w = jax.lax.dynamic_index_in_dim(w, w_layer, keepdims=False)
-        return OPS["matmul_blocks"].impl(x, w, w_blocks, format=format, max_rows=max_rows, transpose_b=transpose_b)
-    y = cpp_kernels.block_matmul(x.reshape(rows, x.shape[-1]).astype(jnp.float32), w_blocks, format, layer=b_layer)
+    if rows > max_rows or not cpp_kernels.matmul_vectorized():
+        return matmul_cpp(x, w, transpose_b=transpose_b, layer=layer if w.ndim == 3 else None)
+    layer = layer if w_blocks.ndim == 3 else None
+    y = cpp_kernels.block_matmul(x.reshape(rows, x.shape[-1]).astype(jnp.float32), w_blocks, format, layer=layer)
     return y.reshape(x.shape[:-1] + (w_blocks.shape[-2],)).astype(x.dtype)
 
 
