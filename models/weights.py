@@ -247,6 +247,33 @@ def gguf_tensor_data(file: np.ndarray, t: GGUFTensor) -> np.ndarray:
     return raw.reshape(quant_shape_to_byte_shape(shape, qtype))
 
 
+def _blocks_format(canon: str, t: GGUFTensor, transposed: bool) -> str | None:
+    """The block format (ir.blocks) a GGUF tensor is kept in beside its f32 values, or None: the
+    matrices of a matmul (a linear layer's [out, in], or the embedding, a tied LM head)."""
+    fmt = FORMAT_OF_TYPE.get(t.tensor_type)
+    return fmt if fmt is not None and len(t.shape) == 2 and (transposed or canon == "embed") else None
+
+
+def gguf_block_formats(spec: str | os.PathLike) -> dict[str, str]:
+    """Canonical name -> block format of every tensor whose blocks load_gguf keeps, for a preset or
+    .gguf spec, from the header index alone; {} for anything else."""
+    spec_str = str(spec)
+    if spec_str == "smollm2-135m":
+        path = find_smollm2_gguf()
+    elif spec_str.endswith(".gguf") and Path(spec_str).is_file():
+        path = Path(spec_str)
+    else:
+        return {}
+    fields, tensors = read_gguf_index(path)
+    config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=path.stem)
+    out = {}
+    for canon, (src, transposed) in source_names(config, "gguf").items():
+        fmt = _blocks_format(canon, tensors[src], transposed) if src in tensors else None
+        if fmt is not None:
+            out[canon] = fmt
+    return out
+
+
 def load_gguf(path: str | os.PathLike, name: str | None = None):
     """Reads a GGUF file -> (ModelConfig, canonical float32 weights, metadata dict).
 
@@ -289,8 +316,8 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
             elif key in ("wk", "bk"):
                 arr = unpermute_qk_rows(arr, config.num_kv_heads)
         weights[canon] = np.ascontiguousarray(arr.T if transposed else arr)
-        fmt = FORMAT_OF_TYPE.get(t.tensor_type)
-        if fmt is not None and len(t.shape) == 2 and (transposed or canon == "embed"):
+        fmt = _blocks_format(canon, t, transposed)
+        if fmt is not None:
             rows = gguf_tensor_data(file, t)  # [file rows, row bytes]: the out features (vocab for embed)
             if arch in _GGUF_PERMUTED_ARCHS and canon.rsplit(".", 1)[-1] in ("wq", "wk"):
                 heads = config.num_q_heads if canon.endswith("wq") else config.num_kv_heads

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import importlib.util
 import json
 import logging
@@ -67,14 +68,26 @@ def check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror}; check --host and --port") from e
 
 
-def plan_without_weights(config, engine: EngineConfig):
-    """(final graph, memory plan, bucket table) from the config alone, as a dry run makes them."""
+def model_block_formats(model) -> dict[str, str]:
+    """The GGUF blocks a model spec's weights will bring (a preset's or .gguf file's header index),
+    so that a plan made before the weights load counts their bytes; {} for other specs."""
+    from models.weights import gguf_block_formats
+
+    try:
+        return gguf_block_formats(model)
+    except (OSError, ValueError):  # a spec that does not resolve: preflight says so elsewhere
+        return {}
+
+
+def plan_without_weights(config, engine: EngineConfig, block_formats: dict[str, str] | None = None):
+    """(final graph, memory plan, bucket table) from the config alone, as a dry run makes them;
+    `block_formats` (models.weights.gguf_block_formats) for the GGUF blocks the weights will bring."""
     from runtime.core.buckets import BucketTable
     from runtime.plan import build_graph
 
     buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
     try:
-        graph, memory, _ = build_graph(config, engine, buckets, keep_pass_texts=False)
+        graph, memory, _ = build_graph(config, engine, buckets, keep_pass_texts=False, block_formats=block_formats)
     except ValueError as e:  # the passes refuse engine args that don't suit the model (e.g. its tp sizes)
         raise UserError(f"{config.name}: {e}") from e
     return graph, memory, buckets
@@ -85,19 +98,20 @@ def kv_fits(memory, engine: EngineConfig) -> bool:
     return memory.num_kv_blocks * engine.block_size >= engine.max_model_len
 
 
-def _fits_with(config, engine: EngineConfig, **change):
+def _fits_with_change(config, engine: EngineConfig, block_formats=None, **change):
     """The memory plan with `change` applied if it fits, else None (also when the change is invalid)."""
     try:
         e = dataclasses.replace(engine, **change)
-        memory = plan_without_weights(config, e)[1]
+        memory = plan_without_weights(config, e, block_formats)[1]
     except (ValueError, UserError):  # e.g. a tensor-parallel size the model's dims don't divide by
         return None
     return memory if kv_fits(memory, e) else None
 
 
-def fit_advice(config, engine: EngineConfig, memory) -> list[str]:
+def fit_advice(config, engine: EngineConfig, memory, block_formats=None) -> list[str]:
     """Flag changes, each checked by re-planning, that would make the plan fit (smallest first)."""
     advice = []
+    _fits_with = functools.partial(_fits_with_change, block_formats=block_formats)
     if engine.num_kv_blocks is not None:  # the override is what is short
         need = math.ceil(engine.max_model_len / engine.block_size)
         if _fits_with(config, engine, num_kv_blocks=need):
@@ -132,13 +146,13 @@ def fit_advice(config, engine: EngineConfig, memory) -> list[str]:
     return advice
 
 
-def fit_error(config, engine: EngineConfig, memory) -> UserError | None:
+def fit_error(config, engine: EngineConfig, memory, block_formats=None) -> UserError | None:
     """Why the plan does not fit (None if it does): the KV cache is short of one max_model_len
     sequence, or the parts (an explicit --num-kv-blocks) overrun the budget."""
     from runtime.worker.model_runner import check_fit
 
     if not kv_fits(memory, engine):
-        return not_fit_error(config, engine, memory)
+        return not_fit_error(config, engine, memory, block_formats)
     try:
         check_fit(memory)
     except MemoryError as e:
@@ -146,9 +160,9 @@ def fit_error(config, engine: EngineConfig, memory) -> UserError | None:
     return None
 
 
-def not_fit_error(config, engine: EngineConfig, memory) -> UserError:
+def not_fit_error(config, engine: EngineConfig, memory, block_formats=None) -> UserError:
     tp = f" per device at --tensor-parallel-size {engine.tensor_parallel_size}" if engine.tensor_parallel_size > 1 else ""
-    advice = fit_advice(config, engine, memory)
+    advice = fit_advice(config, engine, memory, block_formats)
     fix = ("changes that fit: " + "; ".join(advice)) if advice else \
         "no flag change fits this model on this device; use a smaller model or more devices"
     return UserError(
@@ -198,7 +212,8 @@ def preflight(args, *, engine_kwargs: dict | None = None, dry_run: bool = False)
             raise UserError(f"bad engine argument: {e}") from e
         check_max_model_len(config, engine.max_model_len)
         if not dry_run:
-            error = fit_error(config, engine, plan_without_weights(config, engine)[1])
+            formats = model_block_formats(model)
+            error = fit_error(config, engine, plan_without_weights(config, engine, formats)[1], formats)
             if error:
                 raise error
             check_devices(engine.tensor_parallel_size)

@@ -20,7 +20,7 @@ from runtime.plan import Plan, compile_plan
 
 def main(argv=None) -> int:
     from runtime.args import (ArgumentParser, add_engine_args, engine_config_from_args, fit_error,
-                              plan_without_weights, preflight)
+                              model_block_formats, plan_without_weights, preflight)
     from runtime.errors import UserError
 
     ap = ArgumentParser(prog="python -m runtime.compile", description=__doc__,
@@ -44,11 +44,12 @@ def main(argv=None) -> int:
                         f"`jaxserve serve --plan {args.model}`")
     engine = engine_config_from_args(args)
     if args.dry_run:
-        graph, memory, buckets = plan_without_weights(config, engine)
+        formats = model_block_formats(args.model)
+        graph, memory, buckets = plan_without_weights(config, engine, formats)
         plan = Plan(config, engine, graph, buckets, memory)
         # describe()'s generic "does not fit" advice is replaced by advice checked for this plan.
         print("\n".join(l for l in plan.describe().splitlines() if not l.startswith("does not fit:")))
-        error = fit_error(config, engine, memory)
+        error = fit_error(config, engine, memory, formats)
         if error:
             raise error
         return 0

@@ -165,6 +165,22 @@ def test_loader_blocks_are_its_f32_weights(smollm2_weights):
         np.testing.assert_array_equal(values, weights[name] if name == "embed" else weights[name].T, err_msg=name)
 
 
+def test_plan_before_the_weights_counts_their_blocks(smollm2_weights):
+    """The pre-flight's and dry run's memory plan (no weights loaded) knows the blocks from the GGUF
+    header index, so it sizes the KV pool as the real compile does."""
+    from runtime.args import model_block_formats, plan_without_weights
+    from runtime.plan import weight_block_formats
+
+    config, weights = smollm2_weights
+    formats = model_block_formats("smollm2-135m")
+    assert formats == weight_block_formats(weights)
+    assert model_block_formats("tiny") == {} and model_block_formats("/no/such.gguf") == {}
+    engine = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    before = plan_without_weights(config, engine, formats)[1]
+    real = compile_plan(None, engine, weights=weights, config=config).memory
+    assert (before.weight_bytes, before.num_kv_blocks) == (real.weight_bytes, real.num_kv_blocks)
+
+
 @pytest.fixture(scope="module")
 def smollm2_weights():
     from models.weights import load_model
