@@ -275,3 +275,19 @@ def test_saved_plan_keeps_the_blocks(tmp_path):
     for name, w in blocks.items():
         np.testing.assert_array_equal(loaded.weights[name], w)
     assert [o.outputs[0].token_ids for o in LLM.from_plan(loaded).generate([[5, 6, 7], [9, 10]], params)] == want
+
+
+def test_dump_shows_the_blocks_when_asked(capsys):
+    """`ir.dump --gguf-blocks true` plans SmolLM2 with its blocks from the GGUF header (no weights
+    loaded); by default a dump stays machine-independent and shows none."""
+    from ir import dump
+
+    assert dump.main(["--model", "smollm2-135m", "--after", "gguf_blocks", "--gguf-blocks", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul_blocks(" in out and "%layers.0.wqkv.q4_1" in out and "%embed.q8_0" in out
+    assert dump.main(["--model", "smollm2-135m", "--after", "gguf_blocks"]) == 0
+    assert "matmul_blocks(" not in capsys.readouterr().out
+    from models.cli import UserError
+
+    with pytest.raises(UserError, match="brings no GGUF blocks"):
+        dump.main(["--model", "tiny", "--gguf-blocks", "true"])
