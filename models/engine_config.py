@@ -157,7 +157,7 @@ class EngineConfig:
     # f32 accumulation (2-3x XLA:CPU's f32 GEMM rate on CPUs with bf16 units); narrower steps, and
     # everything but the matmuls, stay f32. Weight memory grows by half (passes/bf16_matmuls.py).
     matmul_precision: str = "float32"
-    # Decode steps (up to 8 rows) read a GGUF model's weights from the file's own quantization
+    # Decode steps (up to 64 rows) read a GGUF model's weights from the file's own quantization
     # blocks (Q4_0, Q4_1, Q8_0) in our C++ kernel, widened to f32 in registers: the same values
     # from a fifth of f32's bytes; wider steps keep the f32 weights (passes/gguf_blocks.py). Weight
     # memory grows by the blocks' bytes. None: on, where the weights have blocks and the kernel
