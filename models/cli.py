@@ -224,7 +224,7 @@ def resolve_model_config(spec: str, *, need_weights: bool = True):
     Raises UserError naming the problem: an unknown name (with the closest presets), a missing
     file, a preset without bundled weights (when `need_weights`), a directory that is no model.
     """
-    from models.config import PRESETS, config_from_gguf_fields, config_from_hf
+    from models.config import PRESETS, config_from_hf
 
     spec = str(spec)
     if spec in PRESETS:
@@ -244,11 +244,10 @@ def resolve_model_config(spec: str, *, need_weights: bool = True):
         if path.name == "config.json" and path.is_file() and not need_weights:
             return config_from_hf(path)
         if path.is_file() and path.suffix == ".gguf":
-            from models.weights import read_gguf_index
+            from models.weights import gguf_config, read_gguf_index
 
             fields, tensors = read_gguf_index(path)  # metadata only; tensors are not dequantized
-            config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=path.stem)
-            return config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
+            return gguf_config(fields, tensors, name=path.stem)
     except (ValueError, FileNotFoundError) as e:
         raise UserError(f"--model {spec}: {e}") from e
     if path.exists():

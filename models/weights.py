@@ -247,6 +247,13 @@ def gguf_tensor_data(file: np.ndarray, t: GGUFTensor) -> np.ndarray:
     return raw.reshape(quant_shape_to_byte_shape(shape, qtype))
 
 
+def gguf_config(fields: dict[str, Any], tensors: Mapping[str, GGUFTensor], name: str) -> ModelConfig:
+    """The ModelConfig of a GGUF header (read_gguf_index): its metadata, plus what only the tensor
+    list says (tied embeddings: no `output.weight`; q/k/v biases)."""
+    config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=name)
+    return config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
+
+
 def _blocks_format(canon: str, t: GGUFTensor, transposed: bool) -> str | None:
     """The block format (ir.blocks) a GGUF tensor is kept in beside its f32 values, or None: the
     matrices of a matmul (a linear layer's [out, in], or the embedding, a tied LM head)."""
@@ -265,7 +272,7 @@ def gguf_block_formats(spec: str | os.PathLike) -> dict[str, str]:
     else:
         return {}
     fields, tensors = read_gguf_index(path)
-    config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=path.stem)
+    config = gguf_config(fields, tensors, name=path.stem)
     out = {}
     for canon, (src, transposed) in source_names(config, "gguf").items():
         fmt = _blocks_format(canon, tensors[src], transposed) if src in tensors else None
@@ -288,14 +295,10 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
     # A plain ndarray over the mapped file: memmap's per-slice bookkeeping cost 0.25 s over SmolLM2.
     file = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
     arch = fields.get("general.architecture", "llama")
-    cfg_fields = dict(fields, _tied="output.weight" not in tensors)
     try:
-        config = config_from_gguf_fields(cfg_fields, name=name or path.stem)
+        config = gguf_config(fields, tensors, name=name or path.stem)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    has_bias = "blk.0.attn_q.bias" in tensors
-    if has_bias != config.qkv_bias:
-        config = config.replace(qkv_bias=has_bias)
 
     weights, names = {}, {}
     for canon, (src, transposed) in source_names(config, "gguf").items():
