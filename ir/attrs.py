@@ -26,6 +26,7 @@ BF16_COPY = "bf16_copy"  # bf16 copy of this source weight
 BF16_TRANSPOSED = "bf16_transposed"  # ...transposed: the [hidden, vocab] copy of a tied embedding
 GGUF_BLOCKS = "gguf_blocks"  # GGUF blocks of this source weight (ir.blocks), [N, row bytes]; with
 BLOCK_FORMAT = "block_format"  # ...this format; a concat's sources' blocks are stacked by rows
+BLOCK_LAYOUT = "block_layout"  # ..."tiles": repacked by ir.blocks.pack_tiles (absent: the file's rows)
 
 # Tensor parallelism: the shard pass's annotations and the one mesh axis they name.
 SHARDING, ALL_REDUCE, ALL_GATHER = "sharding", "all_reduce", "all_gather"

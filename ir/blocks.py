@@ -78,3 +78,63 @@ def _half(two_bytes):
     bits = two_bytes[..., 0:1].astype(jnp.uint16) | (two_bytes[..., 1:2].astype(jnp.uint16) << 8)
     return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 
+
+
+# Tiles: a weight's blocks repacked for int8 products (runtime/worker/cpp/tile_matmul.cc), with the
+# activations rounded to 8 bits per block of 32 (round_q8), as llama.cpp multiplies GGUF blocks.
+BLOCK_LAYOUTS = ("rows", "tiles")  # matmul_blocks' layout attr: the file's rows, or pack_tiles
+TILE_COLUMNS = 16  # output columns per tile
+
+
+def blocks_shape(fmt: str, n: int, k: int, layout: str = "rows") -> tuple[int, int]:
+    """The u8 shape of an [N outputs, K inputs] weight's blocks in `layout`."""
+    if layout == "tiles":
+        return n // TILE_COLUMNS, k // BLOCK_VALUES * tile_record_bytes(fmt)
+    return n, BLOCK_FORMATS[fmt].row_bytes(k)
+
+
+def tile_record_bytes(fmt: str) -> int:
+    """Bytes of one tile's record for one block of 32 inputs: 16 f32 scales d, 16 f32 offsets c,
+    then the 16 x 32 unsigned values q (4 or 8 bits each); value = d * q + c."""
+    return 2 * TILE_COLUMNS * 4 + TILE_COLUMNS * BLOCK_VALUES * (2 if fmt == "q8_0" else 1) // 2
+
+
+def pack_tiles(blocks, fmt: str):
+    """GGUF blocks u8 [N, K / 32 * block bytes] (N a multiple of 16) -> tiles u8
+    [N / 16, K / 32 * tile_record_bytes(fmt)], in numpy: for each tile of 16 columns and each block,
+    the columns' d and c (f32), then q in the order the int8 product reads it: 4-bit formats keep
+    the file's nibble bytes, a vector j of 64 bytes holding byte 4j + t of column col's block at
+    4 * col + t; Q8_0's values + 128 (unsigned), vector j holding value 4j + t of column col at
+    4 * col + t. The values are the blocks' exactly: d * q + c = dequantize_blocks."""
+    import numpy as np
+
+    f = BLOCK_FORMATS[fmt]
+    blocks = np.asarray(blocks, np.uint8)
+    n, row = blocks.shape
+    if n % TILE_COLUMNS or row % f.block_bytes:
+        raise ValueError(f"pack_tiles needs [N, K / 32 * {f.block_bytes}] blocks with N a multiple of "
+                         f"{TILE_COLUMNS}, got {blocks.shape}")
+    nb, g = row // f.block_bytes, n // TILE_COLUMNS
+    b = blocks.reshape(g, TILE_COLUMNS, nb, f.block_bytes)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    if fmt == "q4_1":
+        c = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+        q = b[..., 4:]
+    elif fmt == "q4_0":
+        c, q = -8.0 * d, b[..., 2:]
+    else:
+        c, q = -128.0 * d, b[..., 2:] ^ np.uint8(0x80)  # int8 + 128 as unsigned
+    vectors = q.shape[-1] // 4
+    q = q.reshape(g, TILE_COLUMNS, nb, vectors, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
+    scales = np.stack([d.transpose(0, 2, 1), c.transpose(0, 2, 1)], axis=2).astype("<f4").reshape(g, nb, -1)
+    return np.ascontiguousarray(np.concatenate([scales.view(np.uint8), q], axis=-1).reshape(g, -1))
+
+
+def round_q8(x):
+    """x [..., K] (K a multiple of 32) as a tiles product multiplies by it, in jnp: rounded per block
+    of 32 to s * xq, with xq = round(x / s) in [-127, 127] and s = max|x| / 127 (llama.cpp's Q8
+    activations), in f32."""
+    xb = x.astype(jnp.float32).reshape(x.shape[:-1] + (-1, BLOCK_VALUES))
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    return (jnp.round(xb * inv) * (amax / 127.0)).reshape(x.shape).astype(x.dtype)

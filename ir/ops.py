@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES
+from ir.blocks import BLOCK_FORMATS, BLOCK_LAYOUTS, BLOCK_VALUES, TILE_COLUMNS, blocks_shape, round_q8
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.rope import rope_inv_freq
@@ -206,21 +206,28 @@ def _matmul_bf16_impl(x, w, w_bf16, *, min_rows, transpose_b=False):
 def _matmul_blocks(inputs, attrs):
     x, w, wb = inputs
     shape, dtype = _matmul((x, w), attrs)
-    fmt, k = BLOCK_FORMATS.get(attrs["format"]), x.shape[-1]
+    fmt, k, layout = BLOCK_FORMATS.get(attrs["format"]), x.shape[-1], attrs.get("layout", "rows")
     _need(fmt is not None, f"matmul_blocks format must be one of {sorted(BLOCK_FORMATS)}, got {attrs['format']!r}")
+    _need(layout in BLOCK_LAYOUTS, f"matmul_blocks layout must be one of {BLOCK_LAYOUTS}, got {layout!r}")
     _need(wb.dtype == "u8" and len(wb.shape) == 2, f"matmul_blocks' blocks must be u8 [N, row bytes], got {wb}")
     _need(isinstance(k, int) and k % BLOCK_VALUES == 0, f"matmul_blocks needs K a multiple of {BLOCK_VALUES}, got {k}")
-    _need(tuple(wb.shape) == (shape[-1], fmt.row_bytes(k)), f"matmul_blocks' {fmt.name} blocks must be "
-          f"[N, K / 32 * {fmt.block_bytes}] = {(shape[-1], fmt.row_bytes(k))}, got {tuple(wb.shape)}")
+    _need(layout == "rows" or shape[-1] % TILE_COLUMNS == 0,
+          f"matmul_blocks' tiles need N a multiple of {TILE_COLUMNS}, got {shape[-1]}")
+    want = blocks_shape(fmt.name, shape[-1], k, layout)
+    _need(tuple(wb.shape) == want, f"matmul_blocks' {fmt.name} blocks in {layout} must be {want}, got {tuple(wb.shape)}")
     _need(int(attrs["max_rows"]) >= 1, "matmul_blocks' max_rows must be >= 1")
     return shape, dtype
 
 
 @impl("matmul_blocks")
-def _matmul_blocks_impl(x, w, w_blocks, *, format, max_rows, transpose_b=False):
+def _matmul_blocks_impl(x, w, w_blocks, *, format, max_rows, transpose_b=False, layout="rows"):
     """x @ w. `w_blocks` holds the same values in a GGUF file's blocks (ir.blocks): a backend with a
     kernel for them (cpp) reads them in steps of at most `max_rows` rows; this reference, like any
-    other backend, multiplies by w and never widens the blocks into a temporary."""
+    other backend, multiplies by w and never widens the blocks into a temporary. In the "tiles"
+    layout the product multiplies in int8, so x is first rounded per block of 32 to 8 bits
+    (ir.blocks.round_q8, llama.cpp's Q8 activations): the op is round_q8(x) @ w in every step."""
+    if layout == "tiles":
+        x = round_q8(x)
     return _matmul_impl(x, w, transpose_b=transpose_b)
 
 

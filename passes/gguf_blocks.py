@@ -7,6 +7,12 @@ bound by the f32 GEMM and keep w; steps of at most `max_rows` rows are bound by 
 they stream, and read the blocks (runtime.worker.kernels, our C++ kernel). The values are the same,
 so the outputs differ only by the order of f32 sums. Weight memory grows by the blocks' bytes
 (84 MB on SmolLM2-135M's 538 MB of f32), and the memory plan counts them.
+
+With `tiles` (EngineConfig.gguf_activations="q8") the blocks are repacked into tiles of 16 columns
+(ir.blocks.pack_tiles) and every step, prefill chunks included, multiplies by them in int8, its
+activations rounded per block of 32 to 8 bits as llama.cpp does: 2-3x the f32 products' rate at
+8-512 rows, and faster than the f32 blocks at one row (BENCHMARKS.md, "Int8 products on GGUF
+blocks"). A weight whose N is not a multiple of 16 keeps the file's rows.
 """
 
 from __future__ import annotations
@@ -14,21 +20,24 @@ from __future__ import annotations
 from typing import Mapping
 
 from ir import Graph, Node, add_params, make_node, rewrite
-from ir.attrs import BLOCK_FORMAT, CONCAT, GGUF_BLOCKS, ROLE, Role, role_of
-from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES
+from ir.attrs import BLOCK_FORMAT, BLOCK_LAYOUT, CONCAT, GGUF_BLOCKS, ROLE, Role, role_of
+from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES, TILE_COLUMNS, blocks_shape
 from ir.graph import freeze_attrs
 
 # Rows up to which a step's matmuls read the blocks: every decode bucket of the default engine (64
 # sequences); prefill chunks of 128+ tokens keep f32 (BENCHMARKS.md, "Decode steps from the GGUF's own blocks").
 BLOCKS_MAX_ROWS = 64
+# Tiles serve every step (a bound above any bucket's rows).
+TILES_MAX_ROWS = 1 << 30
 
 
-def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS_MAX_ROWS) -> Graph:
+def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS_MAX_ROWS,
+                tiles: bool = False) -> Graph:
     """Every matmul whose weight is an f32 2-D param made of source weights that all have blocks
     of one format (`formats`: source name -> format) becomes a matmul_blocks that also reads a
     u8 param of those blocks, [N, K / 32 * block bytes], the sources' rows stacked in the order
     of the param's concat. A tied LM head's blocks are the embedding's (its rows are the vocab),
-    with the LM head's role."""
+    with the LM head's role. `tiles`: in the tiles layout where N allows, for every step."""
     copies: dict[tuple[str, bool], Node] = {}
 
     def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
@@ -43,14 +52,19 @@ def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS
         k, n = (w.shape[1], w.shape[0]) if tb else tuple(w.shape)
         if not isinstance(k, int) or k % BLOCK_VALUES:
             return None
+        layout = "tiles" if tiles and n % TILE_COLUMNS == 0 else "rows"
         key = (w.name, tb)
         if key not in copies:
             recipe = {a: v for a, v in w.attrs if a != "name"}
             if tb and role_of(w) == Role.EMBED:
                 recipe[ROLE] = Role.LM_HEAD
             attrs = {**recipe, "name": f"{w.name}.{fmt.name}", GGUF_BLOCKS: w.name, BLOCK_FORMAT: fmt.name}
-            copies[key] = Node("param", (), freeze_attrs(attrs), (n, fmt.row_bytes(k)), "u8")
+            if layout == "tiles":
+                attrs |= {"name": f"{w.name}.{fmt.name}_tiles", BLOCK_LAYOUT: layout}
+            copies[key] = Node("param", (), freeze_attrs(attrs), blocks_shape(fmt.name, n, k, layout), "u8")
         attrs = dict(node.attrs) | {"format": fmt.name, "max_rows": max_rows}
+        if layout == "tiles":
+            attrs |= {"layout": layout, "max_rows": TILES_MAX_ROWS}
         return make_node("matmul_blocks", (ins[0], w, copies[key]), attrs)
 
     out = rewrite(graph, fn)

@@ -71,6 +71,7 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         quantization=engine.quantization, quantize_lm_head=engine.quantize_lm_head,
         matmul_precision=engine.matmul_precision,
         block_formats=tuple(sorted(block_formats.items())) if reads_gguf_blocks(engine, bool(block_formats)) else (),
+        block_tiles=engine.gguf_activations == "q8",
         kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
         scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1))
 

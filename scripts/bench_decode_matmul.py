@@ -18,6 +18,8 @@ layers does: ours reads each layer in place from the stack, XLA's dot takes the 
 q4_1-scan does the same with GGUF Q4_1 blocks (ir.blocks; 80 MB for 30 layers): ours is
 `cpp_kernels.block_matmul` on the stacked blocks, XLA's the f32 dot on the scan's slice of the
 blocks' values, as a scanned step without and with `gguf_blocks` (the GB/s are each one's own bytes).
+q4_1-tiles: ours is `cpp_kernels.tile_matmul` on the same blocks packed into tiles (ir.blocks.pack_tiles;
+96 MB), the int8 products of `gguf_activations=q8`, against the same XLA f32 dot.
 Prints one markdown row per row count and mode: the median milliseconds of each, the weight bytes
 streamed per second, and ours vs XLA.
 Run on a quiet machine (uptime < 1).
@@ -97,7 +99,8 @@ MODES = {"w8a8": (cpp_kernels.int8_matmul, xla_int8_dot, True),
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,8,16,32,64")
-    ap.add_argument("--modes", default="w8a8,weight-only", help="w8a8, weight-only, f32, f32-scan, q4_1-scan")
+    ap.add_argument("--modes", default="w8a8,weight-only", help="w8a8, weight-only, f32, f32-scan, q4_1-scan, "
+                    "q4_1-tiles")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
@@ -115,7 +118,7 @@ def main() -> None:
         if "f32-scan" in modes:
             weights["f32-scan"] = [jnp.asarray(np.stack([layer[i] for layer in f32])) for i in range(len(SHAPES))]
         del f32
-    if "q4_1-scan" in modes:
+    if {"q4_1-scan", "q4_1-tiles"} & set(modes):
         import gguf
         from gguf.quants import dequantize, quantize
 
@@ -125,11 +128,21 @@ def main() -> None:
         weights["q4_1-blocks"] = [jnp.asarray(np.stack([layer[i] for layer in blocks])) for i in range(len(SHAPES))]
         weights["q4_1-f32"] = [jnp.asarray(np.stack([dequantize(layer[i], q41).T for layer in blocks]))
                                for i in range(len(SHAPES))]
+        if "q4_1-tiles" in modes:
+            from ir.blocks import pack_tiles
+
+            weights["q4_1-tiles"] = [jnp.asarray(np.stack([pack_tiles(layer[i], "q4_1") for layer in blocks]))
+                                     for i in range(len(SHAPES))]
         del blocks
     for mode in modes:
         if mode == "q4_1-scan":
             fns[mode, "ours"] = (scanned(lambda x, s, i: cpp_kernels.block_matmul(x, s, "q4_1", layer=i),
                                          ks=[k for k, _ in SHAPES]), "q4_1-blocks")
+            fns[mode, "xla"] = (scanned(None), "q4_1-f32")
+            continue
+        if mode == "q4_1-tiles":
+            fns[mode, "ours"] = (scanned(lambda x, s, i: cpp_kernels.tile_matmul(x, s, "q4_1", layer=i),
+                                         ks=[k for k, _ in SHAPES]), "q4_1-tiles")
             fns[mode, "xla"] = (scanned(None), "q4_1-f32")
             continue
         if mode == "f32-scan":
@@ -140,8 +153,8 @@ def main() -> None:
             fns[mode, who] = (chained(MODES[mode][i], MODES[mode][2]), "f32" if mode == "f32" else "int8")
     counts = args.layers * sum(k * n for k, n in SHAPES)
     nbytes = {mode: counts * (4 if mode.startswith("f32") else 1) for mode in modes}
-    xla_bytes = dict(nbytes, **{"q4_1-scan": counts * 4})
-    nbytes["q4_1-scan"] = counts * 20 // 32
+    xla_bytes = dict(nbytes, **{"q4_1-scan": counts * 4, "q4_1-tiles": counts * 4})
+    nbytes["q4_1-scan"], nbytes["q4_1-tiles"] = counts * 20 // 32, counts * 24 // 32
     print(f"weights {counts / 1e6:.0f} M values; matmul_vectorized: {cpp_kernels.matmul_vectorized()}; "
           f"load {os.getloadavg()[0]:.2f}")
     print("| mode | rows | ours ms | ours GB/s | XLA ms | XLA GB/s | ours vs XLA |")

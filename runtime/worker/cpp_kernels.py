@@ -29,8 +29,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "matmul.cc",
-                                                                          "block_matmul.cc"))
-HEADERS = (Path(__file__).with_name("cpp") / "parallel_for.h",)
+                                                                          "block_matmul.cc", "tile_matmul.cc"))
+HEADERS = tuple(Path(__file__).with_name("cpp") / name for name in ("parallel_for.h", "tile_matmul.h"))
 PAGED_DECODE_TARGET, INT8_MATMUL_TARGET = "jaxserve_paged_decode", "jaxserve_int8_matmul"
 INT8_WEIGHT_MATMUL_TARGET, F32_MATMUL_TARGET = "jaxserve_int8_weight_matmul", "jaxserve_f32_matmul"
 BLOCK_MATMUL_TARGET = "jaxserve_block_matmul"
@@ -220,4 +220,25 @@ def block_matmul(x, w, fmt: str, layer=None):
     ensure()
     m, n = x.shape[0], w.shape[-2]
     return jax.ffi.ffi_call(BLOCK_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
-        x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[fmt].type_id))
+        x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[fmt].type_id), layout=np.int64(0))
+
+
+@functools.cache
+def tiles_vectorized() -> bool:
+    """Whether tile_matmul has its vector path on this CPU (AVX-512 VNNI)."""
+    if not available():
+        return False
+    return bool(_library().JaxserveTilesVectorized())
+
+
+def tile_matmul(x, w, fmt: str, layer=None):
+    """x f32 [M, K] @ w -> f32 [M, N], where w u8 [N / 16, K / 32 * record bytes] holds GGUF blocks
+    of format `fmt` repacked into tiles of 16 columns (ir.blocks.pack_tiles), multiplied in int8
+    with x quantized per block of 32 as llama.cpp does; see cpp/tile_matmul.cc. Built for wide
+    steps. `layer` as in block_matmul."""
+    from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS
+
+    ensure()
+    m, n = x.shape[0], w.shape[-2] * TILE_COLUMNS
+    return jax.ffi.ffi_call(BLOCK_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+        x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[fmt].type_id), layout=np.int64(1))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ir import OPS
+from ir.blocks import round_q8
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.ops import kv_write_reference
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
@@ -351,17 +352,23 @@ def matmul_cpp(x, w, *, transpose_b=False, layer=None):
     return OPS["matmul"].impl(x, w, transpose_b=transpose_b)
 
 
-def matmul_blocks_cpp(x, w, w_blocks, *, format, max_rows, transpose_b=False, layer=None):
+def matmul_blocks_cpp(x, w, w_blocks, *, format, max_rows, transpose_b=False, layout="rows", layer=None):
     """matmul_blocks under kernel_backend="cpp": a product of at most `max_rows` rows reads the GGUF
-    blocks in our C++ kernel (the same values as w, f32 sums in another order) where it has its
-    vector path; anything else multiplies by w as matmul_cpp does. `layer` as in matmul_int8_cpp,
-    for whichever weight arrives as a stack [L, ...]."""
+    blocks in our C++ kernel where it has its vector path: the file's rows (the same values as w,
+    f32 sums in another order), or tiles (int8 products of the rounded activations, exact int32
+    sums per block). Anything else multiplies by w as matmul_cpp does, after the same rounding in
+    the tiles layout. `layer` as in matmul_int8_cpp, for whichever weight arrives as a stack [L, ...]."""
     rows = math.prod(x.shape[:-1])
-    if rows > max_rows or not cpp_kernels.matmul_vectorized():
-        return matmul_cpp(x, w, transpose_b=transpose_b, layer=layer if w.ndim == 3 else None)
+    tiles = layout == "tiles"
+    if rows > max_rows or not (cpp_kernels.tiles_vectorized() if tiles else cpp_kernels.matmul_vectorized()):
+        return matmul_cpp(round_q8(x) if tiles else x, w, transpose_b=transpose_b, layer=layer if w.ndim == 3 else None)
     layer = layer if w_blocks.ndim == 3 else None
-    y = cpp_kernels.block_matmul(x.reshape(rows, x.shape[-1]).astype(jnp.float32), w_blocks, format, layer=layer)
-    return y.reshape(x.shape[:-1] + (w_blocks.shape[-2],)).astype(x.dtype)
+    x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+    if tiles:
+        y = cpp_kernels.tile_matmul(x2, w_blocks, format, layer=layer)
+    else:
+        y = cpp_kernels.block_matmul(x2, w_blocks, format, layer=layer)
+    return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
 
 
 def layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:

@@ -4,7 +4,7 @@ Passes never touch weight values: a fused or quantized param records where it co
 (`concat=[...]`, `quantize_int8=name`, `int8_scale=name` (with `int8_transposed` for a tied
 head's W8A8 copy, quantized per vocab column), `bf16_copy=name` (with
 `bf16_transposed` for a tied head's copy), `gguf_blocks=name` (with `block_format`: the loader's GGUF
-blocks of the source, rows stacked for a concat), and the `shard` pass's column order
+blocks of the source, rows stacked for a concat; `block_layout=tiles`: repacked by ir.blocks.pack_tiles), and the `shard` pass's column order
 `tp_layout={...}`), and this module computes it once.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from ir import Graph, Node
-from ir.attrs import (BF16_COPY, BF16_TRANSPOSED, BLOCK_FORMAT, CONCAT, GGUF_BLOCKS, INT8_SCALE, INT8_TRANSPOSED,
-                      QUANTIZE_INT8, TP_LAYOUT)
-from ir.blocks import blocks_name
+from ir.attrs import (BF16_COPY, BF16_TRANSPOSED, BLOCK_FORMAT, BLOCK_LAYOUT, CONCAT, GGUF_BLOCKS, INT8_SCALE,
+                      INT8_TRANSPOSED, QUANTIZE_INT8, TP_LAYOUT)
+from ir.blocks import blocks_name, pack_tiles
 
 
 def quantize_int8_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +56,8 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
         missing = [k for k in keys if k not in weights]
         if missing:
             raise KeyError(f"weights have no {fmt} blocks {missing} for param %{node.name}")
-        return weights[keys[0]] if len(keys) == 1 else np.concatenate([weights[k] for k in keys])
+        v = weights[keys[0]] if len(keys) == 1 else np.concatenate([weights[k] for k in keys])
+        return pack_tiles(v, fmt) if node.attr(BLOCK_LAYOUT) == "tiles" else v
 
     def base(node: Node) -> np.ndarray:
         src = node.attr(QUANTIZE_INT8) or node.attr(INT8_SCALE) or node.attr(BF16_COPY) or node.name

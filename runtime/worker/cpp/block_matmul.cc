@@ -9,7 +9,8 @@
 //   Q8_0 (8):  f16 d, 32 int8                       value = d * q
 // A nibble byte j holds value j in its low half and value j + 16 in its high half. w may also be a
 // stack [L, N, K / 32 * B] with the layer to take given by a third operand, an int32 scalar, as
-// in matmul.cc.
+// in matmul.cc. The same handler serves the tiles of tile_matmul.cc (attribute `layout` 1), the
+// int8 products of gguf_activations=q8.
 //
 // Why: a decode step of a few rows streams every weight once, so its speed is the rate at which
 // the weights come in from memory. The f32 weights a GGUF file's blocks dequantize to are 6.4x the
@@ -33,6 +34,7 @@
 #endif
 
 #include "parallel_for.h"
+#include "tile_matmul.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -41,6 +43,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // values per block, in every format here
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kTileCols = 16;  // output columns per tile (tile_matmul.cc)
 constexpr int kMaxRows = 8;        // rows per pass over the weights
 constexpr int64_t kItemCols = 16;  // output columns per work item, at least
 // Output columns ahead whose block rows are requested while this pair is read: the hardware
@@ -245,20 +248,25 @@ void Product(ffi::ThreadPool& pool, const Args& a) {
   });
 }
 
+// layout 0: w [N, K / 32 * B] in the file's rows (above); 1: tiles [N / 16, K / 32 * record bytes]
+// (tile_matmul.cc, int8 products of the rounded activations).
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
-                           ffi::Result<ffi::AnyBuffer> y, int64_t format) {
+                           ffi::Result<ffi::AnyBuffer> y, int64_t format, int64_t layout) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const size_t r = wd.size();
-  const int64_t B = BlockBytes(static_cast<int>(format));
-  if (B == 0) {
-    return ffi::Error::InvalidArgument("block_matmul: format must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got " +
-                                       std::to_string(format));
+  const bool tiles = layout == 1;
+  const int64_t B = tiles ? jaxserve::TileRecordBytes(static_cast<int>(format)) : BlockBytes(static_cast<int>(format));
+  if (B == 0 || (layout != 0 && layout != 1)) {
+    return ffi::Error::InvalidArgument("block_matmul: format must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), layout 0 "
+                                       "(rows) or 1 (tiles); got " + std::to_string(format) + ", " +
+                                       std::to_string(layout));
   }
-  if (xd.size() != 2 || (r != 2 && r != 3) || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[r - 2] ||
+  const int64_t cols = tiles ? kTileCols : 1;  // output columns per row of w
+  if (xd.size() != 2 || (r != 2 && r != 3) || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[r - 2] * cols ||
       xd[1] % kBlock != 0 || wd[r - 1] != xd[1] / kBlock * B || layer.element_count() != 1) {
     return ffi::Error::InvalidArgument(
-        "block_matmul: x [M, K] (K a multiple of 32) @ w [N, K / 32 * block bytes] or [L, N, ...], "
-        "layer [] -> y [M, N]");
+        "block_matmul: x [M, K] (K a multiple of 32) @ w [N, K / 32 * block bytes] (tiles: [N / 16, K / 32 * "
+        "record bytes]) or [L, ...], layer [] -> y [M, N]");
   }
   if (x.element_type() != ffi::F32 || w.element_type() != ffi::U8 || y->element_type() != ffi::F32 ||
       layer.element_type() != ffi::S32) {
@@ -268,11 +276,16 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   if (l < 0 || l >= layers) {
     return ffi::Error::InvalidArgument("block_matmul: layer " + std::to_string(l) + " of " + std::to_string(layers));
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[r - 2], nb = K / kBlock;
+  const int64_t M = xd[0], K = xd[1], N = yd[1], nb = K / kBlock;
   if (M == 0 || N == 0) return ffi::Error::Success();
   const float* xp = static_cast<const float*>(x.untyped_data());
-  const Args a{xp, static_cast<const uint8_t*>(w.untyped_data()) + l * N * nb * B,
-               static_cast<float*>(y->untyped_data()), M, K, N, nb};
+  const uint8_t* wp = static_cast<const uint8_t*>(w.untyped_data()) + l * wd[r - 2] * nb * B;
+  float* yp = static_cast<float*>(y->untyped_data());
+  if (tiles) {
+    jaxserve::TileProduct(pool, xp, wp, yp, M, K, N, static_cast<int>(format));
+    return ffi::Error::Success();
+  }
+  const Args a{xp, wp, yp, M, K, N, nb};
   switch (format) {
     case kQ4_0: Product<kQ4_0>(pool, a); break;
     case kQ4_1: Product<kQ4_1>(pool, a); break;
@@ -290,4 +303,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBlockMatmul, BlockMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Arg<ffi::AnyBuffer>()  // layer
                                   .Ret<ffi::AnyBuffer>()  // y
-                                  .Attr<int64_t>("format"));
+                                  .Attr<int64_t>("format")
+                                  .Attr<int64_t>("layout"));

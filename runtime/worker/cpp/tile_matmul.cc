@@ -1,0 +1,255 @@
+// Products of many f32 rows with weights from a GGUF file's quantization blocks, repacked into
+// tiles of 16 output columns, in int8 arithmetic, for wide steps on XLA:CPU (many decoding
+// sequences, prefill chunks), called through block_matmul.cc's FFI handler (layout 1; see
+// runtime/worker/cpp_kernels.py):
+//   x f32 [M, K] @ w -> y f32 [M, N]
+// where w is u8 [N / 16, K / 32 * R]: for each tile of 16 columns, one record of R bytes per block
+// of 32 inputs (ir/blocks.py, pack_tiles):
+//   d[16] f32, c[16] f32    the columns' scales and offsets: value = d * q + c * 1
+//   q                       the 16 x 32 quantized values, in the order the multiply reads them:
+//                           for 4-bit formats 4 x 64 bytes, byte 4 * col + t of vector j holding
+//                           q[col][4j + t] in its low nibble and q[col][4j + 16 + t] in its high
+//                           one; for Q8_0, 8 x 64 bytes, byte 4 * col + t of vector j holding
+//                           q[col][4j + t] + 128.
+// q is unsigned (0-15, or 0-255): a Q4_0 value d * (q - 8) has c = -8 d, a Q8_0 one c = -128 d.
+// w may also be a stack [L, N / 16, ...] with the layer to take given by a third operand, an int32
+// scalar, as in matmul.cc.
+//
+// Each row's activations are quantized per block of 32, as llama.cpp does: xq = round(x / s) with
+// s = max|x| / 127. A block's product is then s * (d * sum(q * xq) + c * sum(xq)), where the sum of
+// q * xq is exact in int32 (VNNI's vpdpbusd: 64 products per instruction, against 16 for an f32
+// multiply-add). So the result is x' @ w with x' the activations after that rounding (a relative
+// error of at most 1/254 of each block's largest value), not x @ w.
+//
+// Why: at 64 rows and more a step's products are bound by arithmetic, not by the bytes of the
+// weights (BENCHMARKS.md, "Decode steps from the GGUF's own blocks"); f32 multiply-adds do a
+// quarter of the work per instruction that int8 dot products do. The tiles put 16 columns in the
+// lanes of one vector, so that the per-block scaling (a conversion and two multiply-adds) is paid
+// once per 8 dot-product instructions, and a tile's records (7-19 KB for SmolLM2) stay in L1
+// while every row passes over them.
+//
+// The vector path needs AVX-512 VNNI; elsewhere a scalar loop gives the same values (the int32
+// sums are exact; only the order of the f32 sums of blocks differs), and
+// cpp_kernels.tiles_vectorized() keeps the engine off this path.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
+#include "tile_matmul.h"
+
+#include "parallel_for.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per block
+constexpr int64_t kTile = 16;   // output columns per tile
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int kMaxRows = 12;  // rows in flight over a tile's block
+
+// Bytes of one tile's record for one block: the scales, then the quantized values.
+int64_t RecordBytes(int format) {
+  switch (format) {
+    case kQ4_0:
+    case kQ4_1: return 2 * kTile * 4 + kTile * kBlock / 2;
+    case kQ8_0: return 2 * kTile * 4 + kTile * kBlock;
+    default: return 0;
+  }
+}
+
+// Rows quantized per block: xq [M, K] int8, and per (row, block) the scale s and s * sum(xq).
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> s, ss;
+};
+
+void QuantizeRows(const float* x, int64_t K, int64_t m0, int64_t m1, Quantized& out) {
+  const int64_t nb = K / kBlock;
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      float amax = 0.0f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* q = out.q.data() + m * K + b * kBlock;
+      int sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
+        q[j] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      out.s[m * nb + b] = s;
+      out.ss[m * nb + b] = s * static_cast<float>(sum);
+    }
+  }
+}
+
+struct Args {
+  const Quantized* xq;
+  const uint8_t* w;  // [N / 16, nb * R]
+  float* y;          // [M, N]
+  int64_t M, K, N, nb;
+};
+
+// The unsigned value of tile column `col`, input j of a block's record.
+template <int F>
+inline int TileValue(const uint8_t* q, int col, int j) {
+  if (F == kQ8_0) return q[(j / 4) * 64 + col * 4 + j % 4];
+  const int v = j % 16, byte = q[(v / 4) * 64 + col * 4 + v % 4];
+  return j < 16 ? (byte & 0x0f) : (byte >> 4);
+}
+
+template <int F>
+void ScalarTiles(const Args& a, int64_t g0, int64_t g1) {
+  const int64_t R = RecordBytes(F);
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      float acc[kTile] = {};
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const uint8_t* rec = a.w + (g * a.nb + b) * R;
+        float d[kTile], c[kTile];
+        std::memcpy(d, rec, sizeof d);
+        std::memcpy(c, rec + sizeof d, sizeof c);
+        const int8_t* xq = a.xq->q.data() + m * a.K + b * kBlock;
+        const float s = a.xq->s[m * a.nb + b], ss = a.xq->ss[m * a.nb + b];
+        for (int col = 0; col < kTile; ++col) {
+          int32_t dot = 0;
+          for (int j = 0; j < kBlock; ++j) dot += TileValue<F>(rec + 2 * kTile * 4, col, j) * xq[j];
+          acc[col] += static_cast<float>(dot) * (d[col] * s) + c[col] * ss;
+        }
+      }
+      for (int col = 0; col < kTile; ++col) a.y[m * a.N + g * kTile + col] = acc[col];
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// Rows [m0, m0 + MR) over tile g: each block's 8 vectors of unsigned q (4 inputs x 16 columns
+// each) are loaded once for the MR rows, each of which takes 8 dot products against its inputs
+// broadcast 4 at a time, then scales its int32 sums into its f32 accumulator.
+template <int F, int MR>
+void VectorTile(const Args& a, int64_t g, int64_t m0) {
+  const int64_t R = RecordBytes(F);
+  const uint8_t* rec = a.w + g * a.nb * R;
+  const int8_t* xq[MR];
+  const float* s[MR];
+  const float* ss[MR];
+  for (int m = 0; m < MR; ++m) {
+    xq[m] = a.xq->q.data() + (m0 + m) * a.K;
+    s[m] = a.xq->s.data() + (m0 + m) * a.nb;
+    ss[m] = a.xq->ss.data() + (m0 + m) * a.nb;
+  }
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < a.nb; ++b, rec += R) {
+    const __m512 d = _mm512_loadu_ps(rec), c = _mm512_loadu_ps(rec + 64);
+    const uint8_t* q = rec + 128;
+    __m512i w[8];
+    if (F == kQ8_0) {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(q + 64 * j);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(q + 64 * j);
+        w[j] = _mm512_and_si512(v, low);
+        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(xq[m] + b * kBlock);
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
+      for (int j = 1; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(x4[j]));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(s[m][b]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
+      acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(ss[m][b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(a.y + (m0 + m) * a.N + g * kTile, acc[m]);
+}
+
+template <int F>
+void VectorTiles(const Args& a, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t m = 0;
+    for (; m + kMaxRows <= a.M; m += kMaxRows) VectorTile<F, kMaxRows>(a, g, m);
+    switch (a.M - m) {
+      case 11: VectorTile<F, 11>(a, g, m); break;
+      case 10: VectorTile<F, 10>(a, g, m); break;
+      case 9: VectorTile<F, 9>(a, g, m); break;
+      case 8: VectorTile<F, 8>(a, g, m); break;
+      case 7: VectorTile<F, 7>(a, g, m); break;
+      case 6: VectorTile<F, 6>(a, g, m); break;
+      case 5: VectorTile<F, 5>(a, g, m); break;
+      case 4: VectorTile<F, 4>(a, g, m); break;
+      case 3: VectorTile<F, 3>(a, g, m); break;
+      case 2: VectorTile<F, 2>(a, g, m); break;
+      case 1: VectorTile<F, 1>(a, g, m); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+template <int F>
+void Product(ffi::ThreadPool& pool, const float* x, const Args& a) {
+  const int64_t threads = pool.num_threads() + 1;
+  // The rows are quantized in shares of at least 16 rows, then the tiles are shared out, about
+  // four runs of tiles per thread.
+  const int64_t row_items = std::min<int64_t>(threads, (a.M * a.K) / (1 << 18) + 1);
+  jaxserve::ParallelFor(pool, row_items, [=](int64_t t) {
+    const int64_t per = (a.M + row_items - 1) / row_items;
+    QuantizeRows(x, a.K, t * per, std::min(a.M, (t + 1) * per), *const_cast<Quantized*>(a.xq));
+  });
+  const int64_t tiles = a.N / kTile;
+  const int64_t per = std::max<int64_t>(1, (tiles + 4 * threads - 1) / (4 * threads));
+  const int64_t items = (tiles + per - 1) / per;
+  jaxserve::ParallelFor(pool, items, [=](int64_t t) {
+    const int64_t g0 = t * per, g1 = std::min(tiles, g0 + per);
+#if defined(__AVX512VNNI__)
+    VectorTiles<F>(a, g0, g1);
+#else
+    ScalarTiles<F>(a, g0, g1);
+#endif
+  });
+}
+
+}  // namespace
+
+namespace jaxserve {
+
+int64_t TileRecordBytes(int format) { return RecordBytes(format); }
+
+void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N,
+                 int format) {
+  const int64_t nb = K / kBlock;
+  Quantized xq;
+  xq.q.resize(M * K);
+  xq.s.resize(M * nb);
+  xq.ss.resize(M * nb);
+  const Args a{&xq, w, y, M, K, N, nb};
+  switch (format) {
+    case kQ4_0: Product<kQ4_0>(pool, x, a); break;
+    case kQ4_1: Product<kQ4_1>(pool, x, a); break;
+    default: Product<kQ8_0>(pool, x, a); break;
+  }
+}
+
+}  // namespace jaxserve
+
+// 1 where this build has the tiles' vector path (AVX-512 VNNI); the engine uses the tiles only then.
+extern "C" int JaxserveTilesVectorized() {
+#if defined(__AVX512VNNI__)
+  return 1;
+#else
+  return 0;
+#endif
+}
