@@ -83,12 +83,13 @@ def test_round_q8():
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,k,n", [(1, 32, 16), (3, 64, 48), (8, 96, 32), (12, 576, 16), (13, 160, 64),
-                                   (25, 1536, 32), (64, 576, 192)])
+                                   (25, 1536, 32), (33, 64, 48), (64, 576, 192), (77, 96, 16)])
 def test_kernel_matches_rounded_product(fmt, m, k, n):
-    """Ragged rows (1-64: past the kernel's 12-row passes and off them), K of 1 to 48 blocks, plain
-    and from a layer stack; an all-zero row stays zero. The int32 sums are exact, so the kernel
-    equals the f64 product of the rounded activations up to f32 rounding, where the vector path
-    runs and where the scalar loop does."""
+    """Ragged rows (1-77: past the VNNI path's 12-row passes and off them, and from 32 rows the AMX
+    path's groups of 16, where the CPU has AMX), K of 1 to 48 blocks, plain and from a layer stack;
+    an all-zero row stays zero. The int32 sums are exact, so the kernel equals the f64 product of
+    the rounded activations up to f32 rounding, on whichever path runs (AMX, VNNI or the scalar
+    loop)."""
     rng = np.random.default_rng(m * 1000 + k + n)
     stack = [_quantized(rng.standard_normal((n, k)) * 0.1, fmt) for _ in range(3)]
     x = rng.standard_normal((m, k)).astype(np.float32)
