@@ -22,7 +22,7 @@ Requests are greedy unless `--temperature` (and `--top-p`) say otherwise; sample
 `--seed`, so both engines see the same requests.
 Both engines run without prefix caching (every round's prompts are new anyway) and with 2,000
 KV blocks each, unless told otherwise. Cases:
-- ttft: TTFT of a 512-token prompt (`max_tokens=1`, a new prompt each round);
+- ttft: TTFT of a `--ttft-tokens` (512) token prompt (`max_tokens=1`, a new prompt each round);
 - batch1: batch-1 decode rate, 128 tokens after a 32-token prompt (`ignore_eos`);
 - seqs64: 64 sequences x 64 tokens, end to end (prefill included); with the share of the 64
   sequences whose greedy tokens agree between the two engines (first round);
@@ -167,6 +167,7 @@ def main() -> int:
     ap.add_argument("--base-f32-max-rows", type=int, default=None, metavar="N",
                     help="build the base engine with f32 products of at most N rows in the C++ kernel (0: none)")
     ap.add_argument("--long1-context", type=int, default=3000, help="the long1 case's prompt length")
+    ap.add_argument("--ttft-tokens", type=int, default=512, help="the ttft case's prompt length")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -180,8 +181,9 @@ def main() -> int:
         swapped = (args.base_kernels or args.base_sampler or args.base_decode_part_tokens is not None
                    or args.base_f32_max_rows is not None)
         args.variant = args.base if swapped else ["matmul_precision=bfloat16"]
-    common = COMMON | ({"max_model_len": max(COMMON["max_model_len"], args.long1_context + 256)}
-                       if {"long1", "mixed1"} & set(cases) else {})
+    longest = max([args.long1_context if {"long1", "mixed1"} & set(cases) else 0,
+                   args.ttft_tokens if "ttft" in cases else 0])
+    common = COMMON | {"max_model_len": max(COMMON["max_model_len"], longest + 256)}
     configs = {"base": common | parse_pairs(args.base), "variant": common | parse_pairs(args.variant)}
     print(json.dumps({"configs": configs}), flush=True)
     cfg, weights, tok = load_model("smollm2-135m")
@@ -213,12 +215,12 @@ def main() -> int:
     if "ttft" in cases:
         runs = {p: [] for p in llms}
         for llm in llms.values():
-            llm.generate([prompt(512)], params(1))
+            llm.generate([prompt(args.ttft_tokens)], params(1))
         for _ in range(args.rounds):
-            p = prompt(512)
+            p = prompt(args.ttft_tokens)
             for name, llm in llms.items():
                 runs[name].append(timed(lambda: llm.generate([p], params(1))))
-        report("TTFT, 512-token prompt", runs, "s", higher_is_better=False)
+        report(f"TTFT, {args.ttft_tokens}-token prompt", runs, "s", higher_is_better=False)
 
     if "batch1" in cases:
         p = prompt(32)

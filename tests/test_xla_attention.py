@@ -125,9 +125,11 @@ def test_new_kv_path_reads_no_pool_for_a_fresh_prompt():
 
 @pytest.mark.parametrize("row_kernel", [False, True], ids=["xla", "cpp"])
 def test_pool_walk_stops_at_the_last_token_with_context(row_kernel):
-    """Decode rows, then fresh prompts: the walk over earlier context covers only the tile of the
-    decode rows. Pool blocks of a fresh prompt past that tile set to NaN change nothing (a walk
-    over every token would gather them: 0 x NaN)."""
+    """Decode rows, then fresh prompts: the XLA walk over earlier context covers only the tile of
+    the decode rows. Pool blocks of a fresh prompt past that tile set to NaN change nothing (a walk
+    over every token would gather them: 0 x NaN). The C++ row kernel walks every token's own
+    sequence in the pool, the fresh prompt's just-written K/V included: there the NaN changes that
+    prompt's tokens only, never another sequence's."""
     rng = np.random.default_rng(11)
     q_lens, prior = [1] * 6 + [58, 120], [9, 30, 2, 17, 64, 100, 0, 0]
     q, kp, vp, tables, ctx, cu, k_new, v_new, n = _case(rng, q_lens, prior, 192, 16)
@@ -139,7 +141,10 @@ def test_pool_walk_stops_at_the_last_token_with_context(row_kernel):
     fresh_blocks = np.asarray(tables)[7, :-(-120 // BS)]
     kp_nan, vp_nan = (x.at[fresh_blocks].set(jnp.nan) for x in (kp, vp))
     poisoned = f(q, kp_nan, vp_nan, tables, ctx, cu)
-    np.testing.assert_array_equal(np.asarray(clean)[:n], np.asarray(poisoned)[:n])
+    others = n - 120 if row_kernel else n  # the fresh prompt's tokens are last
+    np.testing.assert_array_equal(np.asarray(clean)[:others], np.asarray(poisoned)[:others])
+    if row_kernel:  # the kernel reads the poisoned K/V (NaN scores: no weight, a zero output)
+        assert not np.array_equal(np.asarray(clean)[others:n], np.asarray(poisoned)[others:n])
     ref = paged_attention_reference(q, kp, vp, tables, ctx, cu, scale=D ** -0.5, num_kv_heads=KVH,
                                     block_size=BS, head_dim=D)
     np.testing.assert_allclose(np.asarray(clean)[:n], np.asarray(ref)[:n], **KERNEL[jnp.dtype(jnp.float32)])

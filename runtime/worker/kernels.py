@@ -90,9 +90,12 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     per chunk (`_split_walk`), not once per token: a fresh prompt reads nothing from the pool, and
     a chunked continuation at 900 tokens of context costs a few matmuls, not a gather per token.
 
-    With `row_kernel` (kernel_backend="cpp"), the per-row walks (decode rows, and every token of a
-    bucket that does not take the split) run in our C++ kernel, which reads the pool in place
-    (runtime.worker.cpp_kernels), where the head shapes fit it."""
+    With `row_kernel` (kernel_backend="cpp"), where the head shapes fit it, every token's walk runs
+    in our C++ kernel, which reads the pool in place (runtime.worker.cpp_kernels): a prefill
+    token's own chunk is in the pool already, so it walks its sequence's positions up to its own,
+    and never scores the other sequences packed into the step, as the self-attention tiles do (64
+    sequences x 64 tokens 1.16x faster under gguf_activations=q8, and a 512-token TTFT 1.11x;
+    BENCHMARKS.md, "Int8 products on GGUF blocks")."""
     t = q.shape[0]
     s, m = block_tables.shape
     c = min(chunk_blocks, m)
@@ -103,17 +106,17 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     qf = q.astype(jnp.float32).reshape(t, num_kv_heads, n_rep, head_dim) * scale
     pool = dict(tables=tables, k_pool=k_pool, v_pool=v_pool, chunk_blocks=c, block_size=block_size)
     row_kernel = row_kernel and cpp_kernels.fits(num_kv_heads, n_rep, block_size, head_dim)
-    if k_new is not None and uses_new_kv(t, s):
+    if k_new is not None and uses_new_kv(t, s) and not row_kernel:
         mx, den, acc = _self_attention(qf, k_new, v_new, seq, pos)
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
         limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
-        den, acc = _split_walk(qf, limit, (mx, den, acc), cu_q_lens, **pool, row_kernel=row_kernel)
+        den, acc = _split_walk(qf, limit, (mx, den, acc), cu_q_lens, **pool)
     else:
         init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
-        den, acc = _pool_walk(qf, seq, pos + 1, init, **pool, dense=s <= XLA_DENSE_MAX_SEQS and t > s,
-                              row_kernel=row_kernel)
+        dense = s <= XLA_DENSE_MAX_SEQS and t > s and not row_kernel
+        den, acc = _pool_walk(qf, seq, pos + 1, init, **pool, dense=dense, row_kernel=row_kernel)
     out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -203,8 +206,7 @@ def _merge(carry, sc, visible, v, pv_spec):
     return new_mx, den * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 
-def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size,
-                row_kernel=False):
+def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size):
     """The pool walk of a prefill-shaped step, in two parts that each gather a sequence's earlier
     context once, never once per token:
 
@@ -227,7 +229,7 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
     row = (q_len == 1) & (seq_limit > 0)
     row_out = _pool_walk(qf[first_tok], jnp.arange(s), jnp.where(row, seq_limit, 0),
                          tuple(x[first_tok] for x in init), tables=tables, k_pool=k_pool, v_pool=v_pool,
-                         chunk_blocks=chunk_blocks, block_size=block_size, dense=False, row_kernel=row_kernel)
+                         chunk_blocks=chunk_blocks, block_size=block_size, dense=False)
     dest = jnp.where(row, first_tok, t)  # other slots write nothing (dropped out of bounds)
     state = (init[0],) + tuple(x.at[dest].set(r, mode="drop") for x, r in zip(init[1:], row_out))
 
