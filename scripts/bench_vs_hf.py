@@ -3,6 +3,7 @@ issue 13 asks for, each a median over interleaved rounds.
 
     .venv/bin/python scripts/bench_vs_hf.py [--rounds 3] [--skip-batch] [--matmul-precision bfloat16]
                                             [--quantization w8a8] [--kv-cache-dtype bfloat16]
+                                            [--gguf-activations q8]
                                             [--kernel-backend auto|xla|cpp]
 
 - TTFT of a 512-token prompt: ours `LLM.generate(max_tokens=1)`; HF one forward pass + argmax.
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from models.engine_config import KERNEL_BACKENDS, MATMUL_PRECISIONS, QUANTIZATIONS  # noqa: E402
+from models.engine_config import GGUF_ACTIVATIONS, KERNEL_BACKENDS, MATMUL_PRECISIONS, QUANTIZATIONS  # noqa: E402
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
 from runtime.bench import hf_model  # noqa: E402
@@ -64,6 +65,8 @@ def main() -> int:
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="our engine's quantization (HF stays f32)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="our engine's kv_cache_dtype (HF stays f32)")
+    ap.add_argument("--gguf-activations", default="f32", choices=GGUF_ACTIVATIONS,
+                    help="our engine's gguf_activations (q8: int8 products on the GGUF blocks; HF stays f32)")
     ap.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                     help="our engine's kernel_backend (auto: cpp on CPU where g++ builds it)")
     args = ap.parse_args()
@@ -71,7 +74,7 @@ def main() -> int:
     plan = compile_plan(None, EngineConfig(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512,
                                            num_kv_blocks=2000, matmul_precision=args.matmul_precision,
                                            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                                           kernel_backend=args.kernel_backend),
+                                           kernel_backend=args.kernel_backend, gguf_activations=args.gguf_activations),
                         weights=weights, config=cfg, tokenizer=tok)
     llm = LLM.from_plan(plan)
     hf = hf_model(cfg, weights)
