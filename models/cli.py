@@ -152,8 +152,8 @@ _ENGINE_FLAGS = (
           "by the blocks); default: on for f32 engines where the C++ CPU kernels have their vector path")),
     ("gguf_activations", ("--gguf-activations",),
      dict(choices=GGUF_ACTIVATIONS, help="q8: the products on a GGUF model's blocks multiply in int8, as llama.cpp "
-          "does, each step's activations rounded per block of 32 to 8 bits (2-3x f32's rate from 8 rows up on "
-          "CPUs with AVX-512 VNNI; logits move by about 1e-2); default f32")),
+          "does, each step's activations rounded per block of 32 to 8 bits (on CPUs with AVX-512 VNNI: 1.1x the f32 "
+          "blocks' rate at one row, 2.8x at 64 rows, 4x at 512; logits move by about 1e-2); default f32")),
     ("kv_cache_dtype", ("--kv-cache-dtype",),
      dict(choices=KV_CACHE_DTYPES, help="auto (the model's dtype) or bfloat16: K/V stored in bf16, attention "
           "computed in f32 (twice the KV blocks; wide decode steps read half the bytes)")),

@@ -10,9 +10,9 @@ so the outputs differ only by the order of f32 sums. Weight memory grows by the 
 
 With `tiles` (EngineConfig.gguf_activations="q8") the blocks are repacked into tiles of 16 columns
 (ir.blocks.pack_tiles) and every step, prefill chunks included, multiplies by them in int8, its
-activations rounded per block of 32 to 8 bits as llama.cpp does: 2-3x the f32 products' rate at
-8-512 rows, and faster than the f32 blocks at one row (BENCHMARKS.md, "Int8 products on GGUF
-blocks"). A weight whose N is not a multiple of 16 keeps the file's rows.
+activations rounded per block of 32 to 8 bits as llama.cpp does: against the f32 blocks, 1.1x at
+one row, 2.8x at 64 and 4x at 512 (BENCHMARKS.md, "Int8 products on GGUF blocks"). A weight whose
+N is not a multiple of 16 keeps the file's rows.
 """
 
 from __future__ import annotations
