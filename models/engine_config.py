@@ -240,7 +240,8 @@ class EngineConfig:
             raise ValueError("gguf_activations q8 multiplies by the GGUF blocks: it needs gguf_blocks on (or auto)")
         if (self.gguf_blocks or self.gguf_activations == "q8") and self.gguf_blocks_blockers():
             raise ValueError(f"gguf_blocks does not combine with {' or '.join(self.gguf_blocks_blockers())}: "
-                             "its decode products take f32 weights and f32 activations")
+                             "its products take the f32 weights' blocks and f32 activations (rounded to "
+                             "8 bits under gguf_activations q8)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -192,16 +192,22 @@ def tiny_block_llm(weights, **engine) -> LLM:
     return LLM.from_plan(plan, check_invariants=True)
 
 
+def engine_workload():
+    """Tiny Q4_1 weights, and prompts that make decode batches, short and 100-token prefills and a
+    prefix hit; greedy with logprobs."""
+    weights = block_weights(get_preset("tiny"), 5, ALL_Q4_1)
+    shared = list(range(10, 50))
+    prompts = [shared + [3, 4], list(range(5, 9)), shared + [7], list(range(130, 230))] + \
+              [[i, i + 1, i + 2] for i in range(120, 124)]
+    return weights, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_engine_with_blocks_matches_f32(scan):
     """Steps of up to 64 rows (decode batches and short prefills: the blocks) and a 128-token step
     (a 100-token prompt: f32), a prefix hit: the same greedy tokens as the engine without the
     blocks, logprobs within f32 rounding, and no recompiles."""
-    weights = block_weights(get_preset("tiny"), 5, ALL_Q4_1)
-    shared = list(range(10, 50))
-    prompts = [shared + [3, 4], list(range(5, 9)), shared + [7], list(range(130, 230))] + \
-              [[i, i + 1, i + 2] for i in range(120, 124)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    weights, prompts, params = engine_workload()
     got = {}
     for blocks in (False, True):
         llm = tiny_block_llm(weights, gguf_blocks=blocks, scan_layers=scan, max_num_batched_tokens=128)

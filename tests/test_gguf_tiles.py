@@ -20,12 +20,11 @@ from ir import OPS, verify
 from ir.attrs import BLOCK_FORMAT, BLOCK_LAYOUT, GGUF_BLOCKS, Role, role_of
 from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS, pack_tiles, round_q8, tile_record_bytes
 from models.config import get_preset
-from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 from runtime.plan import compile_plan
 from runtime.worker import cpp_kernels
-from test_gguf_blocks import ALL_Q4_1, ENGINE, _quantized, block_weights
+from test_gguf_blocks import ALL_Q4_1, ENGINE, _quantized, block_weights, engine_workload
 
 FORMATS = tuple(BLOCK_FORMATS)
 needs_kernel = pytest.mark.skipif(not cpp_kernels.available(), reason="the C++ kernels do not build here")
@@ -196,11 +195,7 @@ def test_engine_tiles_match_the_reference_numerics(scan):
     prefills and a prefix hit give the same greedy tokens, logprobs within 1e-3 (the same int8
     products; f32 sums in another order can move an activation across a rounding edge), no
     recompiles and no leaked KV blocks."""
-    weights = block_weights(get_preset("tiny"), 5, ALL_Q4_1)
-    shared = list(range(10, 50))
-    prompts = [shared + [3, 4], list(range(5, 9)), shared + [7], list(range(130, 230))] + \
-              [[i, i + 1, i + 2] for i in range(120, 124)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    weights, prompts, params = engine_workload()
     got = {}
     for backend in ("xla", "cpp"):
         llm = tiny_q8_llm(weights, kernel_backend=backend, scan_layers=scan if backend == "cpp" else False)
