@@ -82,6 +82,7 @@ def _half(two_bytes):
 
 # Tiles: a weight's blocks repacked for int8 products (runtime/worker/cpp/tile_matmul.cc), with the
 # activations rounded to 8 bits per block of 32 (round_q8), as llama.cpp multiplies GGUF blocks.
+TILE_ACTIVATIONS = ("f32", "q8")  # matmul_blocks' activations attr: as they are, or ir.blocks.round_q8
 BLOCK_LAYOUTS = ("rows", "tiles")  # matmul_blocks' layout attr: the file's rows, or pack_tiles
 TILE_COLUMNS = 16  # output columns per tile
 

@@ -122,7 +122,7 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
                            memory_utilization=args.memory_utilization, reserve_bytes=args.reserve,
                            quantization=args.quantization, matmul_precision=args.matmul_precision,
                            kv_dtype=dtypes.kv_dtype(), block_formats=tuple(sorted(formats.items())),
-                           block_tiles=args.gguf_activations == "q8",
+                           block_tiles="q8" if args.gguf_activations == "q8" else None,
                            tensor_parallel_size=args.tensor_parallel_size)
     graph = lower(config, dtypes.dtype)
     stages = [("lower", graph)]

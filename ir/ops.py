@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ir.blocks import BLOCK_FORMATS, BLOCK_LAYOUTS, BLOCK_VALUES, TILE_COLUMNS, blocks_shape, round_q8
+from ir.blocks import BLOCK_FORMATS, BLOCK_LAYOUTS, BLOCK_VALUES, TILE_ACTIVATIONS, TILE_COLUMNS, blocks_shape, round_q8
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.rope import rope_inv_freq
@@ -216,17 +216,22 @@ def _matmul_blocks(inputs, attrs):
     want = blocks_shape(fmt.name, shape[-1], k, layout)
     _need(tuple(wb.shape) == want, f"matmul_blocks' {fmt.name} blocks in {layout} must be {want}, got {tuple(wb.shape)}")
     _need(int(attrs["max_rows"]) >= 1, "matmul_blocks' max_rows must be >= 1")
+    acts = attrs.get("activations", "f32")
+    _need(acts in TILE_ACTIVATIONS, f"matmul_blocks activations must be one of {TILE_ACTIVATIONS}, got {acts!r}")
+    _need(acts == "f32" or layout == "tiles", "matmul_blocks' q8 activations need the tiles layout")
     return shape, dtype
 
 
 @impl("matmul_blocks")
-def _matmul_blocks_impl(x, w, w_blocks, *, format, max_rows, transpose_b=False, layout="rows"):
-    """x @ w. `w_blocks` holds the same values in a GGUF file's blocks (ir.blocks): a backend with a
-    kernel for them (cpp) reads them in steps of at most `max_rows` rows; this reference, like any
-    other backend, multiplies by w and never widens the blocks into a temporary. In the "tiles"
-    layout the product multiplies in int8, so x is first rounded per block of 32 to 8 bits
-    (ir.blocks.round_q8, llama.cpp's Q8 activations): the op is round_q8(x) @ w in every step."""
-    if layout == "tiles":
+def _matmul_blocks_impl(x, w, w_blocks, *, format, max_rows, transpose_b=False, layout="rows",
+                        activations="f32"):
+    """x @ w. `w_blocks` holds the same values in a GGUF file's blocks (ir.blocks), in the file's
+    rows or repacked into tiles: a backend with a kernel for them (cpp) reads them in steps of at
+    most `max_rows` rows; this reference, like any other backend, multiplies by w and never widens
+    the blocks into a temporary. With `activations="q8"` (tiles only) the product multiplies in
+    int8, so x is first rounded per block of 32 to 8 bits (ir.blocks.round_q8, llama.cpp's Q8
+    activations): the op is round_q8(x) @ w in every step."""
+    if activations == "q8":
         x = round_q8(x)
     return _matmul_impl(x, w, transpose_b=transpose_b)
 

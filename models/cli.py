@@ -154,6 +154,11 @@ _ENGINE_FLAGS = (
      dict(choices=GGUF_ACTIVATIONS, help="q8: the products on a GGUF model's blocks multiply in int8, as llama.cpp "
           "does, each step's activations rounded per block of 32 to 8 bits (on CPUs with AVX-512 VNNI: 1.1x the f32 "
           "blocks' rate at one row, 2.8x at 64 rows, 4x at 512; logits move by about 1e-2); default f32")),
+    ("gguf_tiles", ("--gguf-tiles",),
+     dict(type=_bool, metavar="BOOL", help="repack a GGUF model's blocks into tiles of 16 columns, which every "
+          "step reads: with f32 activations, on CPUs with AMX-BF16, wide steps multiply three exact bf16 parts of "
+          "each activation (the f32 product; 2x the file's rows at 64 rows, 1.5x XLA's f32 GEMM at 512); default: "
+          "on with --gguf-activations q8, and where the CPU has AMX-BF16")),
     ("kv_cache_dtype", ("--kv-cache-dtype",),
      dict(choices=KV_CACHE_DTYPES, help="auto (the model's dtype) or bfloat16: K/V stored in bf16, attention "
           "computed in f32 (twice the KV blocks; wide decode steps read half the bytes)")),

@@ -170,6 +170,12 @@ class EngineConfig:
     # from 32 rows): 1.1x at one row, 1.4x at 8, 2.8x at 64, 4x at 512; the activations' rounding
     # moves logits by about 1e-2. "f32" (default): the activations stay f32 (passes/gguf_blocks.py).
     gguf_activations: str = "f32"
+    # The GGUF blocks repacked into tiles of 16 columns (ir.blocks.pack_tiles), which every step
+    # reads. None: with q8, and with f32 activations where the C++ kernels multiply them on
+    # AMX-BF16 (three exact bf16 parts of each activation: the f32 product, up to the order of its
+    # sums; against the file's rows 1.1x at one row, 2x at 64, and 1.5x XLA's f32 GEMM at 512).
+    # False keeps the file's rows (decode steps only; wider steps multiply by the f32 weights).
+    gguf_tiles: bool | None = None
     # vLLM's --kv-cache-dtype. "bfloat16": K/V stored in bf16 (half the bytes of f32: twice the KV
     # blocks, and half the bytes a decode step's attention reads); attention still computes in f32.
     kv_cache_dtype: str = "auto"
@@ -236,9 +242,15 @@ class EngineConfig:
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, "
                              f"got {self.gguf_activations!r}")
+        if self.gguf_tiles not in (None, True, False):
+            raise ValueError(f"gguf_tiles must be a bool or None (auto), got {self.gguf_tiles!r}")
+        if self.gguf_activations == "q8" and self.gguf_tiles is False:
+            raise ValueError("gguf_activations q8 multiplies by the GGUF tiles: it needs gguf_tiles on (or auto)")
+        if self.gguf_tiles and self.gguf_blocks is False:
+            raise ValueError("gguf_tiles repacks the GGUF blocks: it needs gguf_blocks on (or auto)")
         if self.gguf_activations == "q8" and self.gguf_blocks is False:
             raise ValueError("gguf_activations q8 multiplies by the GGUF blocks: it needs gguf_blocks on (or auto)")
-        if (self.gguf_blocks or self.gguf_activations == "q8") and self.gguf_blocks_blockers():
+        if (self.gguf_blocks or self.gguf_tiles or self.gguf_activations == "q8") and self.gguf_blocks_blockers():
             raise ValueError(f"gguf_blocks does not combine with {' or '.join(self.gguf_blocks_blockers())}: "
                              "its products take the f32 weights' blocks and f32 activations (rounded to "
                              "8 bits under gguf_activations q8)")
@@ -305,11 +317,19 @@ class EngineConfig:
         its vector path (the runtime knows: runtime.worker.executor.reads_gguf_blocks)."""
         if self.gguf_blocks is False:
             return False
-        wanted = bool(self.gguf_blocks) or self.gguf_activations == "q8"
+        wanted = bool(self.gguf_blocks) or bool(self.gguf_tiles) or self.gguf_activations == "q8"
         if wanted and not has_blocks:
             raise ValueError("gguf_blocks: the weights have no GGUF blocks to read (a .gguf model whose "
                              "matrices are Q4_0, Q4_1 or Q8_0)")
         return has_blocks and (wanted or (kernel_ready and not self.gguf_blocks_blockers()))
+
+    def gguf_tile_activations(self, amx_bf16: bool) -> str | None:
+        """The activations of the products on GGUF tiles ("q8" or "f32"), or None where the blocks
+        stay in the file's rows; `amx_bf16`, whether this machine's C++ kernels take f32
+        activations' wide products on AMX-BF16 (the runtime knows: runtime.worker.executor)."""
+        if self.gguf_activations == "q8":
+            return "q8"
+        return "f32" if self.gguf_tiles or (self.gguf_tiles is None and amx_bf16) else None
 
     def scans_layers(self, platform: str | None = None, f32_in_place: bool = False) -> bool:
         """Whether the step runs its layers as a lax.scan (`scan_layers`, or by platform).

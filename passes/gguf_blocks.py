@@ -8,11 +8,14 @@ they stream, and read the blocks (runtime.worker.kernels, our C++ kernel). The v
 so the outputs differ only by the order of f32 sums. Weight memory grows by the blocks' bytes
 (84 MB on SmolLM2-135M's 538 MB of f32), and the memory plan counts them.
 
-With `tiles` (EngineConfig.gguf_activations="q8") the blocks are repacked into tiles of 16 columns
-(ir.blocks.pack_tiles) and every step, prefill chunks included, multiplies by them in int8, its
-activations rounded per block of 32 to 8 bits as llama.cpp does: against the f32 blocks, 1.1x at
-one row, 2.8x at 64 and 4x at 512 (BENCHMARKS.md, "Int8 products on GGUF blocks"). A weight whose
-N is not a multiple of 16 keeps the file's rows.
+With `tiles` the blocks are repacked into tiles of 16 columns (ir.blocks.pack_tiles) and every
+step, prefill chunks included, multiplies by them. `tiles="q8"` (EngineConfig.gguf_activations)
+multiplies in int8, its activations rounded per block of 32 to 8 bits as llama.cpp does: against
+the f32 blocks, 1.1x at one row, 2.8x at 64 and 4x at 512 (BENCHMARKS.md, "Int8 products on GGUF
+blocks"). `tiles="f32"` (EngineConfig.gguf_tiles; by default where the CPU has AMX-BF16) keeps the
+activations as they are: the kernel multiplies three exact bf16 parts of each, so the product is
+f32's up to the order of its sums (BENCHMARKS.md, "f32 products on AMX"). A weight whose N is not
+a multiple of 16 keeps the file's rows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Mapping
 
 from ir import Graph, Node, add_params, make_node, rewrite
 from ir.attrs import BLOCK_FORMAT, BLOCK_LAYOUT, CONCAT, GGUF_BLOCKS, ROLE, Role, role_of
-from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES, TILE_COLUMNS, blocks_shape
+from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES, TILE_ACTIVATIONS, TILE_COLUMNS, blocks_shape
 from ir.graph import freeze_attrs
 
 # Rows up to which a step's matmuls read the blocks: every decode bucket of the default engine (64
@@ -32,12 +35,15 @@ TILES_MAX_ROWS = 1 << 30
 
 
 def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS_MAX_ROWS,
-                tiles: bool = False) -> Graph:
+                tiles: str | None = None) -> Graph:
     """Every matmul whose weight is an f32 2-D param made of source weights that all have blocks
     of one format (`formats`: source name -> format) becomes a matmul_blocks that also reads a
     u8 param of those blocks, [N, K / 32 * block bytes], the sources' rows stacked in the order
     of the param's concat. A tied LM head's blocks are the embedding's (its rows are the vocab),
-    with the LM head's role. `tiles`: in the tiles layout where N allows, for every step."""
+    with the LM head's role. `tiles` ("f32" or "q8", the products' activations): in the tiles layout
+where N allows, for every step."""
+    if tiles not in (None, *TILE_ACTIVATIONS):
+        raise ValueError(f"gguf_blocks tiles must be None or one of {TILE_ACTIVATIONS}, got {tiles!r}")
     copies: dict[tuple[str, bool], Node] = {}
 
     def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
@@ -64,7 +70,7 @@ def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS
             copies[key] = Node("param", (), freeze_attrs(attrs), blocks_shape(fmt.name, n, k, layout), "u8")
         attrs = dict(node.attrs) | {"format": fmt.name, "max_rows": max_rows}
         if layout == "tiles":
-            attrs |= {"layout": layout, "max_rows": TILES_MAX_ROWS}
+            attrs |= {"layout": layout, "activations": tiles, "max_rows": TILES_MAX_ROWS}
         return make_node("matmul_blocks", (ins[0], w, copies[key]), attrs)
 
     out = rewrite(graph, fn)

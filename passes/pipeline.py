@@ -30,7 +30,7 @@ class PipelineOptions:
     # (source weight, block format) for the weights whose GGUF blocks decode steps read
     # (passes.gguf_blocks); empty: none.
     block_formats: tuple[tuple[str, str], ...] = ()
-    block_tiles: bool = False  # ...repacked into tiles, every step multiplying in int8 (gguf_activations q8)
+    block_tiles: str | None = None  # ...repacked into tiles for every step, its products' activations "f32" or "q8"
     kv_dtype: str | None = None  # the KV pools' dtype (EngineConfig.kv_cache_dtype); None: the model's
     tensor_parallel_size: int = 1
     # How the executor lowers paged_attention (see passes.plan_memory); sizes its workspace.

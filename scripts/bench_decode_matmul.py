@@ -19,7 +19,8 @@ q4_1-scan does the same with GGUF Q4_1 blocks (ir.blocks; 80 MB for 30 layers): 
 `cpp_kernels.block_matmul` on the stacked blocks, XLA's the f32 dot on the scan's slice of the
 blocks' values, as a scanned step without and with `gguf_blocks` (the GB/s are each one's own bytes).
 q4_1-tiles: ours is `cpp_kernels.tile_matmul` on the same blocks packed into tiles (ir.blocks.pack_tiles;
-96 MB), the int8 products of `gguf_activations=q8`, against the same XLA f32 dot.
+96 MB), the int8 products of `gguf_activations=q8`, against the same XLA f32 dot. q4_1-tiles-f32: the
+same tiles with f32 activations (AMX-BF16 on exact bf16 parts from 16 rows where the CPU has it).
 Prints one markdown row per row count and mode: the median milliseconds of each, the weight bytes
 streamed per second, and ours vs XLA.
 Run on a quiet machine (uptime < 1).
@@ -100,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,8,16,32,64")
     ap.add_argument("--modes", default="w8a8,weight-only", help="w8a8, weight-only, f32, f32-scan, q4_1-scan, "
-                    "q4_1-tiles")
+                    "q4_1-tiles, q4_1-tiles-f32")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
@@ -118,7 +119,7 @@ def main() -> None:
         if "f32-scan" in modes:
             weights["f32-scan"] = [jnp.asarray(np.stack([layer[i] for layer in f32])) for i in range(len(SHAPES))]
         del f32
-    if {"q4_1-scan", "q4_1-tiles"} & set(modes):
+    if {"q4_1-scan", "q4_1-tiles", "q4_1-tiles-f32"} & set(modes):
         import gguf
         from gguf.quants import dequantize, quantize
 
@@ -128,7 +129,7 @@ def main() -> None:
         weights["q4_1-blocks"] = [jnp.asarray(np.stack([layer[i] for layer in blocks])) for i in range(len(SHAPES))]
         weights["q4_1-f32"] = [jnp.asarray(np.stack([dequantize(layer[i], q41).T for layer in blocks]))
                                for i in range(len(SHAPES))]
-        if "q4_1-tiles" in modes:
+        if {"q4_1-tiles", "q4_1-tiles-f32"} & set(modes):
             from ir.blocks import pack_tiles
 
             weights["q4_1-tiles"] = [jnp.asarray(np.stack([pack_tiles(layer[i], "q4_1") for layer in blocks]))
@@ -140,8 +141,10 @@ def main() -> None:
                                          ks=[k for k, _ in SHAPES]), "q4_1-blocks")
             fns[mode, "xla"] = (scanned(None), "q4_1-f32")
             continue
-        if mode == "q4_1-tiles":
-            fns[mode, "ours"] = (scanned(lambda x, s, i: cpp_kernels.tile_matmul(x, s, "q4_1", layer=i),
+        if mode in ("q4_1-tiles", "q4_1-tiles-f32"):
+            act = "f32" if mode == "q4_1-tiles-f32" else "q8"
+            fns[mode, "ours"] = (scanned(lambda x, s, i, act=act: cpp_kernels.tile_matmul(x, s, "q4_1", layer=i,
+                                                                                        activations=act),
                                          ks=[k for k, _ in SHAPES]), "q4_1-tiles")
             fns[mode, "xla"] = (scanned(None), "q4_1-f32")
             continue
@@ -153,8 +156,9 @@ def main() -> None:
             fns[mode, who] = (chained(MODES[mode][i], MODES[mode][2]), "f32" if mode == "f32" else "int8")
     counts = args.layers * sum(k * n for k, n in SHAPES)
     nbytes = {mode: counts * (4 if mode.startswith("f32") else 1) for mode in modes}
-    xla_bytes = dict(nbytes, **{"q4_1-scan": counts * 4, "q4_1-tiles": counts * 4})
+    xla_bytes = dict(nbytes, **{"q4_1-scan": counts * 4, "q4_1-tiles": counts * 4, "q4_1-tiles-f32": counts * 4})
     nbytes["q4_1-scan"], nbytes["q4_1-tiles"] = counts * 20 // 32, counts * 24 // 32
+    nbytes["q4_1-tiles-f32"] = nbytes["q4_1-tiles"]
     print(f"weights {counts / 1e6:.0f} M values; matmul_vectorized: {cpp_kernels.matmul_vectorized()}; "
           f"load {os.getloadavg()[0]:.2f}")
     print("| mode | rows | ours ms | ours GB/s | XLA ms | XLA GB/s | ours vs XLA |")

@@ -105,18 +105,47 @@ def test_kernel_matches_rounded_product(fmt, m, k, n):
 
 
 @needs_kernel
-def test_op_and_lowerings_round_the_activations():
-    """The op's reference (every backend but cpp) is round_q8(x) @ w; cpp's lowering reads the tiles
-    (vector path) or rounds and multiplies by w (elsewhere): the same values either way."""
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,k,n", [(1, 32, 16), (3, 64, 48), (12, 576, 16), (13, 160, 64), (15, 96, 32),
+                                   (16, 64, 16), (17, 96, 48), (33, 1536, 32), (40, 576, 80), (64, 96, 16),
+                                   (77, 160, 32), (130, 64, 16)])
+def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n):
+    """activations="f32": x as it is. Ragged rows across the f32 multiply-adds (under 16 rows) and
+    AMX-BF16's groups of 16 and 32 and its chunks of 128 (where the CPU has it), K of 1-48 blocks,
+    plain and from a layer stack, rows of magnitudes 1e-3 to 1e3: within f32 rounding of the f64
+    product (AMX takes each activation as three bf16 parts that sum to it exactly, and the weights'
+    values are exact in bf16). An all-zero row stays zero."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    stack = [_quantized(rng.standard_normal((n, k)) * 0.1, fmt) for _ in range(3)]
+    x = rng.standard_normal((m, k)).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 4, (m, 1))
+    x = x.astype(np.float32)
+    x[m // 2] = 0.0
+    for layer in (None, 0, 2):
+        blocks, values = stack[layer or 0]
+        w = pack_tiles(blocks, fmt) if layer is None else np.stack([pack_tiles(b, fmt) for b, _ in stack])
+        got = np.asarray(jax.jit(lambda a, b, i: cpp_kernels.tile_matmul(a, b, fmt, layer=i, activations="f32"))(
+            x, w, None if layer is None else jnp.int32(layer)))
+        want = x.astype(np.float64) @ values.T.astype(np.float64)
+        bound = np.abs(x).astype(np.float64) @ np.abs(values.T).astype(np.float64)
+        assert got.shape == (m, n)
+        assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30), np.max(np.abs(got - want) / (bound + 1e-30))
+        assert not got[m // 2].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("activations", ["q8", "f32"])
+def test_op_and_lowerings_follow_the_activations(activations):
+    """The op's reference (every backend but cpp) is round_q8(x) @ w for q8 and x @ w for f32; cpp's
+    lowering reads the tiles (vector path) or multiplies by w (elsewhere): the same values either way."""
     from runtime.worker.kernels import matmul_blocks_cpp
 
     rng = np.random.default_rng(0)
     blocks, values = _quantized(rng.standard_normal((32, 64)), "q4_1")
     tiles, w = pack_tiles(blocks, "q4_1"), np.ascontiguousarray(values.T)
-    attrs = dict(format="q4_1", max_rows=1 << 30, layout="tiles")
+    attrs = dict(format="q4_1", max_rows=1 << 30, layout="tiles", activations=activations)
     for rows in (1, 5, 70):
         x = rng.standard_normal((rows, 64)).astype(np.float32)
-        want = rounded_product(x, values)
+        want = rounded_product(x, values) if activations == "q8" else x.astype(np.float64) @ values.T
         np.testing.assert_allclose(np.asarray(OPS["matmul_blocks"].impl(x, w, tiles, **attrs)), want,
                                    rtol=1e-5, atol=1e-5 * np.abs(want).max())
         np.testing.assert_allclose(np.asarray(jax.jit(lambda a: matmul_blocks_cpp(a, w, tiles, **attrs))(x)), want,
@@ -135,6 +164,11 @@ def test_op_checks_the_tiles_shape():
     bad = Node("param", (), (("name", "b"),), (2, 100), "u8")
     with pytest.raises(ValueError, match="tiles must be"):
         make_node("matmul_blocks", (x, w32, bad), dict(format="q4_1", max_rows=8, layout="tiles"))
+    rows32 = Node("param", (), (("name", "b"),), (32, 40), "u8")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        make_node("matmul_blocks", (x, w32, rows32), dict(format="q4_1", max_rows=8, activations="int8"))
+    with pytest.raises(ValueError, match="q8 activations need the tiles layout"):
+        make_node("matmul_blocks", (x, w32, rows32), dict(format="q4_1", max_rows=8, activations="q8"))
 
 
 def test_pass_packs_tiles_where_n_allows():
@@ -155,7 +189,7 @@ def test_pass_packs_tiles_where_n_allows():
     graph, memory = served(gguf_activations="q8")
     ops = {n.inputs[1].name: n for n in graph.nodes() if n.op == "matmul_blocks"}
     qkv = ops["layers.0.wqkv"]
-    assert qkv.attr("layout") == "tiles" and qkv.attr("max_rows") >= 1 << 20
+    assert qkv.attr("layout") == "tiles" and qkv.attr("activations") == "q8" and qkv.attr("max_rows") >= 1 << 20
     tiles = qkv.inputs[2]
     assert (tiles.name, tiles.shape, tiles.attr(BLOCK_LAYOUT)) == ("layers.0.wqkv.q4_1_tiles", (8, 2 * 384), "tiles")
     assert tiles.attr(GGUF_BLOCKS) == "layers.0.wqkv" and tiles.attr(BLOCK_FORMAT) == "q4_1"
@@ -165,11 +199,31 @@ def test_pass_packs_tiles_where_n_allows():
     _, without = served(gguf_blocks=False)
     extra = sum(int(np.prod(p.shape)) for p in graph.params if p.dtype == "u8")
     assert memory.weight_bytes == without.weight_bytes + extra
+    # f32 activations: the same tiles; gguf_tiles=False keeps the file's rows, decode steps only.
+    f32, f32_memory = served(gguf_tiles=True)
+    f32_ops = {n.inputs[1].name: n for n in f32.nodes() if n.op == "matmul_blocks"}
+    assert f32_ops["layers.0.wqkv"].attr("activations") == "f32" and f32_memory.weight_bytes == memory.weight_bytes
+    assert f32_ops["layers.0.wqkv"].inputs[2].shape == tiles.shape
+    rows, _ = served(gguf_tiles=False, gguf_blocks=True)
+    assert all(n.attr("layout") in (None, "rows") and n.attr("max_rows") == 64
+               for n in rows.nodes() if n.op == "matmul_blocks")
+    # By default the tiles come where this machine's kernels multiply f32 activations on AMX-BF16.
+    default, _ = served()
+    layouts = {n.attr("layout") or "rows" for n in default.nodes() if n.op == "matmul_blocks"}
+    assert ("tiles" in layouts) == (cpp_kernels.tiles_vectorized() and cpp_kernels.tiles_amx_bf16())
 
 
 def test_engine_config_for_q8():
     with pytest.raises(ValueError, match="gguf_activations must be one of"):
         EngineConfig(gguf_activations="int8")
+    with pytest.raises(ValueError, match="gguf_tiles must be a bool"):
+        EngineConfig(gguf_tiles="yes")
+    with pytest.raises(ValueError, match="needs gguf_tiles on"):
+        EngineConfig(gguf_activations="q8", gguf_tiles=False)
+    with pytest.raises(ValueError, match="gguf_tiles repacks the GGUF blocks"):
+        EngineConfig(gguf_tiles=True, gguf_blocks=False)
+    with pytest.raises(ValueError, match="gguf_blocks does not combine"):
+        EngineConfig(gguf_tiles=True, matmul_precision="bfloat16")
     with pytest.raises(ValueError, match="needs gguf_blocks"):
         EngineConfig(gguf_activations="q8", gguf_blocks=False)
     with pytest.raises(ValueError, match="gguf_blocks does not combine"):
@@ -188,19 +242,20 @@ def tiny_q8_llm(weights, **engine) -> LLM:
 
 
 @needs_kernel
-@pytest.mark.parametrize("scan", [False, True])
-def test_engine_tiles_match_the_reference_numerics(scan):
+@pytest.mark.parametrize("activations,scan", [("q8", False), ("q8", True), ("f32", False), ("f32", True)])
+def test_engine_tiles_match_the_reference_numerics(activations, scan):
     """The cpp engine (the tiles kernel, scanned and unrolled) against the XLA engine (the op's
-    reference: rounded activations times the f32 weights): decode batches, short and 100-token
-    prefills and a prefix hit give the same greedy tokens, logprobs within 1e-3 (the same int8
-    products; f32 sums in another order can move an activation across a rounding edge), no
-    recompiles and no leaked KV blocks."""
+    reference: the activations, rounded for q8, times the f32 weights): decode batches, short and
+    100-token prefills and a prefix hit give the same greedy tokens, logprobs within 1e-3 (q8: the
+    same int8 products, but f32 sums in another order can move an activation across a rounding
+    edge; f32: the f32 product up to the order of its sums), no recompiles and no leaked KV blocks."""
     weights, prompts, params = engine_workload()
     got = {}
+    engine = dict(gguf_activations="q8") if activations == "q8" else dict(gguf_activations="f32", gguf_tiles=True)
     for backend in ("xla", "cpp"):
-        llm = tiny_q8_llm(weights, kernel_backend=backend, scan_layers=scan if backend == "cpp" else False)
+        llm = tiny_q8_llm(weights, kernel_backend=backend, scan_layers=scan if backend == "cpp" else False, **engine)
         blocks = [n for n in llm.plan.graph.nodes() if n.op == "matmul_blocks"]
-        assert blocks and all(n.attr("layout") == "tiles" for n in blocks)
+        assert blocks and all(n.attr("layout") == "tiles" and n.attr("activations") == activations for n in blocks)
         got[backend] = llm.generate(prompts, params)
         assert llm.engine.stats().num_recompiles == 0
         assert llm.engine.block_manager.num_used == 0

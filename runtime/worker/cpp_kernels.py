@@ -34,6 +34,8 @@ HEADERS = tuple(Path(__file__).with_name("cpp") / name for name in ("parallel_fo
 PAGED_DECODE_TARGET, INT8_MATMUL_TARGET = "jaxserve_paged_decode", "jaxserve_int8_matmul"
 INT8_WEIGHT_MATMUL_TARGET, F32_MATMUL_TARGET = "jaxserve_int8_weight_matmul", "jaxserve_f32_matmul"
 BLOCK_MATMUL_TARGET = "jaxserve_block_matmul"
+# tile_matmul's activations -> block_matmul's layout attribute (cpp/block_matmul.cc)
+TILE_ACTIVATIONS = {"q8": 1, "f32": 2}
 # FFI target name -> the library's handler symbol.
 TARGETS = {PAGED_DECODE_TARGET: "JaxservePagedDecode", INT8_MATMUL_TARGET: "JaxserveInt8Matmul",
            INT8_WEIGHT_MATMUL_TARGET: "JaxserveInt8WeightMatmul", F32_MATMUL_TARGET: "JaxserveF32Matmul",
@@ -224,6 +226,15 @@ def block_matmul(x, w, fmt: str, layer=None):
 
 
 @functools.cache
+def tiles_amx_bf16() -> bool:
+    """Whether tile_matmul takes f32 activations' wide products on AMX-BF16 here (the CPU has it,
+    and Linux grants the tile state): then those products run several times f32's rate."""
+    if not available():
+        return False
+    return bool(_library().JaxserveTilesAmxBf16())
+
+
+@functools.cache
 def tiles_vectorized() -> bool:
     """Whether tile_matmul has its vector path on this CPU (AVX-512 VNNI)."""
     if not available():
@@ -231,14 +242,18 @@ def tiles_vectorized() -> bool:
     return bool(_library().JaxserveTilesVectorized())
 
 
-def tile_matmul(x, w, fmt: str, layer=None):
+def tile_matmul(x, w, fmt: str, layer=None, activations: str = "q8"):
     """x f32 [M, K] @ w -> f32 [M, N], where w u8 [N / 16, K / 32 * record bytes] holds GGUF blocks
-    of format `fmt` repacked into tiles of 16 columns (ir.blocks.pack_tiles), multiplied in int8
-    with x quantized per block of 32 as llama.cpp does; see cpp/tile_matmul.cc. Built for wide
-    steps. `layer` as in block_matmul."""
+    of format `fmt` repacked into tiles of 16 columns (ir.blocks.pack_tiles); see cpp/tile_matmul.cc.
+    `activations` "q8": multiplied in int8, x quantized per block of 32 as llama.cpp does; "f32":
+    x as it is (the f32 product up to the order of its sums; AMX-BF16 on three exact bf16 parts of
+    x from 16 rows where the CPU has it, f32 multiply-adds otherwise). `layer` as in block_matmul."""
     from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS
 
+    if activations not in TILE_ACTIVATIONS:
+        raise ValueError(f"tile_matmul activations must be one of {TILE_ACTIVATIONS}, got {activations!r}")
     ensure()
     m, n = x.shape[0], w.shape[-2] * TILE_COLUMNS
     return jax.ffi.ffi_call(BLOCK_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
-        x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[fmt].type_id), layout=np.int64(1))
+        x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[fmt].type_id),
+        layout=np.int64(TILE_ACTIVATIONS[activations]))

@@ -64,6 +64,16 @@ def reads_gguf_blocks(engine, has_blocks: bool) -> bool:
     return engine.reads_gguf_blocks(has_blocks, ready)
 
 
+def tile_activations(engine) -> str | None:
+    """EngineConfig.gguf_tile_activations, told whether this CPU's C++ kernels take f32 activations'
+    wide products on AMX-BF16 (kernel backend cpp)."""
+    from runtime.worker import cpp_kernels
+
+    amx = (resolve_backend(engine.kernel_backend) == "cpp" and engine.tensor_parallel_size == 1
+           and cpp_kernels.tiles_vectorized() and cpp_kernels.tiles_amx_bf16())
+    return engine.gguf_tile_activations(amx)
+
+
 def _kernel_impls(backend: str) -> dict[str, Callable]:
     """Overrides of the jnp references for the attention ops, by backend."""
     from runtime.worker import kernels

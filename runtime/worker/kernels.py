@@ -354,20 +354,23 @@ def matmul_cpp(x, w, *, transpose_b=False, layer=None):
     return OPS["matmul"].impl(x, w, transpose_b=transpose_b)
 
 
-def matmul_blocks_cpp(x, w, w_blocks, *, format, max_rows, transpose_b=False, layout="rows", layer=None):
+def matmul_blocks_cpp(x, w, w_blocks, *, format, max_rows, transpose_b=False, layout="rows", activations="f32",
+                      layer=None):
     """matmul_blocks under kernel_backend="cpp": a product of at most `max_rows` rows reads the GGUF
-    blocks in our C++ kernel where it has its vector path: the file's rows (the same values as w,
-    f32 sums in another order), or tiles (int8 products of the rounded activations, exact int32
-    sums per block). Anything else multiplies by w as matmul_cpp does, after the same rounding in
-    the tiles layout. `layer` as in matmul_int8_cpp, for whichever weight arrives as a stack [L, ...]."""
+    blocks in our C++ kernel where it has its vector path: the file's rows or tiles with f32
+    activations (the same values as w, f32 sums in another order), or tiles with q8 activations
+    (int8 products of the rounded activations, exact int32 sums per block). Anything else
+    multiplies by w as matmul_cpp does, after the same rounding for q8. `layer` as in
+    matmul_int8_cpp, for whichever weight arrives as a stack [L, ...]."""
     rows = math.prod(x.shape[:-1])
     tiles = layout == "tiles"
     if rows > max_rows or not (cpp_kernels.tiles_vectorized() if tiles else cpp_kernels.matmul_vectorized()):
-        return matmul_cpp(round_q8(x) if tiles else x, w, transpose_b=transpose_b, layer=layer if w.ndim == 3 else None)
+        x = round_q8(x) if activations == "q8" else x
+        return matmul_cpp(x, w, transpose_b=transpose_b, layer=layer if w.ndim == 3 else None)
     layer = layer if w_blocks.ndim == 3 else None
     x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
     if tiles:
-        y = cpp_kernels.tile_matmul(x2, w_blocks, format, layer=layer)
+        y = cpp_kernels.tile_matmul(x2, w_blocks, format, layer=layer, activations=activations)
     else:
         y = cpp_kernels.block_matmul(x2, w_blocks, format, layer=layer)
     return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)

@@ -249,16 +249,16 @@ void Product(ffi::ThreadPool& pool, const Args& a) {
 }
 
 // layout 0: w [N, K / 32 * B] in the file's rows (above); 1: tiles [N / 16, K / 32 * record bytes]
-// (tile_matmul.cc, int8 products of the rounded activations).
+// (tile_matmul.cc, int8 products of the rounded activations); 2: the same tiles, f32 activations.
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
                            ffi::Result<ffi::AnyBuffer> y, int64_t format, int64_t layout) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const size_t r = wd.size();
-  const bool tiles = layout == 1;
+  const bool tiles = layout == 1 || layout == 2;
   const int64_t B = tiles ? jaxserve::TileRecordBytes(static_cast<int>(format)) : BlockBytes(static_cast<int>(format));
-  if (B == 0 || (layout != 0 && layout != 1)) {
+  if (B == 0 || layout < 0 || layout > 2) {
     return ffi::Error::InvalidArgument("block_matmul: format must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), layout 0 "
-                                       "(rows) or 1 (tiles); got " + std::to_string(format) + ", " +
+                                       "(rows), 1 (tiles, int8) or 2 (tiles, f32); got " + std::to_string(format) + ", " +
                                        std::to_string(layout));
   }
   const int64_t cols = tiles ? kTileCols : 1;  // output columns per row of w
@@ -282,7 +282,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const uint8_t* wp = static_cast<const uint8_t*>(w.untyped_data()) + l * wd[r - 2] * nb * B;
   float* yp = static_cast<float*>(y->untyped_data());
   if (tiles) {
-    jaxserve::TileProduct(pool, xp, wp, yp, M, K, N, static_cast<int>(format));
+    jaxserve::TileProduct(pool, xp, wp, yp, M, K, N, static_cast<int>(format), layout == 2);
     return ffi::Error::Success();
   }
   const Args a{xp, wp, yp, M, K, N, nb};

@@ -44,7 +44,7 @@
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_INT8__)
+#if defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -62,6 +62,7 @@ constexpr int64_t kTile = 16;   // output columns per tile
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 constexpr int kMaxRows = 12;  // rows in flight over a tile's block
 constexpr int64_t kAmxMinRows = 32;  // rows from which AMX takes the product, where the CPU has it
+constexpr int64_t kPrefetchRecords = 4;  // f32 activations' vector path: records requested ahead
 
 // Bytes of one tile's record for one block: the scales, then the quantized values.
 int64_t RecordBytes(int format) {
@@ -207,12 +208,8 @@ void VectorTiles(const Args& a, int64_t g0, int64_t g1) {
 #endif
 
 
-#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
-// AMX: the int32 sums of 16 rows x 16 columns for one block in one tile multiply (tdpbsud: signed
-// activations, unsigned weights), where VNNI takes 8 dot products per row. The tiles' q vectors are
-// already the multiply's B layout (row j: 4 inputs for each of 16 columns); 4-bit values are
-// widened into a buffer first, once per tile for all rows. The sums go through memory to the same
-// f32 scaling as VectorTile's. Linux hands out the tile state on request (arch_prctl).
+#if defined(__AMX_TILE__)
+// Linux hands out the AMX tile state on request (arch_prctl).
 bool AmxGranted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                       18 /* XFEATURE_XTILEDATA */) == 0;
@@ -225,6 +222,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+#endif
+
+#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+// AMX: the int32 sums of 16 rows x 16 columns for one block in one tile multiply (tdpbsud: signed
+// activations, unsigned weights), where VNNI takes 8 dot products per row. The tiles' q vectors are
+// already the multiply's B layout (row j: 4 inputs for each of 16 columns); 4-bit values are
+// widened into a buffer first, once per tile for all rows. The sums go through memory to the same
+// f32 scaling as VectorTile's. Linux hands out the tile state on request (arch_prctl).
 template <int F>
 void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
   TileConfig cfg;
@@ -297,6 +302,348 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
 }
 #endif
 
+// ---- f32 activations (layout 2): x @ w with x as it is, up to the order of f32 sums ----
+//
+// A tile's value is d * v + c' with v = q - bias signed (Q4_0: q - 8, Q8_0: q - 128; Q4_1: q) and
+// c' = c + bias * d, which is 0 for Q4_0 and Q8_0 (c = -bias * d) and Q4_1's m. Two ways:
+//   - from 16 rows, on CPUs with AMX-BF16: each row is split into three bf16 parts with
+//     hi + mid + lo == x exactly (each holds 8 of f32's 24 significant bits), and v (at most 8
+//     bits) is exact in bf16, so each part's products are exact in the f32 sums that tdpbf16ps
+//     takes per block; the block's sum is then scaled in f32 like the int8 path's. Three tile
+//     multiplies per block give what f32 multiply-adds give, at several times their rate.
+//   - otherwise, f32 multiply-adds: each block's 16 columns widened to f32 per input, once for up
+//     to 12 rows (the few rows of a decode step).
+
+constexpr int64_t kAmxChunkRows = 128;  // AMX-BF16 path: rows per pass over a work item's tiles
+
+template <int F>
+constexpr int Bias() {
+  return F == kQ4_0 ? 8 : F == kQ8_0 ? 128 : 0;
+}
+
+struct F32Args {
+  const float* x;  // [M, K]
+  const uint8_t* w;
+  float* y;
+  int64_t M, K, N, nb;
+  const uint16_t* parts;  // AMX: bf16 bits [3, padded, K] (hi, mid, lo), rows from M zero
+  const float* sx;        // AMX, Q4_1: per (row, block) the sum of x
+  int64_t padded;
+};
+
+template <int F>
+void ScalarTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
+  const int64_t R = RecordBytes(F);
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      float acc[kTile] = {};
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const uint8_t* rec = a.w + (g * a.nb + b) * R;
+        float d[kTile], c[kTile];
+        std::memcpy(d, rec, sizeof d);
+        std::memcpy(c, rec + sizeof d, sizeof c);
+        const float* xb = a.x + m * a.K + b * kBlock;
+        for (int col = 0; col < kTile; ++col) {
+          const float cc = F == kQ4_1 ? c[col] : 0.0f;
+          for (int j = 0; j < kBlock; ++j) {
+            const float v = static_cast<float>(TileValue<F>(rec + 2 * kTile * 4, col, j) - Bias<F>());
+            acc[col] += xb[j] * (v * d[col] + cc);
+          }
+        }
+      }
+      for (int col = 0; col < kTile; ++col) a.y[m * a.N + g * kTile + col] = acc[col];
+    }
+  }
+}
+
+#if defined(__AVX512BW__)
+// Rows [m0, m0 + MR) over tile g: per input, the 16 columns' values widened to f32 and scaled
+// (one multiply-add), then one multiply-add per row with its input broadcast.
+template <int F, int MR>
+void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
+  const int64_t R = RecordBytes(F);
+  const uint8_t* rec = a.w + g * a.nb * R;
+  const float* x[MR];
+  for (int m = 0; m < MR; ++m) x[m] = a.x + (m0 + m) * a.K;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32(F == kQ8_0 ? 0xff : 0x0f), bias = _mm512_set1_epi32(Bias<F>());
+  for (int64_t b = 0; b < a.nb; ++b, rec += R) {
+    // A few rows are bound by the bytes streamed: the record kPrefetchRecords ahead is requested now.
+    for (int64_t line = 0; line < R; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
+    }
+    const __m512 d = _mm512_loadu_ps(rec), c = _mm512_loadu_ps(rec + 64);
+    constexpr int kVectors = F == kQ8_0 ? 8 : 4;
+    __m512i v[kVectors];
+    for (int j = 0; j < kVectors; ++j) v[j] = _mm512_loadu_si512(rec + 128 + 64 * j);
+#pragma GCC unroll 32
+    for (int k = 0; k < kBlock; ++k) {
+      // Q8_0: byte k % 4 of vector k / 4; 4-bit: byte k % 4 of vector (k % 16) / 4, high nibble from 16.
+      const int j = F == kQ8_0 ? k / 4 : (k % 16) / 4;
+      const int shift = 8 * (k % 4) + (F != kQ8_0 && k >= 16 ? 4 : 0);
+      __m512i u = _mm512_and_si512(_mm512_srli_epi32(v[j], shift), mask);
+      __m512 wk;
+      if (F == kQ4_1) {
+        wk = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), d, c);
+      } else {
+        wk = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, bias)), d);
+      }
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b * kBlock + k]), wk, acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(a.y + (m0 + m) * a.N + g * kTile, acc[m]);
+}
+
+template <int F>
+void VectorTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t m = 0;
+    for (; m + kMaxRows <= a.M; m += kMaxRows) VectorTileF32<F, kMaxRows>(a, g, m);
+    switch (a.M - m) {
+      case 11: VectorTileF32<F, 11>(a, g, m); break;
+      case 10: VectorTileF32<F, 10>(a, g, m); break;
+      case 9: VectorTileF32<F, 9>(a, g, m); break;
+      case 8: VectorTileF32<F, 8>(a, g, m); break;
+      case 7: VectorTileF32<F, 7>(a, g, m); break;
+      case 6: VectorTileF32<F, 6>(a, g, m); break;
+      case 5: VectorTileF32<F, 5>(a, g, m); break;
+      case 4: VectorTileF32<F, 4>(a, g, m); break;
+      case 3: VectorTileF32<F, 3>(a, g, m); break;
+      case 2: VectorTileF32<F, 2>(a, g, m); break;
+      case 1: VectorTileF32<F, 1>(a, g, m); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// Rows [m0, m1) split into bf16 parts: hi is x cut to bf16, mid the rest cut to bf16, lo what
+// remains (8 significant bits at most, so exact), each subtraction exact; Q4_1's block sums too.
+// parts [padded, nb, 3, 32]: a row's three parts of a block lie together (192 bytes), so that the
+// three tile loads of a block read the same lines.
+void SplitRows(const float* x, int64_t K, int64_t m0, int64_t m1, uint16_t* parts, float* sx) {
+  const __m512i cut = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t nb = K / kBlock;
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t k = 0; k < K; k += 16) {
+      uint16_t* out = parts + (m * nb + k / kBlock) * 3 * kBlock + k % kBlock;
+      const __m512 v = _mm512_loadu_ps(x + m * K + k);
+      const __m512i vh = _mm512_and_si512(_mm512_castps_si512(v), cut);
+      const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(vh));
+      const __m512i rm = _mm512_and_si512(_mm512_castps_si512(r), cut);
+      const __m512 rl = _mm512_sub_ps(r, _mm512_castsi512_ps(rm));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(vh, 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kBlock), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rm, 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * kBlock), (__m256i)_mm512_cvtneps_pbh(rl));
+    }
+    if (sx != nullptr) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + m * K + b * kBlock;
+        sx[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
+      }
+    }
+  }
+}
+
+// A tile's blocks as tdpbf16ps's B operand, 1 KB per block: row p holds inputs 2p and 2p + 1 of
+// each of the 16 columns as bf16 pairs of v (exact: at most 8 bits).
+template <int F>
+void WidenBf16(const uint8_t* rec, int64_t R, int64_t nb, uint8_t* out) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  // 32 words of v (words 4 * col + t: column col's inputs base + t, for 8 columns each) -> rows
+  // base / 2 (t = 0, 1) and base / 2 + 1 (t = 2, 3).
+  auto rows = [&](uint8_t* blk, int base, __m512i cols0_7, __m512i cols8_15) {
+    _mm512_store_si512(blk + 64 * (base / 2), _mm512_permutex2var_epi32(cols0_7, even, cols8_15));
+    _mm512_store_si512(blk + 64 * (base / 2 + 1), _mm512_permutex2var_epi32(cols0_7, odd, cols8_15));
+  };
+  alignas(64) uint16_t table[32] = {};
+  if (F != kQ8_0) {
+    for (int u = 0; u < 16; ++u) {
+      const float f = static_cast<float>(u - Bias<F>());
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      table[u] = static_cast<uint16_t>(bits >> 16);  // small integers: exact
+    }
+  }
+  const __m512i lut = _mm512_load_si512(table), low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = rec + b * R + 128;
+    uint8_t* blk = out + b * 1024;
+    if (F == kQ8_0) {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i s = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * j), flip);  // q - 128 as int8
+        __m512 f[4];
+        for (int i = 0; i < 4; ++i) f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(s, i)));
+        rows(blk, 4 * j, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(q + 64 * j);
+        const __m512i nib[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+        for (int h = 0; h < 2; ++h) {
+          const __m512i w0 = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(nib[h])), lut);
+          const __m512i w1 = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(nib[h], 1)), lut);
+          rows(blk, 16 * h + 4 * j, w0, w1);
+        }
+      }
+    }
+  }
+}
+
+// Rows [m0, m0 + 16 G) over a tile's widened blocks (G = 1 or 2 groups of 16). A group's block
+// takes three dependent multiplies (hi, mid, lo into one f32 tile); with two groups they alternate
+// in program order, so that the tile unit always has an independent multiply to start.
+template <int F, int G>
+void AmxRowsF32(const F32Args& a, const uint8_t* rec, const uint8_t* buf, int64_t g, int64_t m0) {
+  const int64_t R = RecordBytes(F), K = a.K, part = kBlock, stride = 6 * K;  // bytes between a part's rows
+  const uint16_t* x0 = a.parts + m0 * 3 * K;
+  const uint16_t* x1 = x0 + 16 * 3 * K;  // the second group's rows (G = 2)
+  alignas(64) float sums[2][G][16 * 16];
+  // Block b's sums for each group into sums[b % 2]: tiles 0 and 1 the groups' sums, 2 the block's
+  // weights, 3-7 the activations' parts.
+  auto multiply = [&](int64_t b) {
+    const int64_t o = b * 3 * kBlock;
+    float(*out)[256] = sums[b % 2];
+    _tile_loadd(2, buf + b * 1024, 64);
+    if (G == 1) {
+      _tile_zero(0);
+      _tile_loadd(3, x0 + o, stride);
+      _tile_loadd(4, x0 + part + o, stride);
+      _tile_loadd(5, x0 + 2 * part + o, stride);
+      _tile_dpbf16ps(0, 3, 2);
+      _tile_dpbf16ps(0, 4, 2);
+      _tile_dpbf16ps(0, 5, 2);
+      _tile_stored(0, out[0], 64);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(3, x0 + o, stride);
+      _tile_loadd(4, x1 + o, stride);
+      _tile_dpbf16ps(0, 3, 2);
+      _tile_dpbf16ps(1, 4, 2);
+      _tile_loadd(5, x0 + part + o, stride);
+      _tile_loadd(6, x1 + part + o, stride);
+      _tile_dpbf16ps(0, 5, 2);
+      _tile_dpbf16ps(1, 6, 2);
+      _tile_loadd(7, x0 + 2 * part + o, stride);
+      _tile_loadd(3, x1 + 2 * part + o, stride);
+      _tile_dpbf16ps(0, 7, 2);
+      _tile_dpbf16ps(1, 3, 2);
+      _tile_stored(0, out[0], 64);
+      _tile_stored(1, out[G - 1], 64);
+    }
+  };
+  __m512 acc[G][16];
+  for (int h = 0; h < G; ++h)
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) acc[h][r] = _mm512_setzero_ps();
+  multiply(0);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    if (b + 1 < a.nb) multiply(b + 1);  // the tile unit's next block, while the vector units scale this one
+    const __m512 d = _mm512_loadu_ps(rec + b * R);
+    for (int h = 0; h < G; ++h) {
+      const float* sb = sums[b % 2][h];
+      if (F == kQ4_1) {
+        const __m512 c = _mm512_loadu_ps(rec + b * R + 64);
+        const float* sx = a.sx + (m0 + 16 * h) * a.nb + b;
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) {
+          acc[h][r] = _mm512_fmadd_ps(_mm512_load_ps(sb + 16 * r), d, acc[h][r]);
+          acc[h][r] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[r * a.nb]), acc[h][r]);
+        }
+      } else {
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) acc[h][r] = _mm512_fmadd_ps(_mm512_load_ps(sb + 16 * r), d, acc[h][r]);
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, a.M - m0 - 16 * h));
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r)
+      if (r < rows) _mm512_storeu_ps(a.y + (m0 + 16 * h + r) * a.N + g * kTile, acc[h][r]);
+  }
+}
+
+template <int F>
+void AmxTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // 16 rows x 64 bytes, every tile
+  _tile_loadconfig(&cfg);
+  const int64_t R = RecordBytes(F);
+  std::vector<uint8_t> wide(a.nb * 1024 + 64);
+  uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide.data()) + 63) & ~uintptr_t{63});
+  // Rows in chunks of kAmxChunkRows, whose activations' parts stay in L2 while every tile of the
+  // item passes over them; a tile's widened blocks stay in L1 over the chunk's rows.
+  for (int64_t c0 = 0; c0 < a.M; c0 += kAmxChunkRows) {
+    const int64_t c1 = std::min(a.padded, c0 + kAmxChunkRows);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* rec = a.w + g * a.nb * R;
+      WidenBf16<F>(rec, R, a.nb, buf);
+      int64_t m0 = c0;
+      for (; m0 + 32 <= c1; m0 += 32) AmxRowsF32<F, 2>(a, rec, buf, g, m0);
+      if (m0 < std::min(a.M, c1)) AmxRowsF32<F, 1>(a, rec, buf, g, m0);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+// Rows from which AMX takes the f32 product, where the CPU has AMX-BF16 and Linux grants it.
+constexpr int64_t kAmxF32MinRows = 16;
+
+bool AmxBf16Ready() {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return AmxGranted();
+#else
+  return false;
+#endif
+}
+
+template <int F>
+void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* w, int64_t M, int64_t K, int64_t N) {
+  const int64_t threads = pool.num_threads() + 1, nb = K / kBlock;
+  const bool amx = M >= kAmxF32MinRows && AmxBf16Ready();
+  // The parts and sums live in buffers kept per calling thread: a fresh 5 MB allocation per call
+  // cost page faults and zeroing. Rows from M to the next 16 are zero (the tile loads read them).
+  static thread_local std::vector<uint16_t> parts;
+  static thread_local std::vector<float> sx;
+  F32Args a{x, w, y, M, K, N, nb, nullptr, nullptr, (M + 15) / 16 * 16};
+  if (amx) {
+    if (parts.size() < static_cast<size_t>(3 * a.padded * K)) parts.resize(3 * a.padded * K);
+    std::fill(parts.begin() + 3 * M * K, parts.begin() + 3 * a.padded * K, uint16_t{0});
+    if (F == kQ4_1 && sx.size() < static_cast<size_t>(a.padded * nb)) sx.resize(a.padded * nb);
+    a.parts = parts.data(), a.sx = F == kQ4_1 ? sx.data() : nullptr;
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    const int64_t row_items = std::min<int64_t>(threads, (M * K) / (1 << 16) + 1);
+    jaxserve::ParallelFor(pool, row_items, [=](int64_t t) {
+      const int64_t per = (M + row_items - 1) / row_items;
+      SplitRows(x, K, t * per, std::min(M, (t + 1) * per), const_cast<uint16_t*>(a.parts), const_cast<float*>(a.sx));
+    });
+#endif
+  }
+  const int64_t tiles = N / kTile;
+  const int64_t per = std::max<int64_t>(1, (tiles + 4 * threads - 1) / (4 * threads));
+  const int64_t items = (tiles + per - 1) / per;
+  jaxserve::ParallelFor(pool, items, [=](int64_t t) {
+    const int64_t g0 = t * per, g1 = std::min(tiles, g0 + per);
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (amx) {
+      AmxTilesF32<F>(a, g0, g1);
+      return;
+    }
+#endif
+#if defined(__AVX512BW__)
+    VectorTilesF32<F>(a, g0, g1);
+#else
+    ScalarTilesF32<F>(a, g0, g1);
+#endif
+  });
+}
+
 template <int F>
 void Product(ffi::ThreadPool& pool, const float* x, const Args& a) {
   const int64_t threads = pool.num_threads() + 1;
@@ -336,7 +683,15 @@ namespace jaxserve {
 int64_t TileRecordBytes(int format) { return RecordBytes(format); }
 
 void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float* y, int64_t M, int64_t K, int64_t N,
-                 int format) {
+                 int format, bool f32_activations) {
+  if (f32_activations) {
+    switch (format) {
+      case kQ4_0: ProductF32<kQ4_0>(pool, x, y, w, M, K, N); break;
+      case kQ4_1: ProductF32<kQ4_1>(pool, x, y, w, M, K, N); break;
+      default: ProductF32<kQ8_0>(pool, x, y, w, M, K, N); break;
+    }
+    return;
+  }
   const int64_t nb = K / kBlock;
   const int64_t padded = (M + 15) / 16 * 16;  // AMX reads the rows 16 at a time; the rest stay zero
   Quantized xq;
@@ -352,6 +707,9 @@ void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float*
 }
 
 }  // namespace jaxserve
+
+// 1 where this build has the f32 tiles' AMX-BF16 path and Linux grants the tile state.
+extern "C" int JaxserveTilesAmxBf16() { return AmxBf16Ready() ? 1 : 0; }
 
 // 1 where this build has the tiles' vector path (AVX-512 VNNI); the engine uses the tiles only then.
 extern "C" int JaxserveTilesVectorized() {
