@@ -104,7 +104,8 @@ def block_weights(cfg, seed: int, formats: dict[str, str]) -> dict[str, np.ndarr
 
 
 ALL_Q4_1 = {k: "q4_1" for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")} | {"lm_head": "q8_0"}
-ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, device_memory=1 << 30)
+# The file's rows (gguf_tiles=False): by default, CPUs with AMX-BF16 get the tiles (test_gguf_tiles.py).
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, device_memory=1 << 30, gguf_tiles=False)
 
 
 def served_graph(weights, **engine):

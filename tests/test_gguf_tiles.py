@@ -24,9 +24,11 @@ from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 from runtime.plan import compile_plan
 from runtime.worker import cpp_kernels
-from test_gguf_blocks import ALL_Q4_1, ENGINE, _quantized, block_weights, engine_workload
+from test_gguf_blocks import ALL_Q4_1, _quantized, block_weights, engine_workload
+from test_gguf_blocks import ENGINE as ROWS_ENGINE
 
 FORMATS = tuple(BLOCK_FORMATS)
+ENGINE = ROWS_ENGINE | dict(gguf_tiles=None)  # tiles as the engine chooses, or as each test asks
 needs_kernel = pytest.mark.skipif(not cpp_kernels.available(), reason="the C++ kernels do not build here")
 
 

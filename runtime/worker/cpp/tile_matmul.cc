@@ -365,8 +365,12 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
   const uint8_t* rec = a.w + g * a.nb * R;
   const float* x[MR];
   for (int m = 0; m < MR; ++m) x[m] = a.x + (m0 + m) * a.K;
-  __m512 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  // C chains of sums per row (inputs k % C), so that one or two rows are not held to the latency
+  // of one multiply-add chain.
+  constexpr int C = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  __m512 acc[C][MR];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < MR; ++m) acc[c][m] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi32(F == kQ8_0 ? 0xff : 0x0f), bias = _mm512_set1_epi32(Bias<F>());
   for (int64_t b = 0; b < a.nb; ++b, rec += R) {
     // A few rows are bound by the bytes streamed: the record kPrefetchRecords ahead is requested now.
@@ -377,22 +381,53 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
     constexpr int kVectors = F == kQ8_0 ? 8 : 4;
     __m512i v[kVectors];
     for (int j = 0; j < kVectors; ++j) v[j] = _mm512_loadu_si512(rec + 128 + 64 * j);
+    if (F == kQ4_1) {
+      // value = d * q + m, widened and scaled per input (one multiply-add), then one per row.
+#pragma GCC unroll 32
+      for (int k = 0; k < kBlock; ++k) {
+        // Byte k % 4 of vector (k % 16) / 4, its high nibble from input 16.
+        const int j = (k % 16) / 4, shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
+        const __m512 wk = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[j], shift), mask)), d, c);
+        for (int m = 0; m < MR; ++m) {
+          acc[k % C][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b * kBlock + k]), wk, acc[k % C][m]);
+        }
+      }
+      continue;
+    }
+    // Q4_0, Q8_0: value = d * v (v signed), so each row sums x * v over the block, then scales the
+    // sum by d once.
+    __m512 blk[C][MR];
+    for (int i = 0; i < C; ++i)
+      for (int m = 0; m < MR; ++m) blk[i][m] = _mm512_setzero_ps();
+    if (F == kQ8_0) {
+      for (int j = 0; j < kVectors; ++j) v[j] = _mm512_xor_si512(v[j], _mm512_set1_epi8(char(0x80)));  // q as int8
+    }
 #pragma GCC unroll 32
     for (int k = 0; k < kBlock; ++k) {
-      // Q8_0: byte k % 4 of vector k / 4; 4-bit: byte k % 4 of vector (k % 16) / 4, high nibble from 16.
-      const int j = F == kQ8_0 ? k / 4 : (k % 16) / 4;
-      const int shift = 8 * (k % 4) + (F != kQ8_0 && k >= 16 ? 4 : 0);
-      __m512i u = _mm512_and_si512(_mm512_srli_epi32(v[j], shift), mask);
-      __m512 wk;
-      if (F == kQ4_1) {
-        wk = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), d, c);
+      __m512i q;
+      if (F == kQ8_0) {  // byte k % 4 of vector k / 4, sign-extended
+        const int j = k / 4, t = k % 4;
+        q = _mm512_srai_epi32(t == 3 ? v[j] : _mm512_slli_epi32(v[j], 24 - 8 * t), 24);
       } else {
-        wk = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, bias)), d);
+        const int j = (k % 16) / 4, shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
+        q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v[j], shift), mask), bias);
       }
-      for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b * kBlock + k]), wk, acc[m]);
+      const __m512 wk = _mm512_cvtepi32_ps(q);
+      for (int m = 0; m < MR; ++m) {
+        blk[k % C][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b * kBlock + k]), wk, blk[k % C][m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m512 sum = blk[0][m];
+      for (int i = 1; i < C; ++i) sum = _mm512_add_ps(sum, blk[i][m]);
+      acc[0][m] = _mm512_fmadd_ps(sum, d, acc[0][m]);
     }
   }
-  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(a.y + (m0 + m) * a.N + g * kTile, acc[m]);
+  for (int m = 0; m < MR; ++m) {
+    __m512 sum = acc[0][m];
+    for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, acc[c][m]);
+    _mm512_storeu_ps(a.y + (m0 + m) * a.N + g * kTile, sum);
+  }
 }
 
 template <int F>
