@@ -528,79 +528,65 @@ void WidenBf16(const uint8_t* rec, int64_t R, int64_t nb, uint8_t* out) {
   }
 }
 
-// Rows [m0, m0 + 16 G) over a tile's widened blocks (G = 1 or 2 groups of 16). A group's block
-// takes three dependent multiplies (hi, mid, lo into one f32 tile); with two groups they alternate
-// in program order, so that the tile unit always has an independent multiply to start.
-template <int F, int G>
+// Rows [m0, m0 + 16) over a tile's widened blocks: per block, the three parts of the rows'
+// activations times the block's weights into one f32 tile, stored, then scaled into the rows'
+// accumulators (d, and c * sum(x) for Q4_1). Blocks alternate between two sets of tile registers
+// (sums, weights, parts), so that the tile unit takes the next block while the vector units scale
+// this one.
+template <int F>
 void AmxRowsF32(const F32Args& a, const uint8_t* rec, const uint8_t* buf, int64_t g, int64_t m0) {
-  const int64_t R = RecordBytes(F), K = a.K, part = kBlock, stride = 6 * K;  // bytes between a part's rows
-  const uint16_t* x0 = a.parts + m0 * 3 * K;
-  const uint16_t* x1 = x0 + 16 * 3 * K;  // the second group's rows (G = 2)
-  alignas(64) float sums[2][G][16 * 16];
-  // Block b's sums for each group into sums[b % 2]: tiles 0 and 1 the groups' sums, 2 the block's
-  // weights, 3-7 the activations' parts.
+  const int64_t R = RecordBytes(F), K = a.K, stride = 6 * K;  // bytes between a part's rows
+  const uint16_t* x = a.parts + m0 * 3 * K;
+  alignas(64) float sums[2][16 * 16];
   auto multiply = [&](int64_t b) {
-    const int64_t o = b * 3 * kBlock;
-    float(*out)[256] = sums[b % 2];
-    _tile_loadd(2, buf + b * 1024, 64);
-    if (G == 1) {
+    const uint16_t* p = x + b * 3 * kBlock;  // hi; mid and lo follow, kBlock apart
+    if (b % 2 == 0) {
       _tile_zero(0);
-      _tile_loadd(3, x0 + o, stride);
-      _tile_loadd(4, x0 + part + o, stride);
-      _tile_loadd(5, x0 + 2 * part + o, stride);
-      _tile_dpbf16ps(0, 3, 2);
+      _tile_loadd(2, buf + b * 1024, 64);
+      _tile_loadd(4, p, stride);
+      _tile_loadd(6, p + kBlock, stride);
       _tile_dpbf16ps(0, 4, 2);
-      _tile_dpbf16ps(0, 5, 2);
-      _tile_stored(0, out[0], 64);
+      _tile_dpbf16ps(0, 6, 2);
+      _tile_loadd(4, p + 2 * kBlock, stride);
+      _tile_dpbf16ps(0, 4, 2);
+      _tile_stored(0, sums[0], 64);
     } else {
-      _tile_zero(0);
       _tile_zero(1);
-      _tile_loadd(3, x0 + o, stride);
-      _tile_loadd(4, x1 + o, stride);
-      _tile_dpbf16ps(0, 3, 2);
-      _tile_dpbf16ps(1, 4, 2);
-      _tile_loadd(5, x0 + part + o, stride);
-      _tile_loadd(6, x1 + part + o, stride);
-      _tile_dpbf16ps(0, 5, 2);
-      _tile_dpbf16ps(1, 6, 2);
-      _tile_loadd(7, x0 + 2 * part + o, stride);
-      _tile_loadd(3, x1 + 2 * part + o, stride);
-      _tile_dpbf16ps(0, 7, 2);
-      _tile_dpbf16ps(1, 3, 2);
-      _tile_stored(0, out[0], 64);
-      _tile_stored(1, out[G - 1], 64);
+      _tile_loadd(3, buf + b * 1024, 64);
+      _tile_loadd(5, p, stride);
+      _tile_loadd(7, p + kBlock, stride);
+      _tile_dpbf16ps(1, 5, 3);
+      _tile_dpbf16ps(1, 7, 3);
+      _tile_loadd(5, p + 2 * kBlock, stride);
+      _tile_dpbf16ps(1, 5, 3);
+      _tile_stored(1, sums[1], 64);
     }
   };
-  __m512 acc[G][16];
-  for (int h = 0; h < G; ++h)
+  __m512 acc[16];
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) acc[h][r] = _mm512_setzero_ps();
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   multiply(0);
   for (int64_t b = 0; b < a.nb; ++b) {
-    if (b + 1 < a.nb) multiply(b + 1);  // the tile unit's next block, while the vector units scale this one
+    if (b + 1 < a.nb) multiply(b + 1);
+    const float* sb = sums[b % 2];
     const __m512 d = _mm512_loadu_ps(rec + b * R);
-    for (int h = 0; h < G; ++h) {
-      const float* sb = sums[b % 2][h];
-      if (F == kQ4_1) {
-        const __m512 c = _mm512_loadu_ps(rec + b * R + 64);
-        const float* sx = a.sx + (m0 + 16 * h) * a.nb + b;
+    if (F == kQ4_1) {
+      const __m512 c = _mm512_loadu_ps(rec + b * R + 64);
+      const float* sx = a.sx + m0 * a.nb + b;
 #pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r) {
-          acc[h][r] = _mm512_fmadd_ps(_mm512_load_ps(sb + 16 * r), d, acc[h][r]);
-          acc[h][r] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[r * a.nb]), acc[h][r]);
-        }
-      } else {
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r) acc[h][r] = _mm512_fmadd_ps(_mm512_load_ps(sb + 16 * r), d, acc[h][r]);
+      for (int r = 0; r < 16; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(sb + 16 * r), d, acc[r]);
+        acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[r * a.nb]), acc[r]);
       }
+    } else {
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(sb + 16 * r), d, acc[r]);
     }
   }
-  for (int h = 0; h < G; ++h) {
-    const int rows = static_cast<int>(std::min<int64_t>(16, a.M - m0 - 16 * h));
+  const int rows = static_cast<int>(std::min<int64_t>(16, a.M - m0));
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r)
-      if (r < rows) _mm512_storeu_ps(a.y + (m0 + 16 * h + r) * a.N + g * kTile, acc[h][r]);
-  }
+  for (int r = 0; r < 16; ++r)
+    if (r < rows) _mm512_storeu_ps(a.y + (m0 + r) * a.N + g * kTile, acc[r]);
 }
 
 template <int F>
@@ -618,9 +604,7 @@ void AmxTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* rec = a.w + g * a.nb * R;
       WidenBf16<F>(rec, R, a.nb, buf);
-      int64_t m0 = c0;
-      for (; m0 + 32 <= c1; m0 += 32) AmxRowsF32<F, 2>(a, rec, buf, g, m0);
-      if (m0 < std::min(a.M, c1)) AmxRowsF32<F, 1>(a, rec, buf, g, m0);
+      for (int64_t m0 = c0; m0 < std::min(a.M, c1); m0 += 16) AmxRowsF32<F>(a, rec, buf, g, m0);
     }
   }
   _tile_release();
