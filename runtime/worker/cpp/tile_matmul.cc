@@ -314,8 +314,6 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
 //   - otherwise, f32 multiply-adds: each block's 16 columns widened to f32 per input, once for up
 //     to 12 rows (the few rows of a decode step).
 
-constexpr int64_t kAmxChunkRows = 128;  // AMX-BF16 path: rows per pass over a work item's tiles
-
 template <int F>
 constexpr int Bias() {
   return F == kQ4_0 ? 8 : F == kQ8_0 ? 128 : 0;
@@ -528,84 +526,78 @@ void WidenBf16(const uint8_t* rec, int64_t R, int64_t nb, uint8_t* out) {
   }
 }
 
-// Rows [m0, m0 + 16) over a tile's widened blocks: per block, the three parts of the rows'
-// activations times the block's weights into one f32 tile, stored, then scaled into the rows'
-// accumulators (d, and c * sum(x) for Q4_1). Blocks alternate between two sets of tile registers
-// (sums, weights, parts), so that the tile unit takes the next block while the vector units scale
-// this one.
-template <int F>
-void AmxRowsF32(const F32Args& a, const uint8_t* rec, const uint8_t* buf, int64_t g, int64_t m0) {
-  const int64_t R = RecordBytes(F), K = a.K, stride = 6 * K;  // bytes between a part's rows
-  const uint16_t* x = a.parts + m0 * 3 * K;
-  alignas(64) float sums[2][16 * 16];
-  auto multiply = [&](int64_t b) {
-    const uint16_t* p = x + b * 3 * kBlock;  // hi; mid and lo follow, kBlock apart
-    if (b % 2 == 0) {
-      _tile_zero(0);
-      _tile_loadd(2, buf + b * 1024, 64);
-      _tile_loadd(4, p, stride);
-      _tile_loadd(6, p + kBlock, stride);
-      _tile_dpbf16ps(0, 4, 2);
-      _tile_dpbf16ps(0, 6, 2);
-      _tile_loadd(4, p + 2 * kBlock, stride);
-      _tile_dpbf16ps(0, 4, 2);
-      _tile_stored(0, sums[0], 64);
-    } else {
-      _tile_zero(1);
-      _tile_loadd(3, buf + b * 1024, 64);
-      _tile_loadd(5, p, stride);
-      _tile_loadd(7, p + kBlock, stride);
-      _tile_dpbf16ps(1, 5, 3);
-      _tile_dpbf16ps(1, 7, 3);
-      _tile_loadd(5, p + 2 * kBlock, stride);
-      _tile_dpbf16ps(1, 5, 3);
-      _tile_stored(1, sums[1], 64);
-    }
-  };
-  __m512 acc[16];
-#pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  multiply(0);
-  for (int64_t b = 0; b < a.nb; ++b) {
-    if (b + 1 < a.nb) multiply(b + 1);
-    const float* sb = sums[b % 2];
-    const __m512 d = _mm512_loadu_ps(rec + b * R);
-    if (F == kQ4_1) {
-      const __m512 c = _mm512_loadu_ps(rec + b * R + 64);
-      const float* sx = a.sx + m0 * a.nb + b;
-#pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(sb + 16 * r), d, acc[r]);
-        acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[r * a.nb]), acc[r]);
-      }
-    } else {
-#pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(sb + 16 * r), d, acc[r]);
-    }
-  }
-  const int rows = static_cast<int>(std::min<int64_t>(16, a.M - m0));
-#pragma GCC unroll 16
-  for (int r = 0; r < 16; ++r)
-    if (r < rows) _mm512_storeu_ps(a.y + (m0 + r) * a.N + g * kTile, acc[r]);
-}
-
+// Tiles [g0, g1) (at most kAmxItemTiles) for every row. Their blocks are widened once (in L2);
+// then for each group of 16 rows and each block, the three parts of the rows' activations are
+// loaded into tile registers once, and every tile of the item takes its turn: its block's weights
+// loaded, three multiplies into one f32 tile, stored, and scaled into the group's accumulators
+// (d, and c * sum(x) for Q4_1; kept in memory, in L1). Consecutive tiles alternate between two
+// sets of registers (sums, weights), so that the tile unit takes the next one while the vector
+// units scale this one. Per multiply, that moves 1 KB in and 1 KB out of the tile registers, where
+// a pass of each group's rows over one tile at a time moved 4 KB in (the tile unit's loads and
+// stores, not its multiplies, bound this product).
 template <int F>
 void AmxTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // 16 rows x 64 bytes, every tile
   _tile_loadconfig(&cfg);
-  const int64_t R = RecordBytes(F);
-  std::vector<uint8_t> wide(a.nb * 1024 + 64);
+  const int64_t R = RecordBytes(F), K = a.K, stride = 6 * K, wstride = a.nb * 1024, T = g1 - g0;
+  static thread_local std::vector<uint8_t> wide;
+  static thread_local std::vector<float> accs;
+  if (wide.size() < static_cast<size_t>(T * wstride + 64)) wide.resize(T * wstride + 64);
+  if (accs.size() < static_cast<size_t>(T * 256 + 16)) accs.resize(T * 256 + 16);
   uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wide.data()) + 63) & ~uintptr_t{63});
-  // Rows in chunks of kAmxChunkRows, whose activations' parts stay in L2 while every tile of the
-  // item passes over them; a tile's widened blocks stay in L1 over the chunk's rows.
-  for (int64_t c0 = 0; c0 < a.M; c0 += kAmxChunkRows) {
-    const int64_t c1 = std::min(a.padded, c0 + kAmxChunkRows);
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* rec = a.w + g * a.nb * R;
-      WidenBf16<F>(rec, R, a.nb, buf);
-      for (int64_t m0 = c0; m0 < std::min(a.M, c1); m0 += 16) AmxRowsF32<F>(a, rec, buf, g, m0);
+  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accs.data()) + 63) & ~uintptr_t{63});
+  for (int64_t t = 0; t < T; ++t) WidenBf16<F>(a.w + (g0 + t) * a.nb * R, R, a.nb, buf + t * wstride);
+  alignas(64) float sums[2][16 * 16];
+  for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
+    const uint16_t* x = a.parts + m0 * 3 * K;
+    const float* sx = F == kQ4_1 ? a.sx + m0 * a.nb : nullptr;
+    // Tile t's sums for block b (in sums[parity]) into its accumulators.
+    auto scale = [&](int64_t t, int64_t b, const float* sb) {
+      const uint8_t* rec = a.w + ((g0 + t) * a.nb + b) * R;
+      const __m512 d = _mm512_loadu_ps(rec), c = _mm512_loadu_ps(rec + 64);
+      float* at = acc + t * 256;
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        __m512 v = _mm512_mul_ps(_mm512_load_ps(sb + 16 * r), d);
+        if (F == kQ4_1) v = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[r * a.nb + b]), v);
+        if (b > 0) v = _mm512_add_ps(v, _mm512_load_ps(at + 16 * r));
+        _mm512_store_ps(at + 16 * r, v);
+      }
+    };
+    int64_t pending_t = -1, pending_b = 0;
+    int parity = 0;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const uint16_t* p = x + b * 3 * kBlock;  // hi; mid and lo follow, kBlock apart
+      _tile_loadd(5, p, stride);
+      _tile_loadd(6, p + kBlock, stride);
+      _tile_loadd(7, p + 2 * kBlock, stride);
+      for (int64_t t = 0; t < T; ++t) {
+        const uint8_t* w = buf + t * wstride + b * 1024;
+        if (parity == 0) {
+          _tile_zero(0);
+          _tile_loadd(2, w, 64);
+          _tile_dpbf16ps(0, 5, 2);
+          _tile_dpbf16ps(0, 6, 2);
+          _tile_dpbf16ps(0, 7, 2);
+          _tile_stored(0, sums[0], 64);
+        } else {
+          _tile_zero(1);
+          _tile_loadd(3, w, 64);
+          _tile_dpbf16ps(1, 5, 3);
+          _tile_dpbf16ps(1, 6, 3);
+          _tile_dpbf16ps(1, 7, 3);
+          _tile_stored(1, sums[1], 64);
+        }
+        if (pending_t >= 0) scale(pending_t, pending_b, sums[parity ^ 1]);
+        pending_t = t, pending_b = b, parity ^= 1;
+      }
     }
+    scale(pending_t, pending_b, sums[parity ^ 1]);
+    const int64_t rows = std::min<int64_t>(16, a.M - m0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_storeu_ps(a.y + (m0 + r) * a.N + (g0 + t) * kTile, _mm512_load_ps(acc + t * 256 + 16 * r));
   }
   _tile_release();
 }
@@ -613,6 +605,7 @@ void AmxTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
 
 // Rows from which AMX takes the f32 product, where the CPU has AMX-BF16 and Linux grants it.
 constexpr int64_t kAmxF32MinRows = 16;
+constexpr int64_t kAmxItemTiles = 16;  // tiles per work item at most: their widened blocks stay in L2
 
 bool AmxBf16Ready() {
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -645,7 +638,8 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
 #endif
   }
   const int64_t tiles = N / kTile;
-  const int64_t per = std::max<int64_t>(1, (tiles + 4 * threads - 1) / (4 * threads));
+  int64_t per = std::max<int64_t>(1, (tiles + 4 * threads - 1) / (4 * threads));
+  if (amx) per = std::min(per, kAmxItemTiles);
   const int64_t items = (tiles + per - 1) / per;
   jaxserve::ParallelFor(pool, items, [=](int64_t t) {
     const int64_t g0 = t * per, g1 = std::min(tiles, g0 + per);
