@@ -605,7 +605,7 @@ void AmxTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
 
 // Rows from which AMX takes the f32 product, where the CPU has AMX-BF16 and Linux grants it.
 constexpr int64_t kAmxF32MinRows = 16;
-constexpr int64_t kAmxItemTiles = 16;  // tiles per work item at most: their widened blocks stay in L2
+constexpr int64_t kAmxItemTiles = 32;  // tiles per work item at most: their widened blocks stay in L2
 
 bool AmxBf16Ready() {
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -639,7 +639,7 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
   }
   const int64_t tiles = N / kTile;
   int64_t per = std::max<int64_t>(1, (tiles + 4 * threads - 1) / (4 * threads));
-  if (amx) per = std::min(per, kAmxItemTiles);
+  if (amx) per = std::min(std::max<int64_t>(1, (tiles + 2 * threads - 1) / (2 * threads)), kAmxItemTiles);
   const int64_t items = (tiles + per - 1) / per;
   jaxserve::ParallelFor(pool, items, [=](int64_t t) {
     const int64_t g0 = t * per, g1 = std::min(tiles, g0 + per);
