@@ -9,8 +9,8 @@
 //   Q8_0 (8):  f16 d, 32 int8                       value = d * q
 // A nibble byte j holds value j in its low half and value j + 16 in its high half. w may also be a
 // stack [L, N, K / 32 * B] with the layer to take given by a third operand, an int32 scalar, as
-// in matmul.cc. The same handler serves the tiles of tile_matmul.cc (attribute `layout` 1), the
-// int8 products of gguf_activations=q8.
+// in matmul.cc. The same handler serves the tiles of tile_matmul.cc (attribute `layout` 1: the
+// int8 products of gguf_activations=q8; 2: f32 activations, gguf_tiles).
 //
 // Why: a decode step of a few rows streams every weight once, so its speed is the rate at which
 // the weights come in from memory. The f32 weights a GGUF file's blocks dequantize to are 6.4x the

@@ -1,7 +1,8 @@
-// Products of many f32 rows with weights from a GGUF file's quantization blocks, repacked into
-// tiles of 16 output columns, in int8 arithmetic, for wide steps on XLA:CPU (many decoding
-// sequences, prefill chunks), called through block_matmul.cc's FFI handler (layout 1; see
-// runtime/worker/cpp_kernels.py):
+// Products of f32 rows with weights from a GGUF file's quantization blocks, repacked into tiles
+// of 16 output columns, on XLA:CPU, called through block_matmul.cc's FFI handler (see
+// runtime/worker/cpp_kernels.py). Two kinds: layout 1, in int8 arithmetic on the activations
+// rounded to 8 bits (gguf_activations=q8; this comment); layout 2, f32 activations as they are
+// (the default where the CPU has AMX-BF16; see "f32 activations" below).
 //   x f32 [M, K] @ w -> y f32 [M, N]
 // where w is u8 [N / 16, K / 32 * R]: for each tile of 16 columns, one record of R bytes per block
 // of 32 inputs (ir/blocks.py, pack_tiles):
@@ -310,9 +311,13 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
 //     hi + mid + lo == x exactly (each holds 8 of f32's 24 significant bits), and v (at most 8
 //     bits) is exact in bf16, so each part's products are exact in the f32 sums that tdpbf16ps
 //     takes per block; the block's sum is then scaled in f32 like the int8 path's. Three tile
-//     multiplies per block give what f32 multiply-adds give, at several times their rate.
+//     multiplies per block give what f32 multiply-adds give: against the f32 blocks' rows on
+//     SmolLM2's layers, 1.7x at 32 rows, 2.3x at 64 and 3x at 512 (2.2x XLA's f32 GEMM there;
+//     BENCHMARKS.md, "f32 products on AMX"). The tile unit's loads and stores (1 KB each), not
+//     its multiplies, bound it: the parts stay in tile registers while a work item's tiles pass.
 //   - otherwise, f32 multiply-adds: each block's 16 columns widened to f32 per input, once for up
-//     to 12 rows (the few rows of a decode step).
+//     to 12 rows (the few rows of a decode step; 1.2-1.35x the f32 blocks' rows at 1-8 rows,
+//     where the records requested ahead keep the bytes coming).
 
 template <int F>
 constexpr int Bias() {
