@@ -31,7 +31,7 @@ from models.engine_config import CPU_DEVICE_MEMORY, EngineConfig
 # machine it runs on.
 DUMP_ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "tensor_parallel_size", "quantization", "matmul_precision",
                       "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-                      "memory_utilization", "device_memory", "gguf_blocks", "gguf_activations")
+                      "memory_utilization", "device_memory", "gguf_blocks", "gguf_activations", "gguf_tiles")
 
 
 def parse_bucket(text: str) -> tuple[int, int]:
@@ -110,19 +110,19 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
     # GGUF blocks only when asked (`--gguf-blocks true`): the engine's auto depends on the machine's
     # kernels, and a dump must not. Their formats come from the GGUF header, no weights loaded.
     formats = {}
-    if args.gguf_blocks or args.gguf_activations == "q8":
+    if args.gguf_blocks or args.gguf_tiles or args.gguf_activations == "q8":
         from models.weights import gguf_block_formats
 
         formats = gguf_block_formats(args.model)
         if not formats:
-            raise UserError(f"--gguf-blocks true / --gguf-activations q8: {args.model} brings no GGUF blocks (a preset or .gguf file "
+            raise UserError(f"--gguf-blocks true / --gguf-tiles true / --gguf-activations q8: {args.model} brings no GGUF blocks (a preset or .gguf file "
                             f"whose matrices are Q4_0, Q4_1 or Q8_0)")
     opts = PipelineOptions(block_size=args.block_size, max_model_len=max_model_len, buckets=buckets,
                            device_memory_bytes=args.device_memory,
                            memory_utilization=args.memory_utilization, reserve_bytes=args.reserve,
                            quantization=args.quantization, matmul_precision=args.matmul_precision,
                            kv_dtype=dtypes.kv_dtype(), block_formats=tuple(sorted(formats.items())),
-                           block_tiles="q8" if args.gguf_activations == "q8" else None,
+                           block_tiles="q8" if args.gguf_activations == "q8" else "f32" if args.gguf_tiles else None,
                            tensor_parallel_size=args.tensor_parallel_size)
     graph = lower(config, dtypes.dtype)
     stages = [("lower", graph)]

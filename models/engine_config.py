@@ -163,6 +163,7 @@ class EngineConfig:
     # from a fifth of f32's bytes; wider steps keep the f32 weights (passes/gguf_blocks.py). Weight
     # memory grows by the blocks' bytes. None: on, where the weights have blocks and the kernel
     # its vector path, for f32 engines with f32 matmuls and no quantization or tensor parallelism.
+    # With gguf_tiles (below) every step reads them, repacked into tiles.
     gguf_blocks: bool | None = None
     # "q8": the products on GGUF blocks multiply in int8, as llama.cpp does: each step's activations
     # rounded per block of 32 to 8 bits, the blocks repacked into tiles of 16 columns, for every
