@@ -312,7 +312,7 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
 //     bits) is exact in bf16, so each part's products are exact in the f32 sums that tdpbf16ps
 //     takes per block; the block's sum is then scaled in f32 like the int8 path's. Three tile
 //     multiplies per block give what f32 multiply-adds give: against the f32 blocks' rows on
-//     SmolLM2's layers, 1.7x at 32 rows, 2.3x at 64 and 3x at 512 (2.2x XLA's f32 GEMM there;
+//     SmolLM2's layers, 1.9x at 32 rows, 2.3x at 64 and 3.1x at 512 (2.2x XLA's f32 GEMM there;
 //     BENCHMARKS.md, "f32 products on AMX"). The tile unit's loads and stores (1 KB each), not
 //     its multiplies, bound it: the parts stay in tile registers while a work item's tiles pass.
 //   - otherwise, f32 multiply-adds: each block's 16 columns widened to f32 per input, once for up
