@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BW__)
@@ -108,6 +109,47 @@ struct Args {
   float* y;          // [M, N]
   int64_t M, K, N, nb;
 };
+
+// Rows [0, M) in passes of kMaxRows, then one pass of the rest: pass(std::integral_constant<int,
+// MR>, m0) for each, so that every pass has its row count at compile time.
+template <typename Pass>
+void RowPasses(int64_t M, const Pass& pass) {
+  int64_t m = 0;
+  for (; m + kMaxRows <= M; m += kMaxRows) pass(std::integral_constant<int, kMaxRows>{}, m);
+  switch (M - m) {
+    case 11: pass(std::integral_constant<int, 11>{}, m); break;
+    case 10: pass(std::integral_constant<int, 10>{}, m); break;
+    case 9: pass(std::integral_constant<int, 9>{}, m); break;
+    case 8: pass(std::integral_constant<int, 8>{}, m); break;
+    case 7: pass(std::integral_constant<int, 7>{}, m); break;
+    case 6: pass(std::integral_constant<int, 6>{}, m); break;
+    case 5: pass(std::integral_constant<int, 5>{}, m); break;
+    case 4: pass(std::integral_constant<int, 4>{}, m); break;
+    case 3: pass(std::integral_constant<int, 3>{}, m); break;
+    case 2: pass(std::integral_constant<int, 2>{}, m); break;
+    case 1: pass(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
+// Rows [0, M) quantized or split in up to one share per thread, each of at least `min_values`
+// values (rows x K), prepare(m0, m1) for each.
+template <typename Prepare>
+void ForRowShares(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t min_values, const Prepare& prepare) {
+  const int64_t items = std::min<int64_t>(pool.num_threads() + 1, (M * K) / min_values + 1);
+  const int64_t per = (M + items - 1) / items;
+  jaxserve::ParallelFor(pool, items, [&](int64_t t) { prepare(t * per, std::min(M, (t + 1) * per)); });
+}
+
+// Tiles [0, tiles) shared out in about `runs` runs per thread of at most `max_per` tiles each,
+// run(g0, g1) for each.
+template <typename Run>
+void ForTileRuns(ffi::ThreadPool& pool, int64_t tiles, int64_t runs, int64_t max_per, const Run& run) {
+  const int64_t threads = pool.num_threads() + 1;
+  const int64_t per = std::min(max_per, std::max<int64_t>(1, (tiles + runs * threads - 1) / (runs * threads)));
+  jaxserve::ParallelFor(pool, (tiles + per - 1) / per,
+                        [&](int64_t t) { run(t * per, std::min(tiles, (t + 1) * per)); });
+}
 
 // The unsigned value of tile column `col`, input j of a block's record.
 template <int F>
@@ -188,22 +230,7 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
 template <int F>
 void VectorTiles(const Args& a, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
-    int64_t m = 0;
-    for (; m + kMaxRows <= a.M; m += kMaxRows) VectorTile<F, kMaxRows>(a, g, m);
-    switch (a.M - m) {
-      case 11: VectorTile<F, 11>(a, g, m); break;
-      case 10: VectorTile<F, 10>(a, g, m); break;
-      case 9: VectorTile<F, 9>(a, g, m); break;
-      case 8: VectorTile<F, 8>(a, g, m); break;
-      case 7: VectorTile<F, 7>(a, g, m); break;
-      case 6: VectorTile<F, 6>(a, g, m); break;
-      case 5: VectorTile<F, 5>(a, g, m); break;
-      case 4: VectorTile<F, 4>(a, g, m); break;
-      case 3: VectorTile<F, 3>(a, g, m); break;
-      case 2: VectorTile<F, 2>(a, g, m); break;
-      case 1: VectorTile<F, 1>(a, g, m); break;
-      default: break;
-    }
+    RowPasses(a.M, [&](auto mr, int64_t m) { VectorTile<F, decltype(mr)::value>(a, g, m); });
   }
 }
 #endif
@@ -436,22 +463,7 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
 template <int F>
 void VectorTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
-    int64_t m = 0;
-    for (; m + kMaxRows <= a.M; m += kMaxRows) VectorTileF32<F, kMaxRows>(a, g, m);
-    switch (a.M - m) {
-      case 11: VectorTileF32<F, 11>(a, g, m); break;
-      case 10: VectorTileF32<F, 10>(a, g, m); break;
-      case 9: VectorTileF32<F, 9>(a, g, m); break;
-      case 8: VectorTileF32<F, 8>(a, g, m); break;
-      case 7: VectorTileF32<F, 7>(a, g, m); break;
-      case 6: VectorTileF32<F, 6>(a, g, m); break;
-      case 5: VectorTileF32<F, 5>(a, g, m); break;
-      case 4: VectorTileF32<F, 4>(a, g, m); break;
-      case 3: VectorTileF32<F, 3>(a, g, m); break;
-      case 2: VectorTileF32<F, 2>(a, g, m); break;
-      case 1: VectorTileF32<F, 1>(a, g, m); break;
-      default: break;
-    }
+    RowPasses(a.M, [&](auto mr, int64_t m) { VectorTileF32<F, decltype(mr)::value>(a, g, m); });
   }
 }
 #endif
@@ -513,8 +525,11 @@ void WidenBf16(const uint8_t* rec, int64_t R, int64_t nb, uint8_t* out) {
     if (F == kQ8_0) {
       for (int j = 0; j < 8; ++j) {
         const __m512i s = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * j), flip);  // q - 128 as int8
-        __m512 f[4];
-        for (int i = 0; i < 4; ++i) f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(s, i)));
+        // (The lane index must be an immediate at any optimization level, so no loop.)
+        const __m512 f[4] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(s, 0))),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(s, 1))),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(s, 2))),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(s, 3)))};
         rows(blk, 4 * j, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
       }
     } else {
@@ -622,7 +637,7 @@ bool AmxBf16Ready() {
 
 template <int F>
 void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* w, int64_t M, int64_t K, int64_t N) {
-  const int64_t threads = pool.num_threads() + 1, nb = K / kBlock;
+  const int64_t nb = K / kBlock;
   const bool amx = M >= kAmxF32MinRows && AmxBf16Ready();
   // The parts and sums live in buffers kept per calling thread: a fresh 5 MB allocation per call
   // cost page faults and zeroing. Rows from M to the next 16 are zero (the tile loads read them).
@@ -635,19 +650,15 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
     if (F == kQ4_1 && sx.size() < static_cast<size_t>(a.padded * nb)) sx.resize(a.padded * nb);
     a.parts = parts.data(), a.sx = F == kQ4_1 ? sx.data() : nullptr;
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    const int64_t row_items = std::min<int64_t>(threads, (M * K) / (1 << 16) + 1);
-    jaxserve::ParallelFor(pool, row_items, [=](int64_t t) {
-      const int64_t per = (M + row_items - 1) / row_items;
-      SplitRows(x, K, t * per, std::min(M, (t + 1) * per), const_cast<uint16_t*>(a.parts), const_cast<float*>(a.sx));
+    // Through a's pointers: in the pool's threads, `parts` and `sx` would name their own buffers.
+    ForRowShares(pool, M, K, 1 << 16, [&](int64_t m0, int64_t m1) {
+      SplitRows(x, K, m0, m1, const_cast<uint16_t*>(a.parts), const_cast<float*>(a.sx));
     });
 #endif
   }
-  const int64_t tiles = N / kTile;
-  int64_t per = std::max<int64_t>(1, (tiles + 4 * threads - 1) / (4 * threads));
-  if (amx) per = std::min(std::max<int64_t>(1, (tiles + 2 * threads - 1) / (2 * threads)), kAmxItemTiles);
-  const int64_t items = (tiles + per - 1) / per;
-  jaxserve::ParallelFor(pool, items, [=](int64_t t) {
-    const int64_t g0 = t * per, g1 = std::min(tiles, g0 + per);
+  // AMX: about two runs per thread of at most kAmxItemTiles (their widened blocks stay in L2);
+  // the multiply-adds: about four.
+  ForTileRuns(pool, N / kTile, amx ? 2 : 4, amx ? kAmxItemTiles : N / kTile, [&](int64_t g0, int64_t g1) {
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (amx) {
       AmxTilesF32<F>(a, g0, g1);
@@ -664,22 +675,14 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
 
 template <int F>
 void Product(ffi::ThreadPool& pool, const float* x, const Args& a) {
-  const int64_t threads = pool.num_threads() + 1;
-  // The rows are quantized in shares of at least 16 rows, then the tiles are shared out, about
+  // The rows are quantized in shares of at least 2^18 values, then the tiles are shared out, about
   // four runs of tiles per thread.
-  const int64_t row_items = std::min<int64_t>(threads, (a.M * a.K) / (1 << 18) + 1);
-  jaxserve::ParallelFor(pool, row_items, [=](int64_t t) {
-    const int64_t per = (a.M + row_items - 1) / row_items;
-    QuantizeRows(x, a.K, t * per, std::min(a.M, (t + 1) * per), *const_cast<Quantized*>(a.xq));
-  });
-  const int64_t tiles = a.N / kTile;
-  const int64_t per = std::max<int64_t>(1, (tiles + 4 * threads - 1) / (4 * threads));
-  const int64_t items = (tiles + per - 1) / per;
+  ForRowShares(pool, a.M, a.K, 1 << 18,
+               [&](int64_t m0, int64_t m1) { QuantizeRows(x, a.K, m0, m1, *const_cast<Quantized*>(a.xq)); });
 #if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
   const bool amx = a.M >= kAmxMinRows && AmxGranted();
 #endif
-  jaxserve::ParallelFor(pool, items, [=](int64_t t) {
-    const int64_t g0 = t * per, g1 = std::min(tiles, g0 + per);
+  ForTileRuns(pool, a.N / kTile, 4, a.N / kTile, [&](int64_t g0, int64_t g1) {
 #if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
     if (amx) {
       AmxTiles<F>(a, g0, g1);
@@ -711,11 +714,13 @@ void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float*
     return;
   }
   const int64_t nb = K / kBlock;
-  const int64_t padded = (M + 15) / 16 * 16;  // AMX reads the rows 16 at a time; the rest stay zero
-  Quantized xq;
-  xq.q.resize(padded * K);
-  xq.s.resize(padded * nb);
-  xq.ss.resize(padded * nb);
+  const int64_t padded = (M + 15) / 16 * 16;  // AMX reads the rows 16 at a time; the rest are zero
+  static thread_local Quantized xq;  // kept per calling thread, as ProductF32's parts
+  if (xq.q.size() < static_cast<size_t>(padded * K)) xq.q.resize(padded * K);
+  if (xq.s.size() < static_cast<size_t>(padded * nb)) xq.s.resize(padded * nb), xq.ss.resize(padded * nb);
+  std::fill(xq.q.begin() + M * K, xq.q.begin() + padded * K, int8_t{0});
+  std::fill(xq.s.begin() + M * nb, xq.s.begin() + padded * nb, 0.0f);
+  std::fill(xq.ss.begin() + M * nb, xq.ss.begin() + padded * nb, 0.0f);
   const Args a{&xq, w, y, M, K, N, nb};
   switch (format) {
     case kQ4_0: Product<kQ4_0>(pool, x, a); break;
