@@ -131,6 +131,28 @@ def pack_tiles(blocks, fmt: str):
     return np.ascontiguousarray(np.concatenate([scales.view(np.uint8), q], axis=-1).reshape(g, -1))
 
 
+def dequantize_tiles(t, fmt: str):
+    """Tiles u8 [..., N / 16, K / 32 * tile_record_bytes(fmt)] (pack_tiles) -> f32 [..., K, N], in
+    jnp: d * q + c per value, the same values as dequantize_blocks of the blocks they were packed
+    from (each product and sum is exact in f32), laid out for x @ w."""
+    lead, (g, row) = t.shape[:-2], t.shape[-2:]
+    rec_bytes = tile_record_bytes(fmt)
+    nb = row // rec_bytes
+    rec = t.reshape(lead + (g, nb, rec_bytes))
+    f32 = lambda b: jax.lax.bitcast_convert_type(b.reshape(b.shape[:-1] + (TILE_COLUMNS, 4)), jnp.float32)  # noqa: E731
+    d, c = f32(rec[..., :4 * TILE_COLUMNS]), f32(rec[..., 4 * TILE_COLUMNS:8 * TILE_COLUMNS])  # [..., g, nb, 16]
+    q = rec[..., 8 * TILE_COLUMNS:]
+    vectors = q.shape[-1] // (4 * TILE_COLUMNS)  # of 64 bytes: byte 4 * col + t of vector j
+    q = q.reshape(lead + (g, nb, vectors, TILE_COLUMNS, 4))
+    q = jnp.moveaxis(q, -2, -3).reshape(lead + (g, nb, TILE_COLUMNS, 4 * vectors))  # [.., col, 4j + t]
+    if fmt != "q8_0":  # low nibbles are values 0-15 of the block, high ones 16-31
+        q = jnp.concatenate([q & 0x0F, q >> 4], axis=-1)
+    vals = d[..., None] * q.astype(jnp.float32) + c[..., None]  # [..., g, nb, 16 col, 32]
+    n = len(lead)
+    vals = vals.transpose(tuple(range(n)) + (n + 1, n + 3, n, n + 2))  # [..., nb, 32, g, 16 col]
+    return vals.reshape(lead + (nb * BLOCK_VALUES, g * TILE_COLUMNS))
+
+
 def round_q8(x):
     """x [..., K] (K a multiple of 32) as a tiles product multiplies by it, in jnp: rounded per block
     of 32 to s * xq, with xq = round(x / s) in [-127, 127] and s = max|x| / 127 (llama.cpp's Q8

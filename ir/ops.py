@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ir.blocks import BLOCK_FORMATS, BLOCK_LAYOUTS, BLOCK_VALUES, TILE_ACTIVATIONS, TILE_COLUMNS, blocks_shape, round_q8
+from ir.blocks import (BLOCK_FORMATS, BLOCK_LAYOUTS, BLOCK_VALUES, TILE_ACTIVATIONS, TILE_COLUMNS, blocks_shape,
+                       dequantize_tiles, round_q8)
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.rope import rope_inv_freq
@@ -202,38 +203,38 @@ def _matmul_bf16_impl(x, w, w_bf16, *, min_rows, transpose_b=False):
     return y.astype(x.dtype)
 
 
-@op("matmul_blocks", 3, required_attrs=("format", "max_rows"))
+@op("matmul_blocks", None, required_attrs=("format", "max_rows"))
 def _matmul_blocks(inputs, attrs):
-    x, w, wb = inputs
-    shape, dtype = _matmul((x, w), attrs)
-    fmt, k, layout = BLOCK_FORMATS.get(attrs["format"]), x.shape[-1], attrs.get("layout", "rows")
+    fmt, layout = BLOCK_FORMATS.get(attrs["format"]), attrs.get("layout", "rows")
     _need(fmt is not None, f"matmul_blocks format must be one of {sorted(BLOCK_FORMATS)}, got {attrs['format']!r}")
     _need(layout in BLOCK_LAYOUTS, f"matmul_blocks layout must be one of {BLOCK_LAYOUTS}, got {layout!r}")
+    n_in = 2 if layout == "tiles" else 3  # (x, tiles): the tiles serve every step, so they are the weight
+    _need(len(inputs) == n_in, f"matmul_blocks in {layout} takes {n_in} inputs, got {len(inputs)}")
+    x, wb, k = inputs[0], inputs[-1], inputs[0].shape[-1]
     _need(wb.dtype == "u8" and len(wb.shape) == 2, f"matmul_blocks' blocks must be u8 [N, row bytes], got {wb}")
     _need(isinstance(k, int) and k % BLOCK_VALUES == 0, f"matmul_blocks needs K a multiple of {BLOCK_VALUES}, got {k}")
-    _need(layout == "rows" or shape[-1] % TILE_COLUMNS == 0,
-          f"matmul_blocks' tiles need N a multiple of {TILE_COLUMNS}, got {shape[-1]}")
+    _need(layout == "rows" or (_float(x.dtype) and not attrs.get("transpose_b")),
+          "matmul_blocks' tiles need a float lhs, no transpose_b")
+    shape, dtype = _matmul(inputs[:2], attrs) if n_in == 3 else ((*x.shape[:-1], wb.shape[0] * TILE_COLUMNS), x.dtype)
     want = blocks_shape(fmt.name, shape[-1], k, layout)
     _need(tuple(wb.shape) == want, f"matmul_blocks' {fmt.name} blocks in {layout} must be {want}, got {tuple(wb.shape)}")
     _need(int(attrs["max_rows"]) >= 1, "matmul_blocks' max_rows must be >= 1")
-    acts = attrs.get("activations", "f32")
-    _need(acts in TILE_ACTIVATIONS, f"matmul_blocks activations must be one of {TILE_ACTIVATIONS}, got {acts!r}")
+    _need((acts := attrs.get("activations", "f32")) in TILE_ACTIVATIONS,
+          f"matmul_blocks activations must be one of {TILE_ACTIVATIONS}, got {acts!r}")
     _need(acts == "f32" or layout == "tiles", "matmul_blocks' q8 activations need the tiles layout")
     return shape, dtype
 
 
 @impl("matmul_blocks")
-def _matmul_blocks_impl(x, w, w_blocks, *, format, max_rows, transpose_b=False, layout="rows",
-                        activations="f32"):
-    """x @ w. `w_blocks` holds the same values in a GGUF file's blocks (ir.blocks), in the file's
-    rows or repacked into tiles: a backend with a kernel for them (cpp) reads them in steps of at
-    most `max_rows` rows; this reference, like any other backend, multiplies by w and never widens
-    the blocks into a temporary. With `activations="q8"` (tiles only) the product multiplies in
-    int8, so x is first rounded per block of 32 to 8 bits (ir.blocks.round_q8, llama.cpp's Q8
-    activations): the op is round_q8(x) @ w in every step."""
-    if activations == "q8":
-        x = round_q8(x)
-    return _matmul_impl(x, w, transpose_b=transpose_b)
+def _matmul_blocks_impl(x, *weights, format, max_rows, transpose_b=False, layout="rows", activations="f32"):
+    """x @ w: (x, w, w_blocks) in the file's rows, which a kernel (cpp) reads in steps of at most
+    `max_rows` rows, or (x, w_tiles), read in every step (ir.blocks.pack_tiles; no f32 copy). This
+    reference multiplies by w, or the tiles' values; q8 activations (tiles only) first round x per
+    block of 32 to 8 bits (ir.blocks.round_q8, llama.cpp's Q8): round_q8(x) @ w in every step."""
+    if layout == "tiles":
+        x = round_q8(x) if activations == "q8" else x
+        return _matmul_impl(x, dequantize_tiles(weights[0], format))
+    return _matmul_impl(x, weights[0], transpose_b=transpose_b)
 
 
 @op("matmul_int8", 3)

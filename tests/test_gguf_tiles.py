@@ -137,36 +137,60 @@ def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n):
 @needs_kernel
 @pytest.mark.parametrize("activations", ["q8", "f32"])
 def test_op_and_lowerings_follow_the_activations(activations):
-    """The op's reference (every backend but cpp) is round_q8(x) @ w for q8 and x @ w for f32; cpp's
-    lowering reads the tiles (vector path) or multiplies by w (elsewhere): the same values either way."""
+    """The op's reference (every backend but cpp) is round_q8(x) @ w for q8 and x @ w for f32, w the
+    tiles' values; cpp's lowering reads the tiles (vector path, up to max_rows rows) or multiplies
+    by their values (beyond, and elsewhere): the same values either way."""
     from runtime.worker.kernels import matmul_blocks_cpp
 
     rng = np.random.default_rng(0)
     blocks, values = _quantized(rng.standard_normal((32, 64)), "q4_1")
-    tiles, w = pack_tiles(blocks, "q4_1"), np.ascontiguousarray(values.T)
-    attrs = dict(format="q4_1", max_rows=1 << 30, layout="tiles", activations=activations)
-    for rows in (1, 5, 70):
-        x = rng.standard_normal((rows, 64)).astype(np.float32)
-        want = rounded_product(x, values) if activations == "q8" else x.astype(np.float64) @ values.T
-        np.testing.assert_allclose(np.asarray(OPS["matmul_blocks"].impl(x, w, tiles, **attrs)), want,
-                                   rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        np.testing.assert_allclose(np.asarray(jax.jit(lambda a: matmul_blocks_cpp(a, w, tiles, **attrs))(x)), want,
-                                   rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    tiles = pack_tiles(blocks, "q4_1")
+    for max_rows in (1 << 30, 4):
+        attrs = dict(format="q4_1", max_rows=max_rows, layout="tiles", activations=activations)
+        for rows in (1, 5, 70):
+            x = rng.standard_normal((rows, 64)).astype(np.float32)
+            want = rounded_product(x, values) if activations == "q8" else x.astype(np.float64) @ values.T
+            np.testing.assert_allclose(np.asarray(OPS["matmul_blocks"].impl(x, tiles, **attrs)), want,
+                                       rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            np.testing.assert_allclose(np.asarray(jax.jit(lambda a: matmul_blocks_cpp(a, tiles, **attrs))(x)), want,
+                                       rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantized_tiles_are_the_blocks_values(fmt):
+    """ir.blocks.dequantize_tiles (the op's reference, [K, N]) gives exactly dequantize_blocks'
+    values ([N, K]) for the blocks the tiles were packed from, plain and stacked over layers."""
+    from ir.blocks import dequantize_blocks, dequantize_tiles
+
+    rng = np.random.default_rng(1)
+    for n, k in ((16, 32), (48, 96), (64, 160)):
+        blocks, _ = _quantized(rng.standard_normal((n, k)), fmt)
+        want = np.asarray(dequantize_blocks(jnp.asarray(blocks), fmt)).T
+        tiles = pack_tiles(blocks, fmt)
+        np.testing.assert_array_equal(np.asarray(dequantize_tiles(jnp.asarray(tiles), fmt)), want)
+        stacked = np.asarray(dequantize_tiles(jnp.asarray(np.stack([tiles, tiles])), fmt))
+        assert stacked.shape == (2, k, n)
+        np.testing.assert_array_equal(stacked[1], want)
 
 
 def test_op_checks_the_tiles_shape():
     from ir import Node, make_node
 
     x = Node("param", (), (("name", "x"),), (4, 64), "f32")
-    w = Node("param", (), (("name", "w"),), (64, 24), "f32")
-    rows = Node("param", (), (("name", "b"),), (24, 40), "u8")
-    with pytest.raises(ValueError, match="multiple of 16"):
-        make_node("matmul_blocks", (x, w, rows), dict(format="q4_1", max_rows=8, layout="tiles"))
     w32 = Node("param", (), (("name", "w"),), (64, 32), "f32")
+    tiles = Node("param", (), (("name", "t"),), (2, 2 * tile_record_bytes("q4_1")), "u8")
+    node = make_node("matmul_blocks", (x, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
+    assert node.shape == (4, 32)
+    with pytest.raises(ValueError, match="in tiles takes 2 inputs"):
+        make_node("matmul_blocks", (x, w32, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
+    with pytest.raises(ValueError, match="float lhs, no transpose_b"):
+        make_node("matmul_blocks", (x, tiles), dict(format="q4_1", max_rows=8, layout="tiles", transpose_b=True))
     bad = Node("param", (), (("name", "b"),), (2, 100), "u8")
     with pytest.raises(ValueError, match="tiles must be"):
-        make_node("matmul_blocks", (x, w32, bad), dict(format="q4_1", max_rows=8, layout="tiles"))
+        make_node("matmul_blocks", (x, bad), dict(format="q4_1", max_rows=8, layout="tiles"))
     rows32 = Node("param", (), (("name", "b"),), (32, 40), "u8")
+    with pytest.raises(ValueError, match="in rows takes 3 inputs"):
+        make_node("matmul_blocks", (x, rows32), dict(format="q4_1", max_rows=8))
     with pytest.raises(ValueError, match="activations must be one of"):
         make_node("matmul_blocks", (x, w32, rows32), dict(format="q4_1", max_rows=8, activations="int8"))
     with pytest.raises(ValueError, match="q8 activations need the tiles layout"):
@@ -188,26 +212,35 @@ def test_pass_packs_tiles_where_n_allows():
                                        block_formats=weight_block_formats(weights))
         return verify(graph), memory
 
+    def by_source(g):  # source weight -> its matmul_blocks
+        return {n.inputs[-1].attr(GGUF_BLOCKS): n for n in g.nodes() if n.op == "matmul_blocks"}
+
     graph, memory = served(gguf_activations="q8")
-    ops = {n.inputs[1].name: n for n in graph.nodes() if n.op == "matmul_blocks"}
-    qkv = ops["layers.0.wqkv"]
+    qkv = by_source(graph)["layers.0.wqkv"]
     assert qkv.attr("layout") == "tiles" and qkv.attr("activations") == "q8" and qkv.attr("max_rows") >= 1 << 20
-    tiles = qkv.inputs[2]
+    assert len(qkv.inputs) == 2  # the tiles are the weight: no f32 copy beside them
+    tiles = qkv.inputs[1]
     assert (tiles.name, tiles.shape, tiles.attr(BLOCK_LAYOUT)) == ("layers.0.wqkv.q4_1_tiles", (8, 2 * 384), "tiles")
     assert tiles.attr(GGUF_BLOCKS) == "layers.0.wqkv" and tiles.attr(BLOCK_FORMAT) == "q4_1"
     assert role_of(tiles) == Role.QKV
-    head = ops["lm_head"]
+    head = by_source(graph)["lm_head"]
     assert head.attr("layout") in (None, "rows") and head.inputs[2].shape == (264, 2 * 34)
-    _, without = served(gguf_blocks=False)
+    # The memory plan counts what the graph holds: the tiles, and no f32 copy of a tiled weight.
+    without_graph, without = served(gguf_blocks=False)
+    f32 = {p.name: int(np.prod(p.shape)) * 4 for p in without_graph.params}
+    names = {p.name for p in graph.params}
+    tiled = {n.inputs[1].attr(GGUF_BLOCKS) for n in graph.nodes() if n.op == "matmul_blocks" and len(n.inputs) == 2}
+    assert "layers.0.wqkv" in tiled and "lm_head" not in tiled
+    assert not tiled & names and "lm_head" in names and "embed" in names
     extra = sum(int(np.prod(p.shape)) for p in graph.params if p.dtype == "u8")
-    assert memory.weight_bytes == without.weight_bytes + extra
+    assert memory.weight_bytes == without.weight_bytes - sum(f32[name] for name in tiled) + extra
     # f32 activations: the same tiles; gguf_tiles=False keeps the file's rows, decode steps only.
-    f32, f32_memory = served(gguf_tiles=True)
-    f32_ops = {n.inputs[1].name: n for n in f32.nodes() if n.op == "matmul_blocks"}
-    assert f32_ops["layers.0.wqkv"].attr("activations") == "f32" and f32_memory.weight_bytes == memory.weight_bytes
-    assert f32_ops["layers.0.wqkv"].inputs[2].shape == tiles.shape
+    f32_graph, f32_memory = served(gguf_tiles=True)
+    f32_qkv = by_source(f32_graph)["layers.0.wqkv"]
+    assert f32_qkv.attr("activations") == "f32" and f32_memory.weight_bytes == memory.weight_bytes
+    assert f32_qkv.inputs[1].shape == tiles.shape
     rows, _ = served(gguf_tiles=False, gguf_blocks=True)
-    assert all(n.attr("layout") in (None, "rows") and n.attr("max_rows") == 64
+    assert all(n.attr("layout") in (None, "rows") and n.attr("max_rows") == 64 and len(n.inputs) == 3
                for n in rows.nodes() if n.op == "matmul_blocks")
     # By default the tiles come where this machine's kernels multiply f32 activations on AMX-BF16.
     default, _ = served()

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ir import OPS
-from ir.blocks import round_q8
+from ir.blocks import dequantize_tiles, round_q8
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.ops import kv_write_reference
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
@@ -354,18 +354,25 @@ def matmul_cpp(x, w, *, transpose_b=False, layer=None):
     return OPS["matmul"].impl(x, w, transpose_b=transpose_b)
 
 
-def matmul_blocks_cpp(x, w, w_blocks, *, format, max_rows, transpose_b=False, layout="rows", activations="f32",
+def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="rows", activations="f32",
                       layer=None):
     """matmul_blocks under kernel_backend="cpp": a product of at most `max_rows` rows reads the GGUF
     blocks in our C++ kernel where it has its vector path: the file's rows or tiles with f32
     activations (the same values as w, f32 sums in another order), or tiles with q8 activations
     (int8 products of the rounded activations, exact int32 sums per block). Anything else
-    multiplies by w as matmul_cpp does, after the same rounding for q8. `layer` as in
-    matmul_int8_cpp, for whichever weight arrives as a stack [L, ...]."""
+    multiplies by w as matmul_cpp does (the tiles: by their values, ir.blocks.dequantize_tiles),
+    after the same rounding for q8. `layer` as in matmul_int8_cpp, for whichever weight arrives as
+    a stack [L, ...]."""
     rows = math.prod(x.shape[:-1])
     tiles = layout == "tiles"
+    w_blocks = weights[-1]
     if rows > max_rows or not (cpp_kernels.tiles_vectorized() if tiles else cpp_kernels.matmul_vectorized()):
         x = round_q8(x) if activations == "q8" else x
+        if tiles:
+            if layer is not None and w_blocks.ndim == 3:
+                w_blocks = jax.lax.dynamic_index_in_dim(w_blocks, layer, keepdims=False)
+            return OPS["matmul"].impl(x, dequantize_tiles(w_blocks, format))
+        w = weights[0]
         return matmul_cpp(x, w, transpose_b=transpose_b, layer=layer if w.ndim == 3 else None)
     layer = layer if w_blocks.ndim == 3 else None
     x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
