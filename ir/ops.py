@@ -208,14 +208,14 @@ def _matmul_blocks(inputs, attrs):
     fmt, layout = BLOCK_FORMATS.get(attrs["format"]), attrs.get("layout", "rows")
     _need(fmt is not None, f"matmul_blocks format must be one of {sorted(BLOCK_FORMATS)}, got {attrs['format']!r}")
     _need(layout in BLOCK_LAYOUTS, f"matmul_blocks layout must be one of {BLOCK_LAYOUTS}, got {layout!r}")
-    n_in = 2 if layout == "tiles" else 3  # (x, tiles): the tiles serve every step, so they are the weight
-    _need(len(inputs) == n_in, f"matmul_blocks in {layout} takes {n_in} inputs, got {len(inputs)}")
+    n = len(inputs)  # tiles: (x, w, tiles), or (x, tiles) in w's place
+    _need(n == 3 or (n == 2 and layout == "tiles"), f"matmul_blocks in {layout} takes (x, w, blocks), got {n} inputs")
     x, wb, k = inputs[0], inputs[-1], inputs[0].shape[-1]
     _need(wb.dtype == "u8" and len(wb.shape) == 2, f"matmul_blocks' blocks must be u8 [N, row bytes], got {wb}")
     _need(isinstance(k, int) and k % BLOCK_VALUES == 0, f"matmul_blocks needs K a multiple of {BLOCK_VALUES}, got {k}")
-    _need(layout == "rows" or (_float(x.dtype) and not attrs.get("transpose_b")),
-          "matmul_blocks' tiles need a float lhs, no transpose_b")
-    shape, dtype = _matmul(inputs[:2], attrs) if n_in == 3 else ((*x.shape[:-1], wb.shape[0] * TILE_COLUMNS), x.dtype)
+    _need(n == 3 or (_float(x.dtype) and not attrs.get("transpose_b")),
+          "matmul_blocks' tiles alone: float x, no transpose_b")
+    shape, dtype = _matmul(inputs[:2], attrs) if n == 3 else ((*x.shape[:-1], wb.shape[0] * TILE_COLUMNS), x.dtype)
     want = blocks_shape(fmt.name, shape[-1], k, layout)
     _need(tuple(wb.shape) == want, f"matmul_blocks' {fmt.name} blocks in {layout} must be {want}, got {tuple(wb.shape)}")
     _need(int(attrs["max_rows"]) >= 1, "matmul_blocks' max_rows must be >= 1")
@@ -228,11 +228,11 @@ def _matmul_blocks(inputs, attrs):
 @impl("matmul_blocks")
 def _matmul_blocks_impl(x, *weights, format, max_rows, transpose_b=False, layout="rows", activations="f32"):
     """x @ w: (x, w, w_blocks) in the file's rows, which a kernel (cpp) reads in steps of at most
-    `max_rows` rows, or (x, w_tiles), read in every step (ir.blocks.pack_tiles; no f32 copy). This
-    reference multiplies by w, or the tiles' values; q8 activations (tiles only) first round x per
-    block of 32 to 8 bits (ir.blocks.round_q8, llama.cpp's Q8): round_q8(x) @ w in every step."""
-    if layout == "tiles":
-        x = round_q8(x) if activations == "q8" else x
+    `max_rows` rows; in tiles (ir.blocks.pack_tiles), read in every step, the same or (x, w_tiles)
+    with no f32 copy. This reference multiplies by w, or the tiles' values; q8 activations (tiles
+    only) first round x per block of 32 to 8 bits (ir.blocks.round_q8): round_q8(x) @ w."""
+    x = round_q8(x) if activations == "q8" else x
+    if len(weights) == 1:
         return _matmul_impl(x, dequantize_tiles(weights[0], format))
     return _matmul_impl(x, weights[0], transpose_b=transpose_b)
 

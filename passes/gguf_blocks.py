@@ -9,10 +9,12 @@ so the outputs differ only by the order of f32 sums. Weight memory grows by the 
 (84 MB on SmolLM2-135M's 538 MB of f32), and the memory plan counts them.
 
 With `tiles` the blocks are repacked into tiles of 16 columns (ir.blocks.pack_tiles) and every
-step, prefill chunks included, multiplies by them: the tiles replace w, whose f32 copy then leaves
-the graph unless something else reads it (a tied LM head's embedding does). SmolLM2-135M's weights
-in the memory plan: 217.8 MiB, against 622.8 MiB with both. `tiles="q8"` (EngineConfig.gguf_activations)
-multiplies in int8, its activations rounded per block of 32 to 8 bits as llama.cpp does: against
+step, prefill chunks included, multiplies by them. Where a kernel reads them (`tiles_alone`: the cpp
+backend with the tiles' vector path) they replace w, whose f32 copy then leaves the graph unless
+something else reads it (a tied LM head's embedding does): SmolLM2-135M's weights in the memory
+plan take 217.8 MiB, against 622.8 MiB with both. Elsewhere w stays, and the backend multiplies
+by it. `tiles="q8"` (EngineConfig.gguf_activations) multiplies in int8, its activations rounded
+per block of 32 to 8 bits as llama.cpp does: against
 the f32 blocks, 1.1x at one row, 2.8x at 64 and 4x at 512 (BENCHMARKS.md, "Int8 products on GGUF
 blocks"). `tiles="f32"` (EngineConfig.gguf_tiles; by default where the CPU has AMX-BF16) keeps the
 activations as they are: the kernel multiplies three exact bf16 parts of each, so the product is
@@ -37,13 +39,14 @@ TILES_MAX_ROWS = 1 << 30
 
 
 def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS_MAX_ROWS,
-                tiles: str | None = None) -> Graph:
+                tiles: str | None = None, tiles_alone: bool = True) -> Graph:
     """Every matmul whose weight is an f32 2-D param made of source weights that all have blocks
     of one format (`formats`: source name -> format) becomes a matmul_blocks that also reads a
     u8 param of those blocks, [N, K / 32 * block bytes], the sources' rows stacked in the order
     of the param's concat. A tied LM head's blocks are the embedding's (its rows are the vocab),
     with the LM head's role. `tiles` ("f32" or "q8", the products' activations): in the tiles layout
-where N allows, for every step."""
+    where N allows, for every step, and with `tiles_alone` (a kernel reads them) in place of w;
+    otherwise beside it, for a backend that multiplies by w."""
     if tiles not in (None, *TILE_ACTIVATIONS):
         raise ValueError(f"gguf_blocks tiles must be None or one of {TILE_ACTIVATIONS}, got {tiles!r}")
     copies: dict[tuple[str, bool], Node] = {}
@@ -71,10 +74,11 @@ where N allows, for every step."""
                 attrs |= {"name": f"{w.name}.{fmt.name}_tiles", BLOCK_LAYOUT: layout}
             copies[key] = Node("param", (), freeze_attrs(attrs), blocks_shape(fmt.name, n, k, layout), "u8")
         attrs = dict(node.attrs) | {"format": fmt.name, "max_rows": max_rows}
-        if layout == "tiles":  # the tiles serve every step: they replace w
-            attrs = {a: v for a, v in attrs.items() if a != "transpose_b"}
+        if layout == "tiles":  # the tiles serve every step: they replace w where a kernel reads them
             attrs |= {"layout": layout, "activations": tiles, "max_rows": TILES_MAX_ROWS}
-            return make_node("matmul_blocks", (ins[0], copies[key]), attrs)
+            if tiles_alone:
+                attrs = {a: v for a, v in attrs.items() if a != "transpose_b"}
+                return make_node("matmul_blocks", (ins[0], copies[key]), attrs)
         return make_node("matmul_blocks", (ins[0], w, copies[key]), attrs)
 
     out = rewrite(graph, fn)

@@ -31,6 +31,7 @@ class PipelineOptions:
     # (passes.gguf_blocks); empty: none.
     block_formats: tuple[tuple[str, str], ...] = ()
     block_tiles: str | None = None  # ...repacked into tiles for every step, its products' activations "f32" or "q8"
+    block_tiles_alone: bool = True  # the tiles replace their f32 weight (a kernel reads them: runtime.worker.executor)
     kv_dtype: str | None = None  # the KV pools' dtype (EngineConfig.kv_cache_dtype); None: the model's
     tensor_parallel_size: int = 1
     # How the executor lowers paged_attention (see passes.plan_memory); sizes its workspace.
@@ -52,7 +53,8 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
         ("insert_paged_kv", partial(insert_paged_kv, block_size=opts.block_size, kv_dtype=opts.kv_dtype)),
         # Phase 3: fewer, larger matmuls; optional weight compression.
         ("fuse_matmuls", fuse_matmuls),
-        ("gguf_blocks", partial(gguf_blocks, formats=dict(opts.block_formats), tiles=opts.block_tiles) if opts.block_formats else _identity),
+        ("gguf_blocks", partial(gguf_blocks, formats=dict(opts.block_formats), tiles=opts.block_tiles,
+                                        tiles_alone=opts.block_tiles_alone) if opts.block_formats else _identity),
         ("quantize_int8", partial(quantize_int8, activations=INT8_ACTIVATIONS if opts.quantization == "w8a8" else None,
                                   lm_head=opts.quantize_lm_head) if opts.quantization in ("int8", "w8a8") else _identity),
         ("bf16_matmuls", bf16_matmuls if opts.matmul_precision == "bfloat16" else _identity),

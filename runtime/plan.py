@@ -61,7 +61,7 @@ def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
 def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[int, int | None],
                      block_formats: dict[str, str] | None = None) -> PipelineOptions:
     """`block_formats`: source weight -> GGUF block format, for the weights that came with blocks."""
-    from runtime.worker.executor import reads_gguf_blocks, scans_layers, tile_activations
+    from runtime.worker.executor import reads_gguf_blocks, scans_layers, tile_activations, tiles_in_kernel
 
     total, limit = memory
     return PipelineOptions(
@@ -71,7 +71,7 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         quantization=engine.quantization, quantize_lm_head=engine.quantize_lm_head,
         matmul_precision=engine.matmul_precision,
         block_formats=tuple(sorted(block_formats.items())) if reads_gguf_blocks(engine, bool(block_formats)) else (),
-        block_tiles=tile_activations(engine),
+        block_tiles=tile_activations(engine), block_tiles_alone=tiles_in_kernel(engine),
         kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
         scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1))
 

@@ -23,7 +23,7 @@ from models.config import get_preset
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 from runtime.plan import compile_plan
-from runtime.worker import cpp_kernels
+from runtime.worker import cpp_kernels, executor
 from test_gguf_blocks import ALL_Q4_1, _quantized, block_weights, engine_workload
 from test_gguf_blocks import ENGINE as ROWS_ENGINE
 
@@ -138,22 +138,24 @@ def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n):
 @pytest.mark.parametrize("activations", ["q8", "f32"])
 def test_op_and_lowerings_follow_the_activations(activations):
     """The op's reference (every backend but cpp) is round_q8(x) @ w for q8 and x @ w for f32, w the
-    tiles' values; cpp's lowering reads the tiles (vector path, up to max_rows rows) or multiplies
-    by their values (beyond, and elsewhere): the same values either way."""
+    f32 weight or, with the tiles alone, their values; cpp's lowering reads the tiles (vector path,
+    up to max_rows rows) or multiplies by w or the values (beyond, and elsewhere): the same values
+    either way."""
     from runtime.worker.kernels import matmul_blocks_cpp
 
     rng = np.random.default_rng(0)
     blocks, values = _quantized(rng.standard_normal((32, 64)), "q4_1")
-    tiles = pack_tiles(blocks, "q4_1")
-    for max_rows in (1 << 30, 4):
-        attrs = dict(format="q4_1", max_rows=max_rows, layout="tiles", activations=activations)
-        for rows in (1, 5, 70):
-            x = rng.standard_normal((rows, 64)).astype(np.float32)
-            want = rounded_product(x, values) if activations == "q8" else x.astype(np.float64) @ values.T
-            np.testing.assert_allclose(np.asarray(OPS["matmul_blocks"].impl(x, tiles, **attrs)), want,
-                                       rtol=1e-5, atol=1e-5 * np.abs(want).max())
-            np.testing.assert_allclose(np.asarray(jax.jit(lambda a: matmul_blocks_cpp(a, tiles, **attrs))(x)), want,
-                                       rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    tiles, w = pack_tiles(blocks, "q4_1"), np.ascontiguousarray(values.T)
+    for weights in ((tiles,), (w, tiles)):  # the tiles alone, or beside their f32 weight
+        for max_rows in (1 << 30, 4):
+            attrs = dict(format="q4_1", max_rows=max_rows, layout="tiles", activations=activations)
+            for rows in (1, 5, 70):
+                x = rng.standard_normal((rows, 64)).astype(np.float32)
+                want = rounded_product(x, values) if activations == "q8" else x.astype(np.float64) @ values.T
+                np.testing.assert_allclose(np.asarray(OPS["matmul_blocks"].impl(x, *weights, **attrs)), want,
+                                           rtol=1e-5, atol=1e-5 * np.abs(want).max())
+                got = jax.jit(lambda a: matmul_blocks_cpp(a, *weights, **attrs))(x)
+                np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -179,17 +181,16 @@ def test_op_checks_the_tiles_shape():
     x = Node("param", (), (("name", "x"),), (4, 64), "f32")
     w32 = Node("param", (), (("name", "w"),), (64, 32), "f32")
     tiles = Node("param", (), (("name", "t"),), (2, 2 * tile_record_bytes("q4_1")), "u8")
-    node = make_node("matmul_blocks", (x, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
-    assert node.shape == (4, 32)
-    with pytest.raises(ValueError, match="in tiles takes 2 inputs"):
-        make_node("matmul_blocks", (x, w32, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
-    with pytest.raises(ValueError, match="float lhs, no transpose_b"):
+    alone = make_node("matmul_blocks", (x, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
+    beside = make_node("matmul_blocks", (x, w32, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
+    assert alone.shape == beside.shape == (4, 32)
+    with pytest.raises(ValueError, match="float x, no transpose_b"):
         make_node("matmul_blocks", (x, tiles), dict(format="q4_1", max_rows=8, layout="tiles", transpose_b=True))
     bad = Node("param", (), (("name", "b"),), (2, 100), "u8")
     with pytest.raises(ValueError, match="tiles must be"):
         make_node("matmul_blocks", (x, bad), dict(format="q4_1", max_rows=8, layout="tiles"))
     rows32 = Node("param", (), (("name", "b"),), (32, 40), "u8")
-    with pytest.raises(ValueError, match="in rows takes 3 inputs"):
+    with pytest.raises(ValueError, match=r"in rows takes \(x, w, blocks\), got 2 inputs"):
         make_node("matmul_blocks", (x, rows32), dict(format="q4_1", max_rows=8))
     with pytest.raises(ValueError, match="activations must be one of"):
         make_node("matmul_blocks", (x, w32, rows32), dict(format="q4_1", max_rows=8, activations="int8"))
@@ -218,8 +219,9 @@ def test_pass_packs_tiles_where_n_allows():
     graph, memory = served(gguf_activations="q8")
     qkv = by_source(graph)["layers.0.wqkv"]
     assert qkv.attr("layout") == "tiles" and qkv.attr("activations") == "q8" and qkv.attr("max_rows") >= 1 << 20
-    assert len(qkv.inputs) == 2  # the tiles are the weight: no f32 copy beside them
-    tiles = qkv.inputs[1]
+    alone = executor.tiles_in_kernel(EngineConfig(**ENGINE))  # cpp here, with the tiles' vector path
+    assert len(qkv.inputs) == (2 if alone else 3)  # where a kernel reads the tiles, no f32 copy beside them
+    tiles = qkv.inputs[-1]
     assert (tiles.name, tiles.shape, tiles.attr(BLOCK_LAYOUT)) == ("layers.0.wqkv.q4_1_tiles", (8, 2 * 384), "tiles")
     assert tiles.attr(GGUF_BLOCKS) == "layers.0.wqkv" and tiles.attr(BLOCK_FORMAT) == "q4_1"
     assert role_of(tiles) == Role.QKV
@@ -230,15 +232,20 @@ def test_pass_packs_tiles_where_n_allows():
     f32 = {p.name: int(np.prod(p.shape)) * 4 for p in without_graph.params}
     names = {p.name for p in graph.params}
     tiled = {n.inputs[1].attr(GGUF_BLOCKS) for n in graph.nodes() if n.op == "matmul_blocks" and len(n.inputs) == 2}
-    assert "layers.0.wqkv" in tiled and "lm_head" not in tiled
+    assert ("layers.0.wqkv" in tiled) == alone and "lm_head" not in tiled
     assert not tiled & names and "lm_head" in names and "embed" in names
     extra = sum(int(np.prod(p.shape)) for p in graph.params if p.dtype == "u8")
     assert memory.weight_bytes == without.weight_bytes - sum(f32[name] for name in tiled) + extra
+    # A backend that multiplies by w (xla) keeps it beside the tiles.
+    xla_graph, xla_memory = served(gguf_activations="q8", kernel_backend="xla")
+    xla_qkv = by_source(xla_graph)["layers.0.wqkv"]
+    assert xla_qkv.attr("layout") == "tiles" and [i.name for i in xla_qkv.inputs[1:]] == ["layers.0.wqkv", tiles.name]
+    assert xla_memory.weight_bytes == without.weight_bytes + extra
     # f32 activations: the same tiles; gguf_tiles=False keeps the file's rows, decode steps only.
     f32_graph, f32_memory = served(gguf_tiles=True)
     f32_qkv = by_source(f32_graph)["layers.0.wqkv"]
     assert f32_qkv.attr("activations") == "f32" and f32_memory.weight_bytes == memory.weight_bytes
-    assert f32_qkv.inputs[1].shape == tiles.shape
+    assert f32_qkv.inputs[-1].shape == tiles.shape
     rows, _ = served(gguf_tiles=False, gguf_blocks=True)
     assert all(n.attr("layout") in (None, "rows") and n.attr("max_rows") == 64 and len(n.inputs) == 3
                for n in rows.nodes() if n.op == "matmul_blocks")

@@ -64,6 +64,14 @@ def reads_gguf_blocks(engine, has_blocks: bool) -> bool:
     return engine.reads_gguf_blocks(has_blocks, ready)
 
 
+def tiles_in_kernel(engine) -> bool:
+    """Whether this machine's backend for `engine` multiplies by GGUF tiles in our C++ kernel (cpp,
+    with the tiles' vector path), so that the tiles can stand in for their f32 weight."""
+    from runtime.worker import cpp_kernels
+
+    return resolve_backend(engine.kernel_backend) == "cpp" and cpp_kernels.tiles_vectorized()
+
+
 def tile_activations(engine) -> str | None:
     """EngineConfig.gguf_tile_activations, told whether this CPU's C++ kernels take f32 activations'
     wide products on AMX-BF16 (kernel backend cpp)."""

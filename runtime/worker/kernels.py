@@ -368,7 +368,7 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     w_blocks = weights[-1]
     if rows > max_rows or not (cpp_kernels.tiles_vectorized() if tiles else cpp_kernels.matmul_vectorized()):
         x = round_q8(x) if activations == "q8" else x
-        if tiles:
+        if len(weights) == 1:  # the tiles alone
             if layer is not None and w_blocks.ndim == 3:
                 w_blocks = jax.lax.dynamic_index_in_dim(w_blocks, layer, keepdims=False)
             return OPS["matmul"].impl(x, dequantize_tiles(w_blocks, format))
