@@ -4,7 +4,8 @@ over the same weights, rounds interleaved, medians, the variant's speedup over t
     .venv/bin/python scripts/bench_ab.py [--base KEY=VALUE ...] [--variant KEY=VALUE ...]
                                          [--rounds 3] [--cases ttft,batch1,seqs64,long,long1,mixed1]
                                          [--base-kernels DIR] [--base-sampler FILE]
-                                         [--base-decode-part-tokens N] [--base-f32-max-rows N]
+                                         [--base-decode-part-tokens N] [--base-decode-group-rows N]
+                                         [--base-f32-max-rows N]
                                          [--long1-context 3000]
                                          [--temperature T --top-p P --seed S]
 
@@ -15,7 +16,9 @@ With `--base-kernels DIR`, the base engine is built with another checkout's atte
 same process; the variant's config is then the base's unless `--variant` says otherwise.
 `--base-sampler FILE` does the same for the sampler (another checkout's runtime/worker/sampler.py).
 `--base-decode-part-tokens N` builds the base engine with the C++ decode kernel splitting long rows
-into parts of at least N tokens (0: never; see cpp_kernels.PART_TOKENS), the variant with the default.
+into parts of at least N tokens (0: never; see cpp_kernels.PART_TOKENS), the variant with the default;
+`--base-decode-group-rows N` with up to N rows of a prompt walking its blocks together (1: each row
+alone; see cpp_kernels.GROUP_ROWS).
 `--base-f32-max-rows N` builds the base engine with f32 products of at most N rows in the C++ kernel
 (0: XLA's products only; see kernels.CPP_F32_MAX_ROWS), the variant with the default.
 Requests are greedy unless `--temperature` (and `--top-p`) say otherwise; sampled requests all take
@@ -48,7 +51,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The base engine may trace swapped modules (--base-kernels, --base-sampler, --base-decode-part-tokens, ...)
+# The base engine may trace swapped modules (--base-kernels, --base-sampler, --base-decode-*, ...)
 # that the executable store's key cannot see (runtime/worker/executables.py): compile every engine.
 os.environ["JAXSERVE_EXECUTABLE_STORE"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -120,14 +123,17 @@ def base_sampler(path: Path | None):
 
 
 @contextlib.contextmanager
-def base_decode_part_tokens(n: int | None):
-    """While open, the C++ decode kernel's calls split long rows into parts of at least `n` tokens."""
-    if n is None:
+def base_decode_attrs(**attrs):
+    """While open, the C++ decode kernel's calls take these attributes (part_tokens: split long rows
+    into parts of at least that many tokens; group_rows: walk up to that many rows of a prompt
+    together); None leaves one as it is."""
+    attrs = {k: v for k, v in attrs.items() if v is not None}
+    if not attrs:
         yield
         return
     from runtime.worker import cpp_kernels
     saved = cpp_kernels.paged_decode
-    cpp_kernels.paged_decode = lambda *a, **kw: saved(*a, **(kw | {"part_tokens": n}))
+    cpp_kernels.paged_decode = lambda *a, **kw: saved(*a, **(kw | attrs))
     try:
         yield
     finally:
@@ -162,6 +168,8 @@ def main() -> int:
                     help="build the base engine with DIR's runtime/worker/kernels.py (another checkout)")
     ap.add_argument("--base-sampler", type=Path, default=None, metavar="FILE",
                     help="build the base engine with FILE as runtime/worker/sampler.py (another checkout's)")
+    ap.add_argument("--base-decode-group-rows", type=int, default=None, metavar="N",
+                    help="build the base engine with the C++ decode kernel's group_rows=N (1: each row alone)")
     ap.add_argument("--base-decode-part-tokens", type=int, default=None, metavar="N",
                     help="build the base engine with the C++ decode kernel's part_tokens=N (0: no split)")
     ap.add_argument("--base-f32-max-rows", type=int, default=None, metavar="N",
@@ -179,6 +187,7 @@ def main() -> int:
         raise SystemExit(f"unknown case(s) {sorted(set(cases) - set(CASES))}; known: {', '.join(CASES)}")
     if args.variant is None:
         swapped = (args.base_kernels or args.base_sampler or args.base_decode_part_tokens is not None
+                   or args.base_decode_group_rows is not None
                    or args.base_f32_max_rows is not None)
         args.variant = args.base if swapped else ["matmul_precision=bfloat16"]
     longest = max([args.long1_context if {"long1", "mixed1"} & set(cases) else 0,
@@ -191,7 +200,8 @@ def main() -> int:
     for name, kw in configs.items():
         with (base_kernels(args.base_kernels if name == "base" else None),  # engines compile as they are built
               base_sampler(args.base_sampler if name == "base" else None),
-              base_decode_part_tokens(args.base_decode_part_tokens if name == "base" else None),
+              base_decode_attrs(part_tokens=args.base_decode_part_tokens if name == "base" else None,
+                                group_rows=args.base_decode_group_rows if name == "base" else None),
               base_f32_max_rows(args.base_f32_max_rows if name == "base" else None)):
             llms[name] = LLM.from_plan(compile_plan(None, EngineConfig(**kw), weights=weights, config=cfg,
                                                     tokenizer=tok))

@@ -144,6 +144,77 @@ def _gathered(hlo: str) -> list[int]:
     return sizes
 
 
+def _walk_reference(qf, kp, vp, tables, seq, limit):
+    """Each row's attention over its sequence's positions [0, limit), in float64 from the pools."""
+    qf, kp, vp, tables = (np.asarray(x, np.float64) if x.dtype != np.int32 else np.asarray(x)
+                          for x in (qf, kp, vp, tables))
+    t, kvh, rep, d = qf.shape
+    bs = kp.shape[1]
+    out = np.zeros(qf.shape)
+    for i in range(t):
+        n = int(limit[i])
+        if n == 0:
+            continue
+        pos = np.arange(n)
+        blocks = tables[int(seq[i]), pos // bs]
+        k, v = kp[blocks, pos % bs], vp[blocks, pos % bs]  # [n, kvh, d]
+        scores = np.einsum("hrd,nhd->hrn", qf[i], k)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        out[i] = np.einsum("hrn,nhd->hrd", w / w.sum(-1, keepdims=True), v)
+    return out
+
+
+# (query heads, kv heads, head_dim, block size, [(prior context, new tokens) per sequence]): a
+# prefill step's rows, each prompt's tokens in a row after another, beside decode rows.
+PROMPT_STEPS = [
+    (9, 3, 64, 16, [(0, 37), (45, 20), (7, 1), (0, 8), (130, 3)]),  # SmolLM2: fresh, chunked, decode
+    (8, 2, 128, 16, [(0, 19), (31, 17), (200, 1)]),                  # Llama-3's head_dim
+    (4, 4, 32, 32, [(0, 64), (5, 2), (64, 33)]),                     # MHA, blocks of 32
+]
+
+
+@pytest.mark.parametrize("heads,kvh,d,bs,seqs", PROMPT_STEPS)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_prompt_rows_walk_together(heads, kvh, d, bs, seqs, bf16):
+    """A prompt's consecutive rows walk its blocks together (group_rows, GroupWalk): over poisoned
+    pools, with prompts off block boundaries, continuations over earlier context, decode rows and a
+    padding row in the same step, the state gives float64's attention within the kernel bar, the
+    same as each row alone (group_rows=1) within f32's, and never reads past a row's positions.
+    The prompts' rows differ from the rows alone in the last bits (their sums ran in another
+    order), which shows the groups ran; a decode row (a group of one) equals its walk alone."""
+    rng = np.random.default_rng(d + len(seqs) + bf16)
+    ctx = [p + n for p, n in seqs]
+    k_pool, v_pool, tables, _ = random_paged_cache(rng, ctx, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                                                   dtype=jnp.float32, poison=True)
+    seq = np.concatenate([np.full(n, i) for i, (_, n) in enumerate(seqs)] + [[0]]).astype(np.int32)
+    limit = np.concatenate([np.arange(p + 1, p + n + 1) for p, n in seqs] + [[0]]).astype(np.int32)  # padding row
+    qf = rng.standard_normal((len(seq), kvh, heads // kvh, d)).astype(np.float32) * d ** -0.5
+    kp, vp = np.asarray(k_pool), np.asarray(v_pool)
+    if bf16:  # the CPU's bf16 KV cache: the kernel widens the bits exactly
+        kp, vp = (np.asarray(jnp.asarray(np.where(np.isfinite(x), x, 0.0)).astype(jnp.bfloat16)) for x in (kp, vp))
+        pools = tuple(jax.lax.bitcast_convert_type(jnp.asarray(x), BF16_BITS) for x in (kp, vp))
+        kp, vp = (np.asarray(jnp.asarray(x).astype(jnp.float32)) for x in (kp, vp))
+    else:
+        pools = (jnp.asarray(kp), jnp.asarray(vp))
+
+    def state(group_rows):
+        f = jax.jit(lambda *a: cpp_kernels.paged_decode(*a, part_tokens=0, group_rows=group_rows))
+        return [np.asarray(x) for x in f(jnp.asarray(qf), *pools, tables, jnp.asarray(seq), jnp.asarray(limit))]
+
+    grouped, alone = state(cpp_kernels.GROUP_ROWS), state(1)
+    mx, den, acc = grouped
+    live = limit > 0
+    assert np.all(np.isfinite(acc)) and np.all(den[live] > 0) and not acc[~live].any()
+    want = _walk_reference(qf, kp, vp, tables, seq, limit)
+    np.testing.assert_allclose(acc[live] / den[live][..., None], want[live], **KERNEL[jnp.dtype(jnp.float32)])
+    for a, b in zip(grouped, alone):
+        np.testing.assert_allclose(a, b, **SAME_MATH_F32)
+    prompt = np.isin(seq, [i for i, (_, n) in enumerate(seqs) if n > 1]) & live
+    decode = np.isin(seq, [i for i, (_, n) in enumerate(seqs) if n == 1]) & live
+    assert not np.array_equal(grouped[2][prompt], alone[2][prompt])
+    np.testing.assert_array_equal(grouped[2][decode], alone[2][decode])
+
+
 def test_the_kernel_reads_the_pool_in_place():
     """The compiled decode call gathers no K/V and copies no pool: the pools reach the kernel as
     the buffers themselves (the XLA lowering gathers each row's context into a fresh array)."""

@@ -147,13 +147,18 @@ def fits(num_kv_heads: int, n_rep: int, block_size: int, head_dim: int) -> bool:
 # step has too few rows to keep the threads busy (batch 1 at long context); BENCHMARKS.md,
 # "Decode attention in our C++ kernel", "Long rows split over the threads".
 PART_TOKENS = 256
+# Consecutive rows of one sequence (a prompt's tokens in a prefill chunk) walked together, at most (the
+# kernel holds up to 128 query heads at once: SmolLM2's 9 take groups of 14).
+GROUP_ROWS = 16
 
 
-def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS):
+def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS, group_rows=GROUP_ROWS):
     """The online-softmax state (max, denominator, accumulator) of rows `qf` [T, kvh, rep, d] (f32,
     scaled) over the pool positions below `limit` [T] of their sequences `seq` [T]; see
     cpp/paged_decode.cc. The pools are read where they lie. A step of few rows splits each row's
-    positions into parts of at least `part_tokens` over the threads (0: one row per thread)."""
+    positions into parts of at least `part_tokens` over the threads (0: one row per thread); up to
+    `group_rows` consecutive rows of one sequence, each seeing one more position than the one
+    before (a prompt's tokens), walk its blocks together (1: each row alone)."""
     ensure()  # registered before anything is compiled (or loaded from the compilation cache) to call it
     t, kvh, rep, d = qf.shape
     f32 = jnp.float32
@@ -161,7 +166,8 @@ def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS
            jax.ShapeDtypeStruct((t, kvh, rep, d), f32))
     return jax.ffi.ffi_call(PAGED_DECODE_TARGET, out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
                                                       seq.astype(jnp.int32), limit.astype(jnp.int32),
-                                                      part_tokens=np.int64(part_tokens))
+                                                      part_tokens=np.int64(part_tokens),
+                                                      group_rows=np.int64(group_rows))
 
 
 @functools.cache

@@ -95,7 +95,8 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     token's own chunk is in the pool already, so it walks its sequence's positions up to its own,
     and never scores the other sequences packed into the step, as the self-attention tiles do (64
     sequences x 64 tokens 1.16x faster under gguf_activations=q8, and a 512-token TTFT 1.11x;
-    BENCHMARKS.md, "Int8 products on GGUF blocks")."""
+    BENCHMARKS.md, "Int8 products on GGUF blocks"); a prompt's consecutive tokens walk their blocks
+    together (cpp_kernels.GROUP_ROWS: a 2,048-token TTFT 1.38x)."""
     t = q.shape[0]
     s, m = block_tables.shape
     c = min(chunk_blocks, m)
