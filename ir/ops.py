@@ -213,9 +213,9 @@ def _matmul_blocks(inputs, attrs):
     x, wb, k = inputs[0], inputs[-1], inputs[0].shape[-1]
     _need(wb.dtype == "u8" and len(wb.shape) == 2, f"matmul_blocks' blocks must be u8 [N, row bytes], got {wb}")
     _need(isinstance(k, int) and k % BLOCK_VALUES == 0, f"matmul_blocks needs K a multiple of {BLOCK_VALUES}, got {k}")
-    _need(n == 3 or (_float(x.dtype) and not attrs.get("transpose_b")),
-          "matmul_blocks' tiles alone: float x, no transpose_b")
+    _need(n == 3 or (_float(x.dtype) and not attrs.get("transpose_b")), "matmul_blocks' tiles alone: float x, no transpose_b")
     shape, dtype = _matmul(inputs[:2], attrs) if n == 3 else ((*x.shape[:-1], wb.shape[0] * TILE_COLUMNS), x.dtype)
+    _need(layout == "rows" or shape[-1] % TILE_COLUMNS == 0, f"matmul_blocks' tiles need N a multiple of {TILE_COLUMNS}")
     want = blocks_shape(fmt.name, shape[-1], k, layout)
     _need(tuple(wb.shape) == want, f"matmul_blocks' {fmt.name} blocks in {layout} must be {want}, got {tuple(wb.shape)}")
     _need(int(attrs["max_rows"]) >= 1, "matmul_blocks' max_rows must be >= 1")

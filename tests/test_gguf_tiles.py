@@ -184,6 +184,9 @@ def test_op_checks_the_tiles_shape():
     alone = make_node("matmul_blocks", (x, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
     beside = make_node("matmul_blocks", (x, w32, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
     assert alone.shape == beside.shape == (4, 32)
+    w24 = Node("param", (), (("name", "w"),), (64, 24), "f32")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        make_node("matmul_blocks", (x, w24, tiles), dict(format="q4_1", max_rows=8, layout="tiles"))
     with pytest.raises(ValueError, match="float x, no transpose_b"):
         make_node("matmul_blocks", (x, tiles), dict(format="q4_1", max_rows=8, layout="tiles", transpose_b=True))
     bad = Node("param", (), (("name", "b"),), (2, 100), "u8")

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ir import OPS
-from ir.blocks import dequantize_tiles, round_q8
+from ir.blocks import round_q8
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.ops import kv_write_reference
 from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
@@ -368,11 +368,12 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     tiles = layout == "tiles"
     w_blocks = weights[-1]
     if rows > max_rows or not (cpp_kernels.tiles_vectorized() if tiles else cpp_kernels.matmul_vectorized()):
-        x = round_q8(x) if activations == "q8" else x
-        if len(weights) == 1:  # the tiles alone
+        if len(weights) == 1:  # the tiles alone: the op's reference, on the layer's tiles
             if layer is not None and w_blocks.ndim == 3:
                 w_blocks = jax.lax.dynamic_index_in_dim(w_blocks, layer, keepdims=False)
-            return OPS["matmul"].impl(x, dequantize_tiles(w_blocks, format))
+            return OPS["matmul_blocks"].impl(x, w_blocks, format=format, max_rows=max_rows, layout=layout,
+                                             activations=activations)
+        x = round_q8(x) if activations == "q8" else x
         w = weights[0]
         return matmul_cpp(x, w, transpose_b=transpose_b, layer=layer if w.ndim == 3 else None)
     layer = layer if w_blocks.ndim == 3 else None

@@ -243,7 +243,7 @@ void VectorBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, co
 }
 
 // r[i] lane j <- r[j] lane i: four rounds of two-input shuffles, each swapping the off-diagonal
-// blocks of every 2B x 2B block (B = 8, 4, 2, 1); the same lane patterns as Sum16's.
+// blocks of every 2B x 2B block (B = 8, 4, 2, 1).
 inline void Transpose16(F16* r) {
   auto round = [&](int b, auto lo, auto hi) {
     for (int i = 0; i < 16; ++i) {
