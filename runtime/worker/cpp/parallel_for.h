@@ -3,22 +3,35 @@
 // Items are shared out through an atomic counter: the calling thread and helpers on the pool each
 // take the next item until none is left. A helper that starts late finds none and touches only
 // the shared counter state, so the call never waits on a thread busy elsewhere.
+//
+// When the calling thread runs out of items while a helper still works on its last one, it spins
+// for a while before it sleeps: the call returns as soon as the helper is done, instead of a
+// futex wake-up later, and the helper skips the wake-up call when nobody sleeps.
 
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve {
 
+// How long the calling thread spins for its helpers before it sleeps.
+constexpr std::chrono::microseconds kSpinBeforeSleep{200};
+
 struct WorkCounter {
   std::atomic<int64_t> next{0}, done{0};
+  std::atomic<bool> sleeping{false};
   std::mutex mu;
   std::condition_variable all_done;
 };
@@ -27,11 +40,19 @@ template <typename F>
 void DrainItems(WorkCounter& w, int64_t items, const F& item) {
   for (int64_t t; (t = w.next.fetch_add(1)) < items;) {
     item(t);
-    if (w.done.fetch_add(1) + 1 == items) {
+    // Sequentially consistent, as is the caller's store to `sleeping` before it reads `done`: one
+    // of the two sees the other's write, so the last item never goes unannounced to a sleeper.
+    if (w.done.fetch_add(1) + 1 == items && w.sleeping.load()) {
       std::lock_guard<std::mutex> lock(w.mu);
       w.all_done.notify_all();
     }
   }
+}
+
+inline void Pause() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
 }
 
 // item(t) for t in [0, items), on this thread and up to items - 1 of the pool's; returns when all
@@ -42,6 +63,14 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, const F& item) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, items, item] { DrainItems(*work, items, item); });
   DrainItems(*work, items, item);
+  if (work->done.load() >= items) return;
+  const auto until = std::chrono::steady_clock::now() + kSpinBeforeSleep;
+  for (int spins = 0; work->done.load() < items; ++spins) {
+    Pause();
+    if (spins % 64 == 63 && std::chrono::steady_clock::now() > until) break;
+  }
+  if (work->done.load() >= items) return;
+  work->sleeping.store(true);
   std::unique_lock<std::mutex> lock(work->mu);
   work->all_done.wait(lock, [&] { return work->done.load() >= items; });
 }
