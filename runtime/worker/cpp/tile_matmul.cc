@@ -36,10 +36,12 @@
 // f32 sums of blocks differs), and cpp_kernels.tiles_vectorized() keeps the engine off this path.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -579,9 +581,9 @@ void AmxTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
       float* at = acc + t * 256;
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) {
-        __m512 v = _mm512_mul_ps(_mm512_load_ps(sb + 16 * r), d);
+        const __m512 sum = _mm512_load_ps(sb + 16 * r);
+        __m512 v = b > 0 ? _mm512_fmadd_ps(sum, d, _mm512_load_ps(at + 16 * r)) : _mm512_mul_ps(sum, d);
         if (F == kQ4_1) v = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[r * a.nb + b]), v);
-        if (b > 0) v = _mm512_add_ps(v, _mm512_load_ps(at + 16 * r));
         _mm512_store_ps(at + 16 * r, v);
       }
     };
@@ -626,6 +628,7 @@ void AmxTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
 // Rows from which AMX takes the f32 product, where the CPU has AMX-BF16 and Linux grants it.
 constexpr int64_t kAmxF32MinRows = 16;
 constexpr int64_t kAmxItemTiles = 32;  // tiles per work item at most: their widened blocks stay in L2
+constexpr int64_t kSplitShareValues = 1 << 14;  // rows x K per share of the split, at least
 
 bool AmxBf16Ready() {
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -644,27 +647,44 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
   static thread_local std::vector<uint16_t> parts;
   static thread_local std::vector<float> sx;
   F32Args a{x, w, y, M, K, N, nb, nullptr, nullptr, (M + 15) / 16 * 16};
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
   if (amx) {
     if (parts.size() < static_cast<size_t>(3 * a.padded * K)) parts.resize(3 * a.padded * K);
     std::fill(parts.begin() + 3 * M * K, parts.begin() + 3 * a.padded * K, uint16_t{0});
     if (F == kQ4_1 && sx.size() < static_cast<size_t>(a.padded * nb)) sx.resize(a.padded * nb);
     a.parts = parts.data(), a.sx = F == kQ4_1 ? sx.data() : nullptr;
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    // Through a's pointers: in the pool's threads, `parts` and `sx` would name their own buffers.
-    ForRowShares(pool, M, K, 1 << 16, [&](int64_t m0, int64_t m1) {
-      SplitRows(x, K, m0, m1, const_cast<uint16_t*>(a.parts), const_cast<float*>(a.sx));
+    // One parallel call: the rows' split in up to one share per thread, then about two runs per
+    // thread of at most kAmxItemTiles tiles (their widened blocks stay in L2). Items are handed out
+    // in order, so by the time a thread takes a run every share is taken, and it waits (briefly)
+    // for those to be done. Two calls, one for the split, cost a helper's wake-up more per product.
+    const int64_t threads = pool.num_threads() + 1, tiles = N / kTile;
+    const int64_t shares = std::clamp<int64_t>(M * K / kSplitShareValues, 1, threads);
+    const int64_t rows_per = (M + shares - 1) / shares;
+    const int64_t per = std::min(kAmxItemTiles, std::max<int64_t>(1, (tiles + 2 * threads - 1) / (2 * threads)));
+    std::atomic<int64_t> split{0};
+    jaxserve::ParallelFor(pool, shares + (tiles + per - 1) / per, [&](int64_t t) {
+      if (t < shares) {
+        // Through a's pointers: in the pool's threads, `parts` and `sx` would name their own buffers.
+        SplitRows(x, K, std::min(M, t * rows_per), std::min(M, (t + 1) * rows_per), const_cast<uint16_t*>(a.parts),
+                  const_cast<float*>(a.sx));
+        split.fetch_add(1);
+        return;
+      }
+      for (int spins = 0; split.load() < shares; ++spins) {
+        if (spins < 4096) {
+          jaxserve::Pause();
+        } else {
+          std::this_thread::yield();
+        }
+      }
+      const int64_t g0 = (t - shares) * per;
+      AmxTilesF32<F>(a, g0, std::min(tiles, g0 + per));
     });
-#endif
+    return;
   }
-  // AMX: about two runs per thread of at most kAmxItemTiles (their widened blocks stay in L2);
-  // the multiply-adds: about four.
-  ForTileRuns(pool, N / kTile, amx ? 2 : 4, amx ? kAmxItemTiles : N / kTile, [&](int64_t g0, int64_t g1) {
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if (amx) {
-      AmxTilesF32<F>(a, g0, g1);
-      return;
-    }
 #endif
+  // The multiply-adds: about four runs per thread.
+  ForTileRuns(pool, N / kTile, 4, N / kTile, [&](int64_t g0, int64_t g1) {
 #if defined(__AVX512BW__)
     VectorTilesF32<F>(a, g0, g1);
 #else
