@@ -140,7 +140,7 @@ class EngineConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    block_size: int = 16
+    block_size: int = 32
     memory_utilization: float = 0.9
     dtype: str = "auto"
     enable_prefix_caching: bool = True

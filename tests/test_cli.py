@@ -17,6 +17,7 @@ import pytest
 
 from runtime import cli
 from runtime.args import parse_dtype, parse_memory
+from runtime.config import EngineConfig
 from runtime.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +287,8 @@ def test_dry_run_that_does_not_fit_exits_2_with_advice_that_fits(capsys):
 
 @pytest.mark.parametrize("flags, says", [
     (("--dry-run", "-tp", "5"), "intermediate_size 1536 must divide by tp"),
-    (("--dry-run", "--num-kv-blocks", "2"), "--num-kv-blocks 128 or more"),
+    # max_model_len 2048 over the default block size: 64 blocks of 32 tokens
+    (("--dry-run", "--num-kv-blocks", "2"), f"--num-kv-blocks {2048 // EngineConfig().block_size} or more"),
     (("--dry-run", "--num-kv-blocks", "1000000"), "the plan does not fit"),
     (("--dry-run", "--block-size", "12"), "block_size must be a power of two"),
 ])

@@ -15,7 +15,8 @@ OFF = dict(num_scheduler_steps=1, enable_prefix_caching=False)
 
 
 def test_every_feature_on_gives_the_same_tokens():
-    shared = [40 + i % 7 for i in range(20)]  # a shared, repetitive prefix: cache hits and n-gram drafts
+    # A shared, repetitive prefix longer than a KV block (32 tokens): cache hits and n-gram drafts.
+    shared = [40 + i % 7 for i in range(36)]
     prompts = [shared + [3], shared + [5, 6], shared * 2, list(range(60, 75)), [9, 8, 7] * 5, shared + [11]]
     params = [
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2, trace=True),

@@ -101,7 +101,7 @@ def test_ir_dump_flag_and_text_round_trip(capsys):
     assert dump.main(["--model", "tiny", "--after", "insert_paged_kv", "--kv-cache-dtype", "bfloat16"]) == 0
     body = capsys.readouterr().out.split("\n", 1)[1]
     assert print_graph(parse_graph(body)) == body
-    assert "input %k_pool.0 : bf16[B, 16, " in body
+    assert f"input %k_pool.0 : bf16[B, {EngineConfig().block_size}, " in body
     assert "= kv_write(%k_pool.0" in body
 
 

@@ -172,8 +172,8 @@ def test_llama_70b_tp8_dry_run_plan():
     assert "per device (tensor_parallel_size=8)" in text
     # 69.0B params x 2 bytes / 8 = 17.2 GB per device, norms replicated.
     assert abs(memory.weight_bytes - cfg.num_params() * 2 / 8) < 0.01 * memory.weight_bytes
-    # 8 kv heads split 8 ways: one head, 80 layers, K and V, 16 tokens, bf16.
-    assert memory.kv_bytes_per_block == 80 * 2 * 16 * 128 * 2
+    # 8 kv heads split 8 ways: one head, 80 layers, K and V, block_size tokens, bf16.
+    assert memory.kv_bytes_per_block == 80 * 2 * engine.block_size * 128 * 2
     assert memory.num_kv_blocks > 0
 
 

@@ -20,7 +20,7 @@ def test_trace_follows_the_request_through_the_engine():
     prompt = list(range(10, 60))  # 50 tokens: two prefill chunks under a 32-token step budget
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, trace=True)
     first = llm.generate([prompt], params)[0].trace
-    again = llm.generate([prompt], params)[0].trace  # its first 48 tokens are 3 cached blocks
+    again = llm.generate([prompt], params)[0].trace  # its whole blocks but the last token's are cached
     untraced = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0]
     assert untraced.trace is None
 
@@ -34,8 +34,10 @@ def test_trace_follows_the_request_through_the_engine():
     assert 0 <= first["queue_s"] <= first["ttft_s"] == times[0] <= first["e2e_s"]
     assert first["preemptions"] == 0
 
-    assert again["prefix_cache_hit_tokens"] == 48
-    assert again["prefill_chunks"] == 1 and again["steps"][0]["tokens"] == 2
+    bs = plan.engine.block_size
+    hit = (len(prompt) - 1) // bs * bs  # 32 of 50 at the default 32-token blocks
+    assert again["prefix_cache_hit_tokens"] == hit
+    assert again["prefill_chunks"] == 1 and again["steps"][0]["tokens"] == len(prompt) - hit
 
 
 def test_trace_over_http(smol_llm):
