@@ -143,12 +143,17 @@ void ForRowShares(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t min_value
   jaxserve::ParallelFor(pool, items, [&](int64_t t) { prepare(t * per, std::min(M, (t + 1) * per)); });
 }
 
+// Tiles per run, for about `runs` runs per thread of at most `max_per` tiles each.
+int64_t TilesPerRun(ffi::ThreadPool& pool, int64_t tiles, int64_t runs, int64_t max_per) {
+  const int64_t threads = pool.num_threads() + 1;
+  return std::min(max_per, std::max<int64_t>(1, (tiles + runs * threads - 1) / (runs * threads)));
+}
+
 // Tiles [0, tiles) shared out in about `runs` runs per thread of at most `max_per` tiles each,
 // run(g0, g1) for each.
 template <typename Run>
 void ForTileRuns(ffi::ThreadPool& pool, int64_t tiles, int64_t runs, int64_t max_per, const Run& run) {
-  const int64_t threads = pool.num_threads() + 1;
-  const int64_t per = std::min(max_per, std::max<int64_t>(1, (tiles + runs * threads - 1) / (runs * threads)));
+  const int64_t per = TilesPerRun(pool, tiles, runs, max_per);
   jaxserve::ParallelFor(pool, (tiles + per - 1) / per,
                         [&](int64_t t) { run(t * per, std::min(tiles, (t + 1) * per)); });
 }
@@ -660,7 +665,7 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
     const int64_t threads = pool.num_threads() + 1, tiles = N / kTile;
     const int64_t shares = std::clamp<int64_t>(M * K / kSplitShareValues, 1, threads);
     const int64_t rows_per = (M + shares - 1) / shares;
-    const int64_t per = std::min(kAmxItemTiles, std::max<int64_t>(1, (tiles + 2 * threads - 1) / (2 * threads)));
+    const int64_t per = TilesPerRun(pool, tiles, 2, kAmxItemTiles);
     std::atomic<int64_t> split{0};
     jaxserve::ParallelFor(pool, shares + (tiles + per - 1) / per, [&](int64_t t) {
       if (t < shares) {
