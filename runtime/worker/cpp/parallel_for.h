@@ -7,6 +7,11 @@
 // When the calling thread runs out of items while a helper still works on its last one, it spins
 // for a while before it sleeps: the call returns as soon as the helper is done, instead of a
 // futex wake-up later, and the helper skips the wake-up call when nobody sleeps.
+//
+// XLA runs most kernel calls on one of the pool's own threads, which then has num_threads() - 1
+// others to help it, not num_threads(): Workers() tells the two apart (a thread of the pool is
+// one that has run a helper task), so that a call neither shares its work out for a thread that
+// is not there nor schedules a helper task that only finds the work done.
 
 #pragma once
 
@@ -36,6 +41,15 @@ struct WorkCounter {
   std::condition_variable all_done;
 };
 
+// Set on the pool's threads by the helper tasks they run.
+inline thread_local bool tls_pool_thread = false;
+
+// The threads that can work on a call from this thread: the pool's, plus this one if it is not
+// one of them.
+inline int64_t Workers(xla::ffi::ThreadPool& pool) {
+  return std::max<int64_t>(1, pool.num_threads() + (tls_pool_thread ? 0 : 1));
+}
+
 template <typename F>
 void DrainItems(WorkCounter& w, int64_t items, const F& item) {
   for (int64_t t; (t = w.next.fetch_add(1)) < items;) {
@@ -60,8 +74,13 @@ inline void Pause() {
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, const F& item) {
   auto work = std::make_shared<WorkCounter>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, items, item] { DrainItems(*work, items, item); });
+  const int64_t helpers = std::min<int64_t>(Workers(pool) - 1, items - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([work, items, item] {
+      tls_pool_thread = true;
+      DrainItems(*work, items, item);
+    });
+  }
   DrainItems(*work, items, item);
   if (work->done.load() >= items) return;
   const auto until = std::chrono::steady_clock::now() + kSpinBeforeSleep;

@@ -138,14 +138,14 @@ void RowPasses(int64_t M, const Pass& pass) {
 // values (rows x K), prepare(m0, m1) for each.
 template <typename Prepare>
 void ForRowShares(ffi::ThreadPool& pool, int64_t M, int64_t K, int64_t min_values, const Prepare& prepare) {
-  const int64_t items = std::min<int64_t>(pool.num_threads() + 1, (M * K) / min_values + 1);
+  const int64_t items = std::min<int64_t>(jaxserve::Workers(pool), (M * K) / min_values + 1);
   const int64_t per = (M + items - 1) / items;
   jaxserve::ParallelFor(pool, items, [&](int64_t t) { prepare(t * per, std::min(M, (t + 1) * per)); });
 }
 
 // Tiles per run, for about `runs` runs per thread of at most `max_per` tiles each.
 int64_t TilesPerRun(ffi::ThreadPool& pool, int64_t tiles, int64_t runs, int64_t max_per) {
-  const int64_t threads = pool.num_threads() + 1;
+  const int64_t threads = jaxserve::Workers(pool);
   return std::min(max_per, std::max<int64_t>(1, (tiles + runs * threads - 1) / (runs * threads)));
 }
 
@@ -477,29 +477,28 @@ void VectorTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // Rows [m0, m1) split into bf16 parts: hi is x cut to bf16, mid the rest cut to bf16, lo what
-// remains (8 significant bits at most, so exact), each subtraction exact; Q4_1's block sums too.
+// remains (8 significant bits at most), each subtraction exact; Q4_1's block sums too.
 // parts [padded, nb, 3, 32]: a row's three parts of a block lie together (192 bytes), so that the
-// three tile loads of a block read the same lines.
+// three tile loads of a block read the same lines. A block at a time: each part's 32 values are one
+// two-input conversion to bf16 (exact: hi and mid have no bits below bf16's, lo has 8 at most; as
+// for any bf16 conversion, a subnormal part becomes 0), and the block sum comes from the same loads.
 void SplitRows(const float* x, int64_t K, int64_t m0, int64_t m1, uint16_t* parts, float* sx) {
   const __m512i cut = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const int64_t nb = K / kBlock;
+  auto high = [&](__m512 v) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), cut)); };
   for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t k = 0; k < K; k += 16) {
-      uint16_t* out = parts + (m * nb + k / kBlock) * 3 * kBlock + k % kBlock;
-      const __m512 v = _mm512_loadu_ps(x + m * K + k);
-      const __m512i vh = _mm512_and_si512(_mm512_castps_si512(v), cut);
-      const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(vh));
-      const __m512i rm = _mm512_and_si512(_mm512_castps_si512(r), cut);
-      const __m512 rl = _mm512_sub_ps(r, _mm512_castsi512_ps(rm));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(vh, 16)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kBlock), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rm, 16)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * kBlock), (__m256i)_mm512_cvtneps_pbh(rl));
-    }
-    if (sx != nullptr) {
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + m * K + b * kBlock;
-        sx[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
-      }
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      uint16_t* out = parts + (m * nb + b) * 3 * kBlock;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const __m512 h0 = high(v0), h1 = high(v1);
+      const __m512 r0 = _mm512_sub_ps(v0, h0), r1 = _mm512_sub_ps(v1, h1);
+      const __m512 mid0 = high(r0), mid1 = high(r1);
+      _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+      _mm512_storeu_si512(out + kBlock, (__m512i)_mm512_cvtne2ps_pbh(mid1, mid0));
+      _mm512_storeu_si512(out + 2 * kBlock,
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(r1, mid1), _mm512_sub_ps(r0, mid0)));
+      if (sx != nullptr) sx[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     }
   }
 }
@@ -662,7 +661,7 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
     // thread of at most kAmxItemTiles tiles (their widened blocks stay in L2). Items are handed out
     // in order, so by the time a thread takes a run every share is taken, and it waits (briefly)
     // for those to be done. Two calls, one for the split, cost a helper's wake-up more per product.
-    const int64_t threads = pool.num_threads() + 1, tiles = N / kTile;
+    const int64_t threads = jaxserve::Workers(pool), tiles = N / kTile;
     const int64_t shares = std::clamp<int64_t>(M * K / kSplitShareValues, 1, threads);
     const int64_t rows_per = (M + shares - 1) / shares;
     const int64_t per = TilesPerRun(pool, tiles, 2, kAmxItemTiles);
