@@ -55,7 +55,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # that the executable store's key cannot see (runtime/worker/executables.py): compile every engine.
 os.environ["JAXSERVE_EXECUTABLE_STORE"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_xla_attention, for --base-kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine_args; bench_xla_attention, for --base-kernels
 
 import numpy as np  # noqa: E402
 
@@ -65,26 +65,9 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.entrypoints.llm import LLM  # noqa: E402
 from runtime.plan import compile_plan  # noqa: E402
 
+from bench_engine_args import COMMON, parse_pairs  # noqa: E402
+
 CASES = ("ttft", "batch1", "seqs64", "long", "long1", "mixed1")
-COMMON = dict(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=2000,
-              enable_prefix_caching=False)
-
-
-def parse_pairs(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
-        low = value.lower()
-        if low in ("true", "false"):
-            out[key] = low == "true"
-        else:
-            try:
-                out[key] = int(value)
-            except ValueError:
-                out[key] = value
-    return out
 
 
 @contextlib.contextmanager

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_engine_args import COMMON, parse_pairs
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAXSERVE_EXECUTABLE_STORE"] = "0"  # the store's key cannot tell two checkouts' kernels apart
 
@@ -36,14 +38,7 @@ def main() -> int:
     from runtime import SamplingParams
     from runtime.entrypoints.llm import LLM
 
-    engine = dict(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512, num_kv_blocks=2000,
-                  enable_prefix_caching=False)
-    for pair in args.fields:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
-        engine[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
-    llm = LLM("smollm2-135m", **engine)
+    llm = LLM("smollm2-135m", **(COMMON | parse_pairs(args.fields)))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     batch = lambda: [rng.integers(100, 40000, 64).tolist() for _ in range(64)]  # noqa: E731
