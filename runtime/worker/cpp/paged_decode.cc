@@ -88,11 +88,26 @@ struct RowState {
   float* a;  // the part's accumulator [HR, D]
   float m[kMaxHeads], l[kMaxHeads], block_max[kMaxHeads];
   alignas(64) float p[kMaxHeads][kMaxBlock];  // scores, then probabilities, of one block
+  // The next block's K (stream 0) and V (stream 1) rows, requested into L2 a few lines at a time
+  // while this block is walked: the vector body asks for ahead_step[0] lines per query head and 16
+  // tokens of scores, and ahead_step[1] per query head of values. Requested all at once, the lines
+  // would queue behind each other; left to the hardware, each block's first lines wait on memory.
+  const char* ahead[2] = {nullptr, nullptr};
+  int64_t ahead_left[2] = {0, 0}, ahead_step[2] = {0, 0};
+  void Ahead(int stream) {
+    for (int64_t i = 0; i < ahead_step[stream] && ahead_left[stream] > 0; ++i) {
+      __builtin_prefetch(ahead[stream], 0, 2);  // read, into L2 (prefetcht1)
+      ahead[stream] += 64;
+      ahead_left[stream] -= 64;
+    }
+  }
 };
 
+// `next`, where not null, is the part this thread walks next: its first block is requested during
+// this part's last block.
 template <typename KV, typename Body>
-void Walk(const Part& part, const Shape& s, const KV* k_pool, const KV* v_pool, const int32_t* tables,
-          const int32_t* seq, const Body& body) {
+void Walk(const Part& part, const Part* next, const Shape& s, const KV* k_pool, const KV* v_pool,
+          const int32_t* tables, const int32_t* seq, const Body& body) {
   RowState st;
   st.HR = s.H * s.R;
   st.D = s.D;
@@ -105,7 +120,27 @@ void Walk(const Part& part, const Shape& s, const KV* k_pool, const KV* v_pool, 
   for (int64_t p0 = part.begin; p0 < part.end; p0 += s.BS) {
     const int64_t block = std::clamp<int64_t>(table[p0 / s.BS], 0, s.N - 1);
     std::copy(st.m, st.m + st.HR, st.block_max);
-    body(st, k_pool + block * block_stride, v_pool + block * block_stride, std::min<int64_t>(s.BS, part.end - p0));
+    const int64_t n = std::min<int64_t>(s.BS, part.end - p0);
+    // The block after this one: this part's next, or the next part's first.
+    int64_t after = -1, after_tokens = 0;
+    if (p0 + s.BS < part.end) {
+      after = table[p0 / s.BS + 1], after_tokens = std::min<int64_t>(s.BS, part.end - p0 - s.BS);
+    } else if (next != nullptr && next->end > next->begin) {
+      after = tables[static_cast<int64_t>(seq[next->row]) * s.M + next->begin / s.BS];
+      after_tokens = std::min<int64_t>(s.BS, next->end - next->begin);
+    }
+    st.ahead_left[0] = st.ahead_left[1] = 0;
+    if (after >= 0) {
+      after = std::clamp<int64_t>(after, 0, s.N - 1);
+      const int64_t bytes = after_tokens * s.H * s.D * static_cast<int64_t>(sizeof(KV));
+      const int64_t lines = (bytes + 63) / 64, score_steps = st.HR * ((n + 15) / 16);
+      st.ahead[0] = reinterpret_cast<const char*>(k_pool + after * block_stride);
+      st.ahead[1] = reinterpret_cast<const char*>(v_pool + after * block_stride);
+      st.ahead_left[0] = st.ahead_left[1] = bytes;
+      st.ahead_step[0] = (lines + score_steps - 1) / score_steps;
+      st.ahead_step[1] = (lines + st.HR - 1) / st.HR;
+    }
+    body(st, k_pool + block * block_stride, v_pool + block * block_stride, n);
   }
   std::copy(st.m, st.m + st.HR, part.mx);
   std::copy(st.l, st.l + st.HR, part.den);
@@ -216,6 +251,7 @@ void VectorBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, co
     F16 qv[ND];
     for (int c = 0; c < ND; ++c) qv[c] = Load16(qt + i * D + 16 * c);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      st.Ahead(0);
       for (int jj = 0; jj < 16; ++jj) {
         const KV* kr = kb + ((j0 + jj) * H + h) * D;
         F16 sum = qv[0] * Load16(kr);
@@ -234,6 +270,7 @@ void VectorBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, co
     F16 av[ND];
     for (int c = 0; c < ND; ++c) av[c] = Load16(st.a + i * D + 16 * c) * corr;
     const int64_t h = i / R;
+    st.Ahead(1);
     for (int64_t j = 0; j < n; ++j) {
       const KV* vr = vb + (j * H + h) * D;
       for (int c = 0; c < ND; ++c) av[c] += pi[j] * Load16(vr + 16 * c);
@@ -377,15 +414,15 @@ void GroupWalk(const Part& part, const Shape& s, const float* q, const KV* k_poo
 bool Groupable(const Shape& s) { return s.BS % 16 == 0 && (s.D == 32 || s.D == 64 || s.D == 128); }
 
 template <typename KV>
-void WalkPart(const Part& part, const Shape& s, const float* q, const KV* k_pool, const KV* v_pool,
-              const int32_t* tables, const int32_t* seq, const int32_t* limit) {
+void WalkPart(const Part& part, const Part* next, const Shape& s, const float* q, const KV* k_pool,
+              const KV* v_pool, const int32_t* tables, const int32_t* seq, const int32_t* limit) {
   if (part.rows > 1) {
     if (s.D == 32) return GroupWalk<2>(part, s, q, k_pool, v_pool, tables, seq, limit);
     if (s.D == 64) return GroupWalk<4>(part, s, q, k_pool, v_pool, tables, seq, limit);
     return GroupWalk<8>(part, s, q, k_pool, v_pool, tables, seq, limit);
   }
   const float* qt = q + part.row * s.H * s.R * s.D;
-  auto walk = [&](auto block) { Walk(part, s, k_pool, v_pool, tables, seq, block); };
+  auto walk = [&](auto block) { Walk(part, next, s, k_pool, v_pool, tables, seq, block); };
   auto vector = [&](auto nd) {
     walk([&](RowState& st, const KV* kb, const KV* vb, int64_t n) {
       VectorBlock<decltype(nd)::value>(st, s, qt, kb, vb, n);
@@ -484,9 +521,18 @@ void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_token
       }
     }
   }
+  // Work items of `chunk` consecutive parts, about items_wanted of them, so that a thread knows
+  // which part it walks next (Walk requests that part's first block ahead).
   const Part* all = parts.data();
-  jaxserve::ParallelFor(pool, static_cast<int64_t>(parts.size()),
-                        [=](int64_t c) { WalkPart(all[c], s, q, k_pool, v_pool, tables, seq, limit); });
+  const int64_t count = static_cast<int64_t>(parts.size());
+  const int64_t chunk = std::max<int64_t>(1, count / items_wanted);
+  jaxserve::ParallelFor(pool, (count + chunk - 1) / chunk, [=](int64_t item) {
+    const int64_t c1 = std::min(count, (item + 1) * chunk);
+    for (int64_t c = item * chunk; c < c1; ++c) {
+      const Part* next = c + 1 < c1 && all[c + 1].rows == 1 ? &all[c + 1] : nullptr;
+      WalkPart(all[c], next, s, q, k_pool, v_pool, tables, seq, limit);
+    }
+  });
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t count = first[t + 1] - first[t];
     if (count > 1) Merge(all + first[t], count, HR, s.D, mx + t * HR, den + t * HR, acc + t * HR * s.D);
