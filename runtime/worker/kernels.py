@@ -112,18 +112,19 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
         limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
         den, acc = _split_walk(qf, limit, (mx, den, acc), cu_q_lens, **pool)
+    elif row_kernel:  # the kernel's state covers the whole walk: nothing to merge it into
+        _, den, acc = cpp_kernels.paged_decode(qf, k_pool, v_pool, tables, seq, pos + 1)
     else:
         init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
-        dense = s <= XLA_DENSE_MAX_SEQS and t > s and not row_kernel
-        den, acc = _pool_walk(qf, seq, pos + 1, init, **pool, dense=dense, row_kernel=row_kernel)
+        dense = s <= XLA_DENSE_MAX_SEQS and t > s
+        den, acc = _pool_walk(qf, seq, pos + 1, init, **pool, dense=dense)
     out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     return out.reshape(q.shape).astype(q.dtype)
 
 
-def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense,
-               row_kernel=False):
+def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense):
     """Online softmax of tokens `qf` [T, kvh, rep, d] (of sequences `seq`) over the pool positions
     below `limit` [T], merged into `init` (max, denominator, accumulator). Returns (denominator,
     accumulator).
@@ -132,10 +133,8 @@ def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, bl
     only as far as its own longest context: one fori_loop over (group, chunk of `chunk_blocks`
     blocks) pairs. A batch of decode rows with mixed context lengths then costs about the sum of
     their contexts, not rows x the longest. The dense few-sequence form walks every token to the
-    largest limit. With `row_kernel` the per-token form is one call of our C++ kernel instead.
+    largest limit. (With `row_kernel`, paged_attention_xla calls our C++ kernel instead.)
     """
-    if row_kernel and not dense:
-        return _combine(init, cpp_kernels.paged_decode(qf, k_pool, v_pool, tables, seq, limit))[1:]
     chunk = functools.partial(_chunk_update, tables=tables, k_pool=k_pool, v_pool=v_pool,
                               chunk_blocks=chunk_blocks, block_size=block_size, dense=dense)
     chunk_tokens = chunk_blocks * block_size
@@ -185,13 +184,6 @@ def _chunk_update(i, qf, seq, limit, carry, *, tables, k_pool, v_pool, chunk_blo
         sc = jnp.einsum("tgrd,tlgd->tgrl", qf, _f32(k))
         visible = (kpos[None, :] < limit[:, None])[:, None, None, :]
     return _merge(carry, sc, visible, v, "tgrl,lgd->tgrd" if dense else "tgrl,tlgd->tgrd")
-
-
-def _combine(a, b):
-    """Two online-softmax states (max, denominator, accumulator) over disjoint keys, as one."""
-    mx = jnp.maximum(a[0], b[0])
-    ca, cb = jnp.exp(a[0] - mx), jnp.exp(b[0] - mx)
-    return mx, a[1] * ca + b[1] * cb, a[2] * ca[..., None] + b[2] * cb[..., None]
 
 
 def _merge(carry, sc, visible, v, pv_spec):
