@@ -455,13 +455,14 @@ void Merge(const Part* parts, int64_t count, int64_t HR, int64_t D, float* mx, f
   }
 }
 
-// Rows are shared out over the calling thread and XLA's intra-op pool (parallel_for.h), one row
-// per work item, unless a row is longer than an even share of the step's positions over about
+// Rows are shared out over the calling thread and XLA's intra-op pool (parallel_for.h), one part
+// per row, unless a row is longer than an even share of the step's positions over about
 // kItemsPerThread items per thread: such a row's positions are split into parts of about that
 // share (whole blocks, at least `part_tokens`), like vLLM's partitioned decode attention, and the
 // parts' states are then merged. So batch 1 at long context keeps every thread busy, and so does a
 // long row among many short ones, where it would otherwise be one thread's walk while the others
-// finish early. part_tokens 0 never splits.
+// finish early. part_tokens 0 never splits. A work item is a run of consecutive parts (about
+// kItemsPerThread items per thread), so that a part's walk knows the next one to request ahead.
 constexpr int64_t kItemsPerThread = 4;
 
 template <typename KV>
