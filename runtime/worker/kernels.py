@@ -61,10 +61,47 @@ def _f32(x):
 
 
 def kv_write_xla(pool, new, slots):
-    """kv_write into a pool in its storage dtype: a uint16 pool takes the bits of bf16-rounded K/V."""
+    """kv_write into a pool in its storage dtype: a uint16 pool takes the bits of bf16-rounded K/V.
+
+    A one-token write goes out as two, the second to slot -1 (dropped). XLA turns a scatter of one
+    index into a dynamic-update-slice, and then copies that update into the attention loop's gather
+    of the pool that follows, which needs the pool as it was before the write: a copy of the whole
+    pool per layer in every one-row step (14 MiB of temporaries for a 1,024-block tiny pool at
+    tensor_parallel_size 2, growing with the pool; 1.7 GiB for SmolLM2 at tp=3). A scatter of two
+    indices stays a scatter, in place."""
     if pool.dtype == BF16_BITS:
         new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), BF16_BITS)
+    if new.shape[0] == 1:
+        new = jnp.concatenate([new, new])
+        slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
     return kv_write_reference(pool, new, slots)
+
+
+def matmul_half_cpu(x, w, *, transpose_b=False):
+    """A product by a bf16 or f16 weight on XLA:CPU, which has no half-precision dot: the weight is
+    widened to f32 (as XLA itself would) where the product runs.
+
+    XLA schedules a widening that depends on nothing but a weight as early as it likes: in a one-row
+    step it widened all of SmolLM2's bf16 weights at the top of the program (405 MiB of
+    temporaries live at once). Adding zero from the activations (0 x (x0 != x0): never NaN) ties each
+    widening to its product, one weight's f32 copy at a time, which the memory plan counts
+    (passes.plan_memory, `widen_half_weights`)."""
+    x0 = x.reshape(-1)[0]
+    zero = (x0 != x0).astype(jnp.float32) * 0.0
+    wf = w.astype(jnp.float32) + zero
+    wf = wf.T if transpose_b else wf
+    return jnp.matmul(x.astype(jnp.float32), wf).astype(x.dtype)
+
+
+HALF_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def matmul_xla(x, w, *, transpose_b=False):
+    """matmul under the XLA lowerings: half-precision weights on CPU as matmul_half_cpu, the rest as
+    ir.ops lowers it."""
+    if w.dtype in HALF_DTYPES and jax.default_backend() == "cpu":
+        return matmul_half_cpu(x, w, transpose_b=transpose_b)
+    return OPS["matmul"].impl(x, w, transpose_b=transpose_b)
 
 
 def _token_layout(cu_q_lens, context_lens, num_tokens):
@@ -106,7 +143,9 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     seq, pos = _token_layout(cu_q_lens, context_lens, t)
     qf = q.astype(jnp.float32).reshape(t, num_kv_heads, n_rep, head_dim) * scale
     pool = dict(tables=tables, k_pool=k_pool, v_pool=v_pool, chunk_blocks=c, block_size=block_size)
-    row_kernel = row_kernel and cpp_kernels.fits(num_kv_heads, n_rep, block_size, head_dim)
+    # The kernel reads f32 pools and bf16 ones stored as their bits; an f16 pool walks in XLA.
+    row_kernel = (row_kernel and cpp_kernels.fits(num_kv_heads, n_rep, block_size, head_dim)
+                  and k_pool.dtype in (jnp.float32, BF16_BITS))
     if k_new is not None and uses_new_kv(t, s) and not row_kernel:
         mx, den, acc = _self_attention(qf, k_new, v_new, seq, pos)
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
@@ -344,7 +383,7 @@ def matmul_cpp(x, w, *, transpose_b=False, layer=None):
         return y.reshape(x.shape[:-1] + (w.shape[-1],))
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
-    return OPS["matmul"].impl(x, w, transpose_b=transpose_b)
+    return matmul_xla(x, w, transpose_b=transpose_b)
 
 
 def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="rows", activations="f32",
@@ -391,7 +430,8 @@ def lowerings(backend: str) -> dict:
                 "kv_write": kv_write_xla, "matmul": matmul_cpp, "matmul_int8": matmul_int8_cpp,
                 "matmul_blocks": matmul_blocks_cpp}
     if backend == "xla":
-        return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=False), "kv_write": kv_write_xla}
+        return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=False), "kv_write": kv_write_xla,
+                "matmul": matmul_xla}
     import pallas_kernels as pk
 
     interpret = backend == "interpret"
