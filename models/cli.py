@@ -30,6 +30,12 @@ class UserError(Exception):
     """A mistake in what the user asked for; the message names it and the fix."""
 
 
+class DoesNotFit(UserError, MemoryError):
+    """A setting the user chose does not fit the device's memory (a MemoryError to callers of the
+    Python API; one `error:` line on the command line). The message gives the numbers and a change
+    that fits."""
+
+
 def split_debug(argv: Sequence[str]) -> tuple[bool, list[str]]:
     """(debug?, argv without `--debug`); JAXSERVE_DEBUG=1 also turns debugging on."""
     argv = list(argv)
@@ -124,7 +130,7 @@ _ENGINE_FLAGS = (
     ("device_memory", ("--device-memory",),
      dict(type=parse_memory, metavar="SIZE",
           help="device memory to plan for: 80 (GiB), 80GiB or 512MiB (default: measured on GPU, "
-               f"{CPU_DEVICE_MEMORY // GiB} GiB on CPU)")),
+               f"{CPU_DEVICE_MEMORY // GiB} GiB per process on CPU, split across its tensor-parallel devices)")),
     ("num_kv_blocks", ("--num-kv-blocks",), dict(type=int, help="override the planned KV block count")),
     ("dtype", ("--dtype",),
      dict(type=parse_dtype, metavar="DTYPE",

@@ -182,7 +182,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     num_kv_blocks: int | None = None
-    device_memory: int | None = None  # bytes of one device; measured on GPU, CPU_DEVICE_MEMORY on CPU
+    device_memory: int | None = None  # bytes of one device; measured on GPU; on CPU, CPU_DEVICE_MEMORY / tensor_parallel_size
     memory_limit: int | None = None  # bytes the allocator can still give; measured on GPU
     kernel_backend: str = "auto"
     # Run the repeated decoder layers as one lax.scan, so XLA compiles one layer, not all of them

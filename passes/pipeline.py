@@ -23,6 +23,8 @@ class PipelineOptions:
     reserve_bytes: int = 0
     memory_limit_bytes: int | None = None
     scan_layers: bool = False  # the executor scans the repeated layers (see runtime.worker.executor)
+    # The backend widens half-precision weights to f32 for its products (XLA:CPU; see plan_memory).
+    widen_half_weights: bool = False
     num_kv_blocks: int | None = None
     quantization: str | None = None
     quantize_lm_head: bool | None = None  # EngineConfig.quantize_lm_head; None: the quantization's default
@@ -71,7 +73,8 @@ def _memory_options(opts: PipelineOptions) -> dict:
                 max_model_len=opts.max_model_len, reserve_bytes=opts.reserve_bytes,
                 tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks,
                 paged_attention_lowering=opts.paged_attention_lowering,
-                memory_limit_bytes=opts.memory_limit_bytes, scan_layers=opts.scan_layers)
+                memory_limit_bytes=opts.memory_limit_bytes, scan_layers=opts.scan_layers,
+                widen_half_weights=opts.widen_half_weights)
 
 
 def memory_report(graph: Graph, opts: PipelineOptions):

@@ -55,6 +55,7 @@ def uses_new_kv(t: int, s: int) -> bool:
     K/V first (runtime.worker.kernels.paged_attention_xla)."""
     return s < t <= XLA_SELF_MAX_TOKENS
 F32 = 4
+HALF = ("bf16", "f16")
 
 
 def _ways(node: Node, env: dict[str, int]) -> int:
@@ -80,8 +81,13 @@ def _loop_state_bytes(node: Node, env: dict[str, int]) -> int:
 
 
 def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
-                     chunk_blocks: int = XLA_CHUNK_BLOCKS, scan_layers: bool = False) -> int:
+                     chunk_blocks: int = XLA_CHUNK_BLOCKS, scan_layers: bool = False,
+                     widen_half_weights: bool = False) -> int:
     """Scratch an op's lowering needs beyond its inputs and its output, at its own peak."""
+    if node.op == "matmul" and widen_half_weights and node.inputs[1].dtype in HALF:
+        # XLA:CPU has no half-precision dot: the weight is widened to f32 where the product runs
+        # (runtime.worker.kernels.matmul_half_cpu), one weight at a time.
+        return _nbytes(node.inputs[1], env) * F32 // DTYPE_BYTES[node.inputs[1].dtype]
     if _ways(node, env) > 1:  # heads split: each device runs the lowering on its share
         return _workspace_bytes(node, {**env, "tp": 1}, lowering, chunk_blocks, scan_layers) // _ways(node, env)
     if node.op == "paged_attention":
@@ -131,7 +137,8 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
 
 
 def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "chunked",
-                          chunk_blocks: int = XLA_CHUNK_BLOCKS, scan_layers: bool = False) -> int:
+                          chunk_blocks: int = XLA_CHUNK_BLOCKS, scan_layers: bool = False,
+                          widen_half_weights: bool = False) -> int:
     """Peak bytes of a step's temporaries (what XLA reports as temp_size), for one bucket.
 
     Walks the nodes in the executor's order with a liveness analysis: a value is allocated when
@@ -147,6 +154,9 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "ch
     XLA holds one layer at a time: each layer's loop carry is live from the top of its layer
     body, and the layer's weights are sliced out of their stacks into temporaries for the
     duration of the body.
+
+    With `widen_half_weights` (XLA:CPU, which has no bf16 or f16 dot), a product by a half-precision
+    weight holds an f32 copy of that weight while it runs.
     """
     if lowering not in PAGED_ATTENTION_LOWERINGS:
         raise ValueError(f"paged attention lowering must be one of {PAGED_ATTENTION_LOWERINGS}, "
@@ -198,7 +208,8 @@ def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "ch
         # Outputs get their own buffers and in-place results alias donated ones: not temporaries.
         owns = not (through[id(n)] or n.op in _IN_PLACE or id(n) in outputs)
         size = _nbytes(n, env) if owns else 0
-        peak = max(peak, live + size + _workspace_bytes(n, env, lowering, chunk_blocks, scan_layers))
+        peak = max(peak, live + size + _workspace_bytes(n, env, lowering, chunk_blocks, scan_layers,
+                                                         widen_half_weights))
         live += size
         frees[last_read[id(n)]] = frees.get(last_read[id(n)], 0) + size
         live -= frees.pop(i, 0) + hoisted.get(id(n), 0)
@@ -223,11 +234,29 @@ def sampler_workspace_bytes(graph: Graph, env: dict[str, int]) -> int:
 
 
 def step_io_bytes(graph: Graph, env: dict[str, int]) -> int:
-    """A step's argument and output buffers other than the weights and the KV state."""
+    """A step's argument and output buffers other than the weights and the KV state. Floating
+    outputs leave the step in f32 whatever the model's dtype (runtime.worker.executor)."""
     state = {n.name for n in graph.runtime_inputs} & {name for name, _ in graph.outputs}
     ins = sum(_nbytes(x, env) for x in graph.runtime_inputs if x.name not in state)
-    outs = sum(_nbytes(n, env) for name, n in graph.outputs if name not in state)
+    outs = sum(_nbytes(n, env) * (F32 // DTYPE_BYTES[n.dtype] if n.dtype in HALF else 1)
+               for name, n in graph.outputs if name not in state)
     return ins + outs
+
+
+# The sampler's arguments and results per row (runtime.worker.sampler, fused into the step; a test
+# holds these to its input_specs): the token history [max_model_len] and the grammar bitmask
+# [vocab / 32] in i32, SAMPLER_BIAS_SLOTS logit-bias ids and values, SAMPLER_ROW_SCALARS 4-byte
+# settings, and the sampled token, its logprob and the top SAMPLER_TOP_LOGPROBS ids and logprobs.
+SAMPLER_BIAS_SLOTS = 300
+SAMPLER_ROW_SCALARS = 11
+SAMPLER_TOP_LOGPROBS = 20
+
+
+def sampler_io_bytes(rows: int, vocab: int, max_model_len: int) -> int:
+    """The sampler's argument and result buffers for a bucket of `rows` rows."""
+    per_row = (max_model_len + -(-vocab // 32) + 2 * SAMPLER_BIAS_SLOTS + SAMPLER_ROW_SCALARS
+               + 2 + 2 * SAMPLER_TOP_LOGPROBS)
+    return rows * per_row * 4
 
 
 def weight_bytes(graph: Graph) -> int:
@@ -252,10 +281,18 @@ class BucketMemory:
     activation_bytes: int
     xla_temp_bytes: int | None = None
     io_bytes: int = 0
+    xla_io_bytes: int | None = None  # XLA's argument + output bytes, less weights and KV pools
 
     @property
     def total_bytes(self) -> int:
         return self.activation_bytes + self.io_bytes
+
+    @property
+    def measured_bytes(self) -> int | None:
+        """XLA's temporaries plus the step's own buffers (XLA's, else the predicted ones)."""
+        if self.xla_temp_bytes is None:
+            return None
+        return self.xla_temp_bytes + (self.io_bytes if self.xla_io_bytes is None else self.xla_io_bytes)
 
 
 @dataclass(frozen=True)
@@ -276,6 +313,11 @@ class MemoryPlan:
     # when it is less than utilization x device memory. None: no separate limit (CPU).
     memory_limit_bytes: int | None = None
     kv_dtype: str | None = None  # the KV pools' IR dtype (kv_cache_dtype); None in plans saved before it
+    # Set at start-up, once XLA has compiled every executable (runtime.worker.model_runner): the
+    # largest of their temporaries plus their own buffers, and the KV block count the prediction
+    # gave before the pool was sized from that measurement.
+    measured_peak_bytes: int | None = None
+    planned_kv_blocks: int | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -286,6 +328,11 @@ class MemoryPlan:
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_kv_blocks * self.kv_bytes_per_block
+
+    def blocks_that_fit(self, peak_bytes: int) -> int:
+        """KV blocks left by the budget after the weights, an activation peak and the reserve."""
+        free = self.budget_bytes - self.weight_bytes - peak_bytes - self.reserve_bytes
+        return max(free // self.kv_bytes_per_block, 0) if self.kv_bytes_per_block else 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -309,26 +356,36 @@ class MemoryPlan:
         if self.memory_limit_bytes is not None:
             binds = self.memory_limit_bytes < self.device_memory_bytes * self.memory_utilization
             lines.append(f"  allocator limit        {mib(self.memory_limit_bytes)}{'  (binds)' if binds else ''}")
+        lines.append(f"  - weights              {mib(self.weight_bytes)}")
+        if self.measured_peak_bytes is None:
+            lines.append(f"  - peak activations     {mib(self.peak_activation_bytes)}  (predicted)")
+        else:
+            lines.append(f"  - peak activations     {mib(self.measured_peak_bytes)}  (measured by XLA;"
+                         f" predicted {self.peak_activation_bytes / 2**20:.1f} MiB)")
+        planned = ""
+        if self.planned_kv_blocks is not None and self.planned_kv_blocks != self.num_kv_blocks:
+            planned = f"; the prediction gave {self.planned_kv_blocks}"
         lines += [
-            f"  - weights              {mib(self.weight_bytes)}",
-            f"  - peak activations     {mib(self.peak_activation_bytes)}",
             f"  - reserve              {mib(self.reserve_bytes)}",
             f"  = KV cache             {mib(self.num_kv_blocks * self.kv_bytes_per_block)}"
             f"  ({self.num_kv_blocks} blocks x {self.block_size} tokens,"
             f" {self.kv_bytes_per_block / self.block_size / 1024:.1f} KiB/token"
-            f"{', ' + self.kv_dtype if self.kv_dtype else ''})",
+            f"{', ' + self.kv_dtype if self.kv_dtype else ''}{planned})",
             f"  max concurrent seqs at max_model_len={self.max_model_len}: {self.max_concurrent_seqs}",
         ]
         if self.buckets:
             lines.append("  peak activations = max over buckets of predicted temp + step I/O")
-            lines.append("  bucket (tokens x seqs)  predicted temp        XLA temp   pred/XLA        step I/O")
+            lines.append("  bucket (tokens x seqs)  predicted temp        XLA temp   pred/XLA        step I/O"
+                         "    XLA step I/O")
             for b in self.buckets:
-                xla, ratio = "             -", "       -"
+                xla, ratio, xio = "             -", "       -", "             -"
                 if b.xla_temp_bytes is not None:
                     xla = mib(b.xla_temp_bytes)
                     ratio = f"{b.activation_bytes / b.xla_temp_bytes:8.2f}" if b.xla_temp_bytes else "     inf"
+                if b.xla_io_bytes is not None:
+                    xio = mib(b.xla_io_bytes)
                 lines.append(f"  {b.num_tokens:>6} x {b.num_seqs:<6}     {mib(b.activation_bytes)}  {xla}"
-                             f"   {ratio}  {mib(b.io_bytes)}")
+                             f"   {ratio}  {mib(b.io_bytes)}  {xio}")
         return "\n".join(lines)
 
 
@@ -337,7 +394,8 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
                        reserve_bytes: int = 0, tensor_parallel_size: int = 1,
                        num_kv_blocks: int | None = None,
                        paged_attention_lowering: str = "chunked",
-                       memory_limit_bytes: int | None = None, scan_layers: bool = False) -> MemoryPlan:
+                       memory_limit_bytes: int | None = None, scan_layers: bool = False,
+                       widen_half_weights: bool = False) -> MemoryPlan:
     """Sizes the KV pool from what is left after weights and the worst bucket's activations.
 
     num_kv_blocks = floor((min(memory_utilization x device memory, allocator limit) - weights
@@ -350,11 +408,14 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
     max_blocks = -(-max_model_len // block_size)
     per_bucket = []
+    logits = dict(graph.outputs).get("logits")
+    vocab = logits.shape[-1] if logits is not None else 0
     for t, s in buckets:
         env = {"T": t, "S": s, "R": s, "M": max_blocks, "B": 1, "tp": graph.meta_value("tp", 1)}
-        act = max(activation_peak_bytes(graph, env, paged_attention_lowering, scan_layers=scan_layers),
+        act = max(activation_peak_bytes(graph, env, paged_attention_lowering, scan_layers=scan_layers,
+                                        widen_half_weights=widen_half_weights),
                   sampler_workspace_bytes(graph, env))
-        io = step_io_bytes(graph, env)
+        io = step_io_bytes(graph, env) + (sampler_io_bytes(s, vocab, max_model_len) if vocab else 0)
         per_bucket.append(BucketMemory(t, s, act, None, io))
     peak = max((b.total_bytes for b in per_bucket), default=0)
     w = weight_bytes(graph)
@@ -363,8 +424,7 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
     plan = MemoryPlan(device_memory_bytes, memory_utilization, reserve_bytes, w, peak, per_block,
                       block_size, 0, max_model_len, 0, tuple(per_bucket), tensor_parallel_size,
                       memory_limit_bytes, ",".join(kv_dtypes) or None)
-    budget = plan.budget_bytes - w - peak - reserve_bytes
-    blocks = max(budget // per_block, 0) if per_block else 0
+    blocks = plan.blocks_that_fit(peak)
     if num_kv_blocks is not None:
         blocks = num_kv_blocks
     return replace(plan, num_kv_blocks=blocks, max_concurrent_seqs=blocks // max_blocks)

@@ -37,8 +37,9 @@ def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
     XLA_PYTHON_CLIENT_MEM_FRACTION = 75% of the device), minus what is already held. The device
     total is bytes_limit / that fraction, so `memory_utilization` keeps vLLM's meaning (a
     fraction of the device) and the allocator's limit caps it. On CPU there is nothing to
-    measure: a fixed budget (see EngineConfig), no separate limit. Explicit `device_memory` /
-    `memory_limit` engine args override both.
+    measure: a fixed budget per process (CPU_DEVICE_MEMORY), no separate limit; the host devices
+    that tensor parallelism forces share the one process's memory, so each gets its share.
+    Explicit `device_memory` / `memory_limit` engine args override both.
     """
     total, limit = engine.device_memory, engine.memory_limit
     if total is None or limit is None:
@@ -55,13 +56,16 @@ def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
                 total = int(bytes_limit / fraction) if preallocated and not platform_alloc else bytes_limit
             if limit is None:
                 limit = bytes_limit - int(stats.get("bytes_in_use", 0))
-    return int(total if total is not None else CPU_DEVICE_MEMORY), limit
+    if total is None:  # a CPU: the process's budget, split across its tensor-parallel devices
+        total = CPU_DEVICE_MEMORY // engine.tensor_parallel_size
+    return int(total), limit
 
 
 def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[int, int | None],
                      block_formats: dict[str, str] | None = None) -> PipelineOptions:
     """`block_formats`: source weight -> GGUF block format, for the weights that came with blocks."""
-    from runtime.worker.executor import reads_gguf_blocks, scans_layers, tile_activations, tiles_in_kernel
+    from runtime.worker.executor import (reads_gguf_blocks, scans_layers, tile_activations, tiles_in_kernel,
+                                         widens_half_weights)
 
     total, limit = memory
     return PipelineOptions(
@@ -73,7 +77,8 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         block_formats=tuple(sorted(block_formats.items())) if reads_gguf_blocks(engine, bool(block_formats)) else (),
         block_tiles=tile_activations(engine), block_tiles_alone=tiles_in_kernel(engine),
         kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
-        scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1))
+        scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1),
+        widen_half_weights=widens_half_weights(engine))
 
 
 def is_plan_dir(path) -> bool:
@@ -248,8 +253,9 @@ def _progress(desc: str):
     return lambda it: tqdm(it, desc=desc, unit="tensor", file=sys.stderr)
 
 
-def load_plan(model, engine_args: dict) -> Plan:
-    """A saved plan directory (runtime args may be overridden), or a fresh in-memory compile."""
+def load_plan(model, engine_args: dict, progress: bool = False) -> Plan:
+    """A saved plan directory (runtime args may be overridden), or a fresh in-memory compile
+    (`progress`: a bar for the weights' conversion)."""
     if is_plan_dir(model):
         plan = Plan.load(model)
         fixed = {k: v for k, v in engine_args.items() if k not in RUNTIME_ARGS and k != "gpu_memory_utilization"}
@@ -263,4 +269,4 @@ def load_plan(model, engine_args: dict) -> Plan:
             if k in engine_args:
                 setattr(plan.engine, k, engine_args[k])
         return plan
-    return compile_plan(model, EngineConfig.from_kwargs(**engine_args))
+    return compile_plan(model, EngineConfig.from_kwargs(**engine_args), progress=progress)

@@ -11,11 +11,16 @@ from runtime.outputs import RequestOutput
 from runtime.core.sampling_params import SamplingParams
 
 class LLM:
-    """`LLM(model="smollm2-135m", **engine_args)`: a preset, GGUF file, HF directory or plan directory."""
+    """`LLM(model="smollm2-135m", **engine_args)`: a preset, GGUF file, HF directory or plan directory.
 
-    def __init__(self, model: str = "smollm2-135m", *, check_invariants: bool = False, **engine_args):
-        self.plan = load_plan(model, engine_args)
-        self.engine = build_engine(self.plan, check_invariants=check_invariants)
+    Building one converts the weights and compiles every bucket (minutes on a cold start; the
+    caches make later ones seconds), with the server's progress bars on stderr unless
+    `progress=False`."""
+
+    def __init__(self, model: str = "smollm2-135m", *, check_invariants: bool = False, progress: bool = True,
+                 **engine_args):
+        self.plan = load_plan(model, engine_args, progress=progress)
+        self.engine = build_engine(self.plan, check_invariants=check_invariants, progress=progress)
 
     @classmethod
     def from_plan(cls, plan: Plan, **engine_kwargs) -> "LLM":

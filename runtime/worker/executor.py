@@ -53,6 +53,14 @@ def scans_layers(engine, sharded: bool = False) -> bool:
     return engine.scans_layers(f32_in_place=in_place)
 
 
+def widens_half_weights(engine) -> bool:
+    """Whether the lowerings for `engine` on this machine widen bf16/f16 weights to f32 for their
+    products, one weight at a time (XLA:CPU has no half-precision dot: kernels.matmul_xla), which
+    the memory plan counts."""
+    backend = resolve_backend(engine.kernel_backend, sharded=engine.tensor_parallel_size > 1)
+    return jax.default_backend() == "cpu" and backend in ("xla", "cpp")
+
+
 def reads_gguf_blocks(engine, has_blocks: bool) -> bool:
     """EngineConfig.reads_gguf_blocks, told whether this CPU's C++ kernels have their vector path
     (kernel backend cpp)."""

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from ir import bind_shape
 from ir.head import HEAD_INPUT, head_graph
+from models.cli import DoesNotFit
 from passes.plan_memory import MemoryPlan
 from runtime.worker.executables import ExecutableStore, num_backend_compiles  # noqa: F401  (re-exported)
 from runtime.worker.executor import JNP_DTYPES, build_step, resolve_backend, scans_layers, state_names, step_layout
@@ -75,23 +77,40 @@ def _advance_decode(inputs: dict, tokens, block_size: int) -> dict:
                 context_lens=context_lens)
 
 
+# A KV pool sized from the prediction is kept when XLA's measured peak leaves it at least this
+# many blocks and at most this fraction more: growing it means compiling every executable again
+# for the new pool shape, which a few percent of the pool is not worth.
+KV_REGROW_FRACTION = 0.05
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.1f} MiB"
+
+
+def _budget_text(memory: MemoryPlan) -> str:
+    return (f"the budget is {_mib(memory.budget_bytes)} (memory_utilization {memory.memory_utilization} x "
+            f"device {_mib(memory.device_memory_bytes)}"
+            + (f", allocator limit {_mib(memory.memory_limit_bytes)}" if memory.memory_limit_bytes is not None else "")
+            + (f", per device at tensor_parallel_size {memory.tensor_parallel_size}"
+               if memory.tensor_parallel_size > 1 else "") + ")")
+
+
 def check_fit(memory: MemoryPlan, measured_peak: int | None = None) -> None:
-    """Raises MemoryError, with the numbers, when weights + KV pools + the activation peak exceed
-    what the device (and its allocator) can give: better to stop at start than to sit in
-    allocator retries or fail in the middle of serving."""
+    """Raises DoesNotFit (a MemoryError), with the numbers, when weights + KV pools + the activation
+    peak exceed what the device (and its allocator) can give: better to stop at start than to sit
+    in allocator retries or fail in the middle of serving. Only a block count the user fixed can
+    fail here: the engine sizes its own pool to fit (ModelRunner.fit_kv_pool)."""
     peak = memory.peak_activation_bytes if measured_peak is None else measured_peak
     need = memory.weight_bytes + memory.kv_cache_bytes + peak
     if need <= memory.budget_bytes:
         return
-    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     which = "planned" if measured_peak is None else "measured"
-    raise MemoryError(
-        f"the plan does not fit: weights {mib(memory.weight_bytes)} + KV cache "
-        f"{mib(memory.kv_cache_bytes)} ({memory.num_kv_blocks} blocks) + {which} activation peak "
-        f"{mib(peak)} = {mib(need)}, but the budget is {mib(memory.budget_bytes)} "
-        f"(memory_utilization {memory.memory_utilization} x device {mib(memory.device_memory_bytes)}"
-        + (f", allocator limit {mib(memory.memory_limit_bytes)}" if memory.memory_limit_bytes is not None else "")
-        + "); lower num_kv_blocks, max_num_batched_tokens or max_model_len, or raise memory_utilization")
+    fits = memory.blocks_that_fit(peak)
+    raise DoesNotFit(
+        f"the plan does not fit: weights {_mib(memory.weight_bytes)} + KV cache "
+        f"{_mib(memory.kv_cache_bytes)} ({memory.num_kv_blocks} blocks) + {which} activation peak "
+        f"{_mib(peak)} = {_mib(need)}, but {_budget_text(memory)}; --num-kv-blocks {fits} or fewer fits "
+        f"(or leave it to the memory plan), or raise memory_utilization")
 
 
 class ModelRunner:
@@ -135,7 +154,11 @@ class ModelRunner:
             (device,) = next(iter(self.params.values())).devices()
             self.executables = ExecutableStore(executables, device, plan.program_hash(), self.backend)
         self.compiled: dict[tuple[int, int], object] = {}
-        self.xla_memory: dict[tuple[int, int], int] = {}
+        # XLA's memory analysis of each compiled executable, per device: (temporaries, the
+        # executable's own argument and result buffers less weights and KV pools). Steps by bucket;
+        # the others (multi-step decode, copy_blocks, prompt logprobs) by name.
+        self.xla_memory: dict[tuple[int, int], tuple[int, int]] = {}
+        self.xla_memory_other: dict[str, tuple[int, int]] = {}
         model_step = build_step(self.graph, self.backend, mesh_constraints=getattr(mesh, "constrain", None),
                                 layout=self.layout)
 
@@ -314,7 +337,10 @@ class ModelRunner:
         return self.layout.layers is None or jax.default_backend() != "cpu"
 
     def warmup(self, progress: bool = False, execute: bool | str = False) -> float:
-        """AOT-compiles every bucket's step (model + sampler; from the persistent cache when warm).
+        """AOT-compiles every executable (the buckets' steps, model + sampler; multi-step decode;
+        block copies; prompt logprobs), from the persistent cache when warm, then sizes the KV
+        pool from XLA's measured peak (fit_kv_pool): when that changes the pool's block count, the
+        pools are allocated again and everything compiles again for their new shape.
 
         With `execute`, also runs each bucket once on all-padding inputs (nothing is written to
         the KV pools), so that a timed run or a first request does not pay an executable's first
@@ -327,55 +353,123 @@ class ModelRunner:
             execute = self.first_runs_are_slow
         t0 = time.perf_counter()
         num_backend_compiles()
+        self._compile_all(progress)
+        if self.fit_kv_pool():
+            self._compile_all(progress, desc="compile buckets for the resized KV pool")
+            self.fit_kv_pool(resize=False)
+        if execute:
+            for b in self.plan.buckets.pairs():
+                args = {k: np.zeros(v.shape, v.dtype) for k, v in self.input_specs(*b).items()}
+                if "slot_mapping" in args:
+                    args["slot_mapping"][:] = -1  # padding tokens write nothing
+                jax.block_until_ready(self.execute(b, args))
+        return time.perf_counter() - t0
+
+    def _measure(self, compiled) -> tuple[int, int]:
+        """(temporaries, own buffers) of a compiled executable on one device, from XLA's analysis:
+        its arguments and results less the weights and the KV pools (donated: a result aliases them)."""
+        m = compiled.memory_analysis()
+        resident = self._device_bytes(self.params) + self._device_bytes(self.state)
+        own = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes - resident
+        return int(m.temp_size_in_bytes), max(int(own), 0)
+
+    @staticmethod
+    def _device_bytes(tree) -> int:
+        """Bytes of `tree`'s arrays on one device (a shard of a split array, all of a replicated one)."""
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    def _compile_all(self, progress: bool = False, desc: str = "compile buckets") -> None:
         buckets = self.plan.buckets.pairs()
         self._load_stored_buckets(buckets)
         it = buckets
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(buckets, desc="compile buckets", unit="bucket", file=sys.stderr)
+            it = tqdm(buckets, desc=desc, unit="bucket", file=sys.stderr)
         for b in it:
-            c = self.compile_bucket(b)
-            self.xla_memory[b] = int(c.memory_analysis().temp_size_in_bytes)
-        self.check_measured_fit()
+            self.xla_memory[b] = self._measure(self.compile_bucket(b))
         for b in sorted(self.multi_step_buckets):
-            self.compile_multi_step(b)
-        if execute:
-            for b in buckets:
-                args = {k: np.zeros(v.shape, v.dtype) for k, v in self.input_specs(*b).items()}
-                if "slot_mapping" in args:
-                    args["slot_mapping"][:] = -1  # padding tokens write nothing
-                jax.block_until_ready(self.execute(b, args))
+            self.xla_memory_other[f"multi-step {b[0]}x{b[1]}"] = self._measure(self.compile_multi_step(b))
         n = self.max_num_copy_pairs
         self._copy_compiled = self._compile(
             "copy_blocks", self._copy, self._abstract(self.state), jax.ShapeDtypeStruct((n,), jnp.int32),
             jax.ShapeDtypeStruct((n,), jnp.int32))
+        self.xla_memory_other["copy_blocks"] = self._measure(self._copy_compiled)
         self._plp_compiled = self._compile(
             "prompt_logprobs", self._head_logprobs, self._abstract(self._head_params),
             jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK, self.plan.config.hidden_size), self._head_dtype),
             jax.ShapeDtypeStruct((PROMPT_LOGPROB_CHUNK,), jnp.int32))
-        return time.perf_counter() - t0
+        self.xla_memory_other["prompt_logprobs"] = self._measure(self._plp_compiled)
+
+    def fit_kv_pool(self, resize: bool = True) -> bool:
+        """Sizes the KV pool from XLA's measured peak over every compiled executable, as vLLM sizes
+        its KV cache after a profiling run: the pool gets what the budget leaves after the weights,
+        that peak and the reserve. Returns True when it resized the pool (every executable must
+        then compile again, for the new pool shape).
+
+        The pool the prediction sized is kept when it fits the budget beside the measured peak (a
+        measurement a little above the prediction eats into the reserve, not into a second compile)
+        and the measurement would grow it by less than KV_REGROW_FRACTION. A block count the user fixed (`num_kv_blocks`) is kept, or
+        refused with the numbers; so is a max_model_len whose one sequence no longer fits. The
+        plan's memory is updated with the measurement and the final count (`plan.memory`)."""
+        memory = self.memory_with_xla(self.plan.memory)
+        measured = memory.measured_peak_bytes
+        planned = memory.planned_kv_blocks if memory.planned_kv_blocks is not None else memory.num_kv_blocks
+        log.info("activation peak: predicted %.1f MiB, measured (XLA) %.1f MiB over %d executables",
+                 memory.peak_activation_bytes / 2**20, measured / 2**20,
+                 len(self.xla_memory) + len(self.xla_memory_other))
+        engine = self.plan.engine
+        blocks = self.num_blocks
+        fits = memory.blocks_that_fit(measured)
+        within = memory.weight_bytes + memory.kv_cache_bytes + measured <= memory.budget_bytes
+        if engine.num_kv_blocks is not None or not resize:
+            check_fit(memory, measured)
+        elif not (within and fits <= self.num_blocks * (1 + KV_REGROW_FRACTION)):
+            need = -(-engine.max_model_len // engine.block_size)
+            if fits < need:
+                raise DoesNotFit(
+                    f"the plan does not fit: weights {_mib(memory.weight_bytes)} + measured activation "
+                    f"peak {_mib(measured)} (predicted {_mib(memory.peak_activation_bytes)}) + reserve "
+                    f"{_mib(memory.reserve_bytes)} leave room for {fits} KV blocks ({fits * engine.block_size} "
+                    f"tokens), fewer than one max_model_len={engine.max_model_len} sequence needs, and "
+                    f"{_budget_text(memory)}; lower --max-model-len to {fits * engine.block_size} or less, "
+                    "lower --max-num-batched-tokens or --max-num-seqs (the peak grows with the largest "
+                    "bucket), or raise --memory-utilization")
+            log.info("KV pool sized from the measured peak: %d blocks (the prediction gave %d)", fits, blocks)
+            blocks = fits
+        self.plan.memory = replace(memory, num_kv_blocks=blocks, planned_kv_blocks=planned,
+                                   max_concurrent_seqs=blocks // self.max_blocks_per_seq)
+        if blocks == self.num_blocks:
+            return False
+        self.state = None  # the old pools go before the new ones arrive
+        self.compiled.clear()
+        self.compiled_multi.clear()
+        self._copy_compiled = self._plp_compiled = None
+        self.xla_memory.clear()
+        self.xla_memory_other.clear()
+        self.num_blocks = blocks
+        self.state = self._alloc_state()
+        return True
 
     def check_measured_fit(self) -> None:
-        """The planned peak against XLA's own numbers for the compiled buckets; refuses to run a
-        plan whose measured workspace no longer fits beside the weights and the KV pools."""
+        """Refuses to run a plan whose measured peak no longer fits beside the weights and the KV
+        pools (a runner whose pool was given, not sized by fit_kv_pool)."""
         memory = self.memory_with_xla(self.plan.memory)
-        measured = max((b.xla_temp_bytes + b.io_bytes for b in memory.buckets
-                        if b.xla_temp_bytes is not None), default=0)
-        log.info("activation peak: planned %.1f MiB, measured (XLA) %.1f MiB over %d buckets",
-                 memory.peak_activation_bytes / 2**20, measured / 2**20, len(self.xla_memory))
-        check_fit(memory, measured)
+        check_fit(memory, memory.measured_peak_bytes)
 
     @property
     def max_num_copy_pairs(self) -> int:
         return self.plan.engine.max_num_seqs
 
     def memory_with_xla(self, memory: MemoryPlan) -> MemoryPlan:
-        from dataclasses import replace
-
-        buckets = tuple(replace(b, xla_temp_bytes=self.xla_memory.get((b.num_tokens, b.num_seqs)))
-                        for b in memory.buckets)
-        return replace(memory, buckets=buckets)
+        """`memory` with XLA's numbers for the executables compiled so far: each bucket's
+        temporaries and own buffers, and the peak over every executable (None if none compiled)."""
+        buckets = []
+        for b in memory.buckets:
+            temp, io = self.xla_memory.get((b.num_tokens, b.num_seqs), (None, None))
+            buckets.append(replace(b, xla_temp_bytes=temp, xla_io_bytes=io))
+        peaks = [t + io for t, io in list(self.xla_memory.values()) + list(self.xla_memory_other.values())]
+        return replace(memory, buckets=tuple(buckets), measured_peak_bytes=max(peaks) if peaks else None)
 
     # ------------------------------------------------------------ execution
 

@@ -349,13 +349,13 @@ def main(argv=None) -> int:
         plan = load_plan(args.plan, _explicit_engine_kwargs(ap, args))
         source = args.plan
     else:
-        plan = load_plan(args.model, engine_kwargs_from_args(args))
+        plan = load_plan(args.model, engine_kwargs_from_args(args), progress=True)
         source = args.model
     log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
     engine = build_engine(plan, cache_dir=args.compilation_cache_dir, progress=True, warm_execute="auto",
                           release_host_weights=True)
-    log.info("engine warm in %.1fs (%d buckets compiled or loaded)", time.perf_counter() - t0,
-             len(plan.buckets.pairs()))
+    log.info("engine warm in %.1fs (%d buckets compiled or loaded); the KV pool sized from XLA's measured peak:\n%s",
+             time.perf_counter() - t0, len(plan.buckets.pairs()), plan.memory.table().split("\n  peak activations =")[0])
     names = args.served_model_name or [args.model if not args.plan else plan.config.name]
     app = build_app(engine, served_model_names=names, api_key=args.api_key,
                     max_queue=None if args.max_queue < 0 else args.max_queue, max_body_bytes=args.max_body_bytes,
