@@ -288,6 +288,14 @@ class EngineConfig:
         """The KV pools' IR dtype: the model's (`auto`) or kv_cache_dtype's."""
         return self.dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype)
 
+    @property
+    def max_step_rows(self) -> int:
+        """Sampler rows (and attention sequences) one step may hold, the bucket table's widest: a
+        sequence verifying k drafts takes k+1 of them (runtime/step_inputs.py), so speculation
+        multiplies max_num_seqs; never more than the step's tokens."""
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
+        return min(self.max_num_seqs * (1 + k), self.max_num_batched_tokens)
+
     def async_blockers(self) -> list[str]:
         """The settings that rule out async scheduling: multi-step decode and speculative decoding
         already take the host off the per-token path, and tensor parallelism is not wired for it."""

@@ -33,6 +33,11 @@ class BucketTable:
                              f"({max_num_batched_tokens}): every scheduled sequence needs a token")
         return cls(tuple(sorted(set(tok))), tuple(sorted(set(seqs))))
 
+    @classmethod
+    def for_engine(cls, engine) -> "BucketTable":
+        """The table an engine (EngineConfig) compiles: its token budget by its widest step's rows."""
+        return cls.build(engine.max_num_batched_tokens, engine.max_step_rows)
+
     @property
     def max_tokens(self) -> int:
         return self.token_sizes[-1]
