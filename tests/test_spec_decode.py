@@ -75,7 +75,10 @@ def test_step_rows_hold_a_whole_draft():
     assert EngineConfig(max_num_seqs=1, speculative_config=spec).max_step_rows == 5
     assert EngineConfig(max_num_seqs=16, speculative_config=spec).max_step_rows == 16
     assert EngineConfig(max_num_seqs=2, max_num_batched_tokens=4, speculative_config=spec).max_step_rows == 4
-    assert BucketTable.for_engine(EngineConfig(max_num_seqs=1, speculative_config=spec)).pick(5, 5) == (8, 5)
+    for n in (1, 4):
+        table = BucketTable.for_engine(EngineConfig(max_num_seqs=n, speculative_config=spec))
+        assert table.pick(5, 5) == (8, 5) and table.pick(1, 1) == (1, 1)
+        assert len(table.pairs()) == len(BucketTable.for_engine(EngineConfig(max_num_seqs=n)).pairs())
 
 
 # ---------------------------------------------------------------- n-gram proposer

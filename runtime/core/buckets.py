@@ -35,8 +35,13 @@ class BucketTable:
 
     @classmethod
     def for_engine(cls, engine) -> "BucketTable":
-        """The table an engine (EngineConfig) compiles: its token budget by its widest step's rows."""
-        return cls.build(engine.max_num_batched_tokens, engine.max_step_rows)
+        """The table an engine (EngineConfig) compiles: its token budget by its sequence count, the
+        widest seq size raised to the step's rows (`max_step_rows`: speculation's verify rows), so
+        speculation adds no bucket to compile."""
+        table = cls.build(engine.max_num_batched_tokens, engine.max_num_seqs)
+        if engine.max_step_rows > table.max_seqs:
+            table = cls(table.token_sizes, table.seq_sizes[:-1] + (engine.max_step_rows,))
+        return table
 
     @property
     def max_tokens(self) -> int:
