@@ -288,6 +288,18 @@ class EngineConfig:
         """The KV pools' IR dtype: the model's (`auto`) or kv_cache_dtype's."""
         return self.dtype if self.kv_cache_dtype == "auto" else resolve_dtype(self.kv_cache_dtype)
 
+    @property
+    def max_step_rows(self) -> int:
+        """Sampler rows (and attention sequences) one step may hold, the bucket table's widest:
+        max_num_seqs, and with speculation at least k+1, since a sequence verifying k drafts takes
+        k+1 rows (runtime/step_inputs.py) and a lone one must fit a whole draft. Drafts take the rows
+        a step's decodes leave free: sizing the table for every sequence's drafts (max_num_seqs x
+        (k+1)) added 6 buckets to compile for 16 sequences and no speed that 15 alternating rounds
+        on 16 mixed prompts could tell apart (docs/results-issue48-decoding.md). Never more than the
+        step's tokens."""
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
+        return min(max(self.max_num_seqs, 1 + k), self.max_num_batched_tokens)
+
     def async_blockers(self) -> list[str]:
         """The settings that rule out async scheduling: multi-step decode and speculative decoding
         already take the host off the per-token path, and tensor parallelism is not wired for it."""

@@ -85,7 +85,7 @@ def plan_without_weights(config, engine: EngineConfig, block_formats: dict[str, 
     from runtime.core.buckets import BucketTable
     from runtime.plan import build_graph
 
-    buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
+    buckets = BucketTable.for_engine(engine)
     try:
         graph, memory, _ = build_graph(config, engine, buckets, keep_pass_texts=False, block_formats=block_formats)
     except ValueError as e:  # the passes refuse engine args that don't suit the model (e.g. its tp sizes)

@@ -233,7 +233,7 @@ def compile_plan(model, engine: EngineConfig | None = None, *, progress: bool = 
     if engine.max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {engine.max_model_len} exceeds the model's "
                          f"max_position_embeddings {config.max_position_embeddings}")
-    buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
+    buckets = BucketTable.for_engine(engine)
     graph, memory, texts = build_graph(config, engine, buckets, block_formats=weight_block_formats(weights or {}))
     if memory.num_kv_blocks * engine.block_size < engine.max_model_len:
         raise ValueError(

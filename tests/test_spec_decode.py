@@ -64,6 +64,23 @@ def test_config_names_unsupported_method():
         SpeculativeConfig(method="draft_model", num_speculative_tokens=3)
 
 
+def test_step_rows_hold_a_whole_draft():
+    """A verify step lays k drafts out as k+1 rows: the bucket table holds them even for one
+    sequence; wider batches share their max_num_seqs rows with drafts."""
+    from models.engine_config import EngineConfig
+    from runtime.core.buckets import BucketTable
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    assert EngineConfig(max_num_seqs=1).max_step_rows == 1
+    assert EngineConfig(max_num_seqs=1, speculative_config=spec).max_step_rows == 5
+    assert EngineConfig(max_num_seqs=16, speculative_config=spec).max_step_rows == 16
+    assert EngineConfig(max_num_seqs=2, max_num_batched_tokens=4, speculative_config=spec).max_step_rows == 4
+    for n in (1, 4):
+        table = BucketTable.for_engine(EngineConfig(max_num_seqs=n, speculative_config=spec))
+        assert table.pick(5, 5) == (8, 5) and table.pick(1, 1) == (1, 1)
+        assert len(table.pairs()) == len(BucketTable.for_engine(EngineConfig(max_num_seqs=n)).pairs())
+
+
 # ---------------------------------------------------------------- n-gram proposer
 
 

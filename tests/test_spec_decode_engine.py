@@ -68,6 +68,18 @@ def test_aborts_leak_no_blocks(llms):
     assert eng.block_manager.num_used == 0
 
 
+def test_batch_one_engine_verifies_whole_drafts(llms):
+    """max_num_seqs=1 (or any count below k+1): a verify step lays one sequence's k drafts out as k+1
+    rows, so the bucket table must hold k+1 rows per sequence or every full draft is dropped."""
+    spec = tiny_llm(**ENGINE | dict(max_num_seqs=1), speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, trace=True)
+    out = spec.generate([PROMPTS[0]], params)[0]
+    assert outputs(spec, [PROMPTS[0]], params) == outputs(llms["plain"], [PROMPTS[0]], params)
+    drafts = [s.get("drafts", 0) for s in out.trace["steps"]]
+    assert max(drafts) == NGRAM["num_speculative_tokens"], drafts
+    assert spec.engine.stats().num_recompiles == 0
+
+
 def test_bad_speculative_configs_are_named():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
@@ -139,3 +151,27 @@ def test_smollm2_greedy_outputs_equal_plain_decoding(smol_llm, smol_spec_llm):
     s = smol_spec_llm.engine.stats()
     assert s.spec_num_accepted_tokens > 0 and s.num_recompiles == 0
     assert smol_spec_llm.engine.block_manager.num_used == 0
+
+
+# Issue 48's prompt: SmolLM2 continues the list (", item12, ..., item35"), every token of it in the prompt.
+COPY_LIST = ("Repeat this list exactly: " + ", ".join(f"item{i}" for i in range(40)) + ". List: "
+             + ", ".join(f"item{i}" for i in range(12)))
+
+
+def test_smollm2_one_sequence_engine_drafts_the_copied_list(smollm2, smol_llm):
+    """A batch-1 engine (max_num_seqs=1) with the issue's settings drafts and keeps most of the copy,
+    and its greedy tokens are the plain engine's."""
+    from conftest import SMOL_ARGS
+    from runtime.entrypoints.llm import LLM
+    from runtime.plan import compile_plan
+
+    config, weights, tok = smollm2
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    engine = EngineConfig(**SMOL_ARGS | dict(max_num_seqs=1), speculative_config=ngram)
+    spec = LLM.from_plan(compile_plan(None, engine, weights=weights, config=config, tokenizer=tok))
+    params = SamplingParams(temperature=0, max_tokens=96, trace=True)
+    out = spec.generate([COPY_LIST], params)[0]
+    assert out.outputs[0].token_ids == smol_llm.generate([COPY_LIST], params)[0].outputs[0].token_ids
+    assert out.outputs[0].text.startswith(", item12, item13, item14")
+    assert out.trace["spec_accepted_tokens"] >= 64, out.trace["spec_draft_tokens"]  # of 96
+    assert len(out.trace["steps"]) <= 40

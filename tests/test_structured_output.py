@@ -145,6 +145,31 @@ def test_tiny_walks(tiny, tiny_compiler):
         jsonschema.validate(json.loads(tiny.decode(walk(compiled, tiny, TINY_VOCAB, seed))), schema)
 
 
+def takes(compiled, tokenizer, text: str, complete: bool = False) -> bool:
+    """Whether the grammar takes `text` token by token (and then, with `complete`, a stop id)."""
+    m = compiled.matcher()
+    ids = tokenizer.encode(text) + ([tokenizer.eos_token_id] if complete else [])
+    return all(m.accept_token(t) for t in ids)
+
+
+def test_json_whitespace_is_bounded(tiny, tiny_compiler):
+    """Between two JSON tokens, at most one newline and then up to 16 spaces or tabs: compact and
+    pretty-printed JSON pass, but no run of whitespace a small model can loop in until max_tokens
+    (issue 48). disable_any_whitespace: none at all."""
+    schema = {"type": "object", "properties": {"ab": {"type": "array", "items": {"enum": [12, 21]}}},
+              "required": ["ab"], "additionalProperties": False}
+    value = {"ab": [12, 21]}
+    for default in (tiny_compiler.compile(P(json=schema)), tiny_compiler.compile(P(json_object=True))):
+        for text in (json.dumps(value), json.dumps(value, indent=4), json.dumps(value, separators=(",", ":")),
+                     '{\n\t"ab" : [12,\n\t\t21\n\t]\n}'):
+            assert takes(default, tiny, text, complete=True), text
+        for text in ("{\n\n", "{" + " " * 17, '{"ab":\n\n', '{"ab": [12,\n \n', '{"ab": [12]  \n'):
+            assert not takes(default, tiny, text), text
+    compact = tiny_compiler.compile(P(json=schema, disable_any_whitespace=True))
+    assert takes(compact, tiny, json.dumps(value, separators=(",", ":")), complete=True)
+    assert not takes(compact, tiny, "{ ") and not takes(compact, tiny, '{"ab": ')
+
+
 def test_padded_vocab_is_masked(tiny, tiny_compiler):
     """Ids past the tokenizer, and the padding bits of the last word, are never allowed."""
     m = tiny_compiler.compile(P(json_object=True)).matcher()

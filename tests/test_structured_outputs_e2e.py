@@ -189,6 +189,24 @@ def test_smollm2_five_schemas(smol_llm):
     assert smol_llm.engine.stats().num_recompiles == 0
 
 
+CITY = _obj({"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0},
+             "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+             "is_capital": {"type": "boolean"},
+             "continent": {"enum": ["Africa", "Asia", "Europe", "North America", "South America", "Oceania"]}})
+
+
+def test_smollm2_sampled_json_closes(smol_llm):
+    """Issue 48: sampled at 0.7-1.0, SmolLM2 looped in free whitespace inside the object until
+    max_tokens (2 of these 20 seeds). With whitespace bounded by default every sample closes."""
+    params = [SamplingParams(temperature=(0.7, 0.8, 0.9, 1.0)[i % 4], seed=i, max_tokens=200,
+                             structured_outputs={"json": CITY}) for i in range(20)]
+    outs = smol_llm.chat([[{"role": "user", "content": "CITY: LIMA"}]] * 20, params)
+    for i, out in enumerate(outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (i, c.text)
+        jsonschema.validate(json.loads(c.text), CITY)
+
+
 def test_smollm2_regex_and_choice(smol_llm):
     tok = smol_llm.get_tokenizer()
     prompts = ["The date of the first moon landing, as YYYY-MM-DD:", "Is the sky blue? Answer:"]

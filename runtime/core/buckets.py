@@ -33,6 +33,16 @@ class BucketTable:
                              f"({max_num_batched_tokens}): every scheduled sequence needs a token")
         return cls(tuple(sorted(set(tok))), tuple(sorted(set(seqs))))
 
+    @classmethod
+    def for_engine(cls, engine) -> "BucketTable":
+        """The table an engine (EngineConfig) compiles: its token budget by its sequence count, the
+        widest seq size raised to the step's rows (`max_step_rows`: speculation's verify rows), so
+        speculation adds no bucket to compile."""
+        table = cls.build(engine.max_num_batched_tokens, engine.max_num_seqs)
+        if engine.max_step_rows > table.max_seqs:
+            table = cls(table.token_sizes, table.seq_sizes[:-1] + (engine.max_step_rows,))
+        return table
+
     @property
     def max_tokens(self) -> int:
         return self.token_sizes[-1]

@@ -57,7 +57,8 @@ class StructuredOutputsParams:
     """One output constraint per request, named as in vLLM: exactly one of `json` (a JSON schema, as a
     dict or a JSON string), `regex`, `choice` (the output is one of these strings), `grammar` (Lark, or
     GBNF/EBNF as llguidance converts it) or `json_object` (any JSON object) must be set.
-    `disable_any_whitespace` makes JSON compact (no free whitespace between tokens)."""
+    `disable_any_whitespace` makes JSON compact (no whitespace between tokens); by default it may have
+    at most one newline and 16 spaces or tabs between two (structured_output.JSON_WHITESPACE)."""
 
     json: dict | str | None = None
     regex: str | None = None

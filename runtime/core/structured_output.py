@@ -30,6 +30,11 @@ from runtime.core.sampling_params import ANY_OBJECT_SCHEMA, RequestError, Struct
 log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept per compiler (LRU)
+# JSON's whitespace between two tokens by default: at most one newline, then up to 16 spaces or tabs
+# (compact and pretty-printed JSON, nesting indented up to 16). Free whitespace, llguidance's and
+# vLLM's default, let SmolLM2 sample newlines until max_tokens (issue 48). disable_any_whitespace:
+# none. A schema's own "x-guidance": {"whitespace_pattern": ...} (llguidance's option) overrides it.
+JSON_WHITESPACE = r"\n?[ \t]{0,16}"
 
 
 def _words(vocab_size: int) -> int:
@@ -129,7 +134,8 @@ class GrammarCompiler:
                 raise ValueError("the schema false matches nothing")
             if schema is True:
                 schema = {}  # anything
-            options = {"whitespace_flexible": not params.disable_any_whitespace}
+            options = ({"whitespace_flexible": False} if params.disable_any_whitespace
+                       else {"whitespace_pattern": JSON_WHITESPACE})
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         if kind == "choice":
             return llguidance.grammar_from("choice", params.choice)
