@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from runtime.async_engine import DEFAULT_MAX_QUEUE
+from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_CHARS
 from runtime.entrypoints.openai.protocol import APIError
 from runtime.entrypoints.openai.serving import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
@@ -96,6 +97,7 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
         finally:
             server.loop.stop()
             server.pool.shutdown(wait=False, cancel_futures=True)
+            server.bulk_pool.shutdown(wait=False, cancel_futures=True)
 
     async def api_error(request, exc: APIError):
         return exc.response()
@@ -296,6 +298,13 @@ SERVER_LIMIT_FLAGS = (
      "answer 408 when a request body takes longer than this to arrive"),
     ("--keep-alive-timeout-s", int, DEFAULT_KEEP_ALIVE_TIMEOUT_S, "close an idle keep-alive connection after this"),
     ("--max-connections", int, DEFAULT_MAX_CONNECTIONS, "open connections allowed; more are closed at accept"),
+    ("--max-chat-messages", int, None,
+     "chat requests with more messages get 400 before the template renders (default: max_model_len)"),
+    ("--max-grammar-chars", int, DEFAULT_MAX_GRAMMAR_CHARS,
+     "structured-output constraints longer than this (schema JSON, regex, grammar, all choices) get 400 "
+     "before compiling"),
+    ("--grammar-timeout-s", float, DEFAULT_GRAMMAR_TIMEOUT_S,
+     "a structured-output constraint that takes longer to compile gets 400, and so does every repeat of it"),
 )
 
 
@@ -363,7 +372,9 @@ def main(argv=None) -> int:
                     max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout_s,
                     body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
                     max_connections=args.max_connections,
-                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                    max_chat_messages=args.max_chat_messages, max_grammar_chars=args.max_grammar_chars,
+                    grammar_timeout_s=args.grammar_timeout_s)
     log.info("serving %s on http://%s:%d (model name%s %s)", source, args.host, args.port,
              "s" if len(names) > 1 else "", ", ".join(names))
     asyncio.run(serve(app, args.host, args.port, shutdown_grace_s=args.shutdown_grace_s,

@@ -55,6 +55,7 @@ class ChatServing:
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages must be a non-empty list", "messages",
                               "missing_required_parameter" if messages is None else "invalid_value")
+        self.check_num_messages(messages)  # before the template renders them
         out = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
@@ -94,6 +95,7 @@ class ChatServing:
             text = self.tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+        self.check_prompt_chars(len(text), "messages")  # what the template added counts too, before tokenizing
         if continue_final:
             final = messages[-1]["content"]
             for part in (final, final.strip()):
