@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from runtime.async_engine import ABORTED, DEFAULT_MAX_QUEUE, EngineLoop, QueueFull
@@ -36,6 +36,9 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # and its body within this
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5  # idle keep-alive connections are closed after this
 DEFAULT_MAX_CONNECTIONS = 512  # open connections; more are closed at accept (each holds a file descriptor)
 PROMPT_CHARS_PER_TOKEN = 64  # default prompt cap: max_model_len x this many characters
+# Where the HTTP protocol leaves, in a request's scope, why it refused the rest of the request (a
+# malformed chunk, say): its handler, reading the body, then logs the request's one line with it.
+PROTOCOL_ERROR_KEY = "jaxserve.protocol_error"
 PREPARE_THREADS = 2  # JSON parsing, tokenizing and chat templating run here, off the event loop
 # Bodies larger than this are prepared on a lane of their own (one thread), so that a burst of huge
 # ones, legitimate or not, never holds the threads ordinary requests wait for.
@@ -106,8 +109,10 @@ class Server(CompletionServing, ChatServing):
             raise APIError(413, f"request body is {int(length)} bytes; the limit is {limit} bytes",
                            code="request_too_large")
 
+        chunks: list[bytes] = []
+
         async def read() -> bytes:
-            chunks, size = [], 0
+            size = 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
@@ -121,6 +126,15 @@ class Server(CompletionServing, ChatServing):
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g}s",
                            code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            # One line per such request (its answer goes nowhere): not a server error's traceback.
+            got = sum(map(len, chunks))
+            why = request.scope.get(PROTOCOL_ERROR_KEY) or (
+                f"the client closed the connection after {got} of {length or 'its chunked'} body bytes")
+            client = request.client
+            log.warning("%s %s from %s: %s", request.method, request.url.path,
+                        f"{client.host}:{client.port}" if client else "a client", why)
+            raise APIError(400, why, code="incomplete_body") from None
 
     def parse(self, raw: bytes, model_cls):
         """JSON body -> request model (run off the event loop: parsing a big body takes a while)."""
