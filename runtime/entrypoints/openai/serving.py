@@ -467,8 +467,8 @@ class Server(CompletionServing, ChatServing):
 
     @staticmethod
     def _finish_delta(chat: bool, index: int, reason: str, stop_reason=None) -> dict:
-        if chat:
-            return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
+        if chat:  # vLLM's delta there is {"content": ""}: a client that joins the deltas gets no null
+            return {"index": index, "delta": {"content": ""}, "logprobs": None, "finish_reason": reason,
                     "stop_reason": stop_reason}
         return {"index": index, "text": "", "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}
 
