@@ -217,6 +217,22 @@ def test_grammar_compile_budget_is_a_400_and_cached():
     assert time.monotonic() - t0 < 0.05
 
 
+def test_budgets_are_server_flags(tiny):
+    from runtime.entrypoints.openai.api_server import parse_args
+
+    _, args = parse_args(["--max-chat-messages", "8", "--max-grammar-chars", "100", "--grammar-timeout-s", "0.5"])
+    assert (args.max_chat_messages, args.max_grammar_chars, args.grammar_timeout_s) == (8, 100, 0.5)
+    app = build_app(tiny.engine, served_model_names="tiny", log_stats_interval=0, start_engine=False,
+                    max_chat_messages=args.max_chat_messages, max_grammar_chars=args.max_grammar_chars,
+                    grammar_timeout_s=args.grammar_timeout_s)
+    assert app.state.server.cfg.max_chat_messages == 8
+    assert tiny.engine.grammar_limits == GrammarLimits(max_chars=100, timeout_s=0.5)
+    _, defaults = parse_args([])
+    assert defaults.max_chat_messages is None  # then max_model_len
+    build_app(tiny.engine, served_model_names="tiny", log_stats_interval=0, start_engine=False)
+    assert tiny.engine.grammar_limits == GrammarLimits()
+
+
 # ====================================================================== HTTP: the table of bad inputs
 
 
@@ -584,8 +600,9 @@ def test_normal_requests_keep_their_latency_during_a_burst_of_slow_bad_ones(smol
           f"{during[-1] * 1e3:.0f} ms over {len(during)} during the burst")
     assert {(b[0], b[1]) for b in burst} == {(400, code)} and len(burst) >= 8
     assert len(during) >= 3
-    # The target is 100 ms; the bound leaves room for two cores shared with other work.
-    assert p50(during) - p50(before) < 0.25, (before, during)
+    # The target is 100 ms (docs/results-issue48-api.md has the measured moves: +50 to +150 ms on two
+    # cores at load 4-5); the bound leaves room for a busier machine, far below the 12-15 s of before.
+    assert p50(during) - p50(before) < 0.4, (before, during)
 
 
 def _num_fds() -> int:
