@@ -441,3 +441,22 @@ def test_prompt_logprobs_skip_the_prefix_cache_tiny():
     assert len(other.prompt_logprobs) == len(prompt) and all(p is not None for p in other.prompt_logprobs[1:])
     cached = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
     assert cached.num_cached_tokens == 2 * bm.block_size and cached.prompt_logprobs is None
+
+
+def test_prompt_logprobs_once_per_position_after_preemption_tiny():
+    """A sequence preempted after its prefill recomputes its prompt: its prompt logprobs are not
+    appended a second time (eight 48-token sequences on twelve 8-token blocks: some are preempted)."""
+    from conftest import tiny_llm
+
+    llm = tiny_llm(seed=0, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+                   num_kv_blocks=12)
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10] for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1))
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = tiny_llm(seed=0, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+                     num_kv_blocks=12).generate([prompts[0]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    for o in outs:
+        assert len(o.prompt_logprobs) == 8 and o.prompt_logprobs[0] is None
+        assert all(p is not None for p in o.prompt_logprobs[1:])
+    assert all(abs(outs[0].prompt_logprobs[i][t] - alone.prompt_logprobs[i][t]) < 1e-5
+               for i in range(1, 8) for t in alone.prompt_logprobs[i])
