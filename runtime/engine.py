@@ -73,7 +73,7 @@ class LLMEngine:
         self.async_scheduling = e.schedules_async()
         self._inflight: _Launched | None = None  # async scheduling: the step launched, not yet read
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
-        self.grammar_limits = GrammarLimits()  # the server sets its flags' budgets (set_grammar_limits)
+        self.grammar_limits = GrammarLimits()  # a grammar's compile budgets (the server's flags)
         self.speculative = SpeculativeConfig.from_dict(e.speculative_config)
         self.proposer = make_proposer(self.speculative) if self.speculative is not None else None
         k = self.speculative.num_speculative_tokens if self.speculative is not None else 0
@@ -83,13 +83,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 compile_grammar: bool = True) -> CompiledGrammar | None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, compile_grammar=True):
         """Raises RequestError, with the exact numbers, when this engine cannot serve a request:
         the model-dependent checks (SamplingParams has checked the value ranges). Compiles the
-        request's grammar (structured outputs) unless `compile_grammar` is False (the server
-        awaits `grammar_compiler().submit` itself), so a bad schema fails here, at admission;
-        returns it (None without one). Safe to call from several threads."""
+        request's grammar (structured outputs; the server awaits `grammar_compiler().submit` itself),
+        so a bad schema fails here, at admission; returns it (None without one). Thread-safe."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt", "empty_prompt")
@@ -112,27 +110,18 @@ class LLMEngine:
                 if not 0 <= int(t) < vocab:
                     raise RequestError(f"{name} token id {t} is outside [0, {vocab})", name)
         so = params.structured_outputs
-        if so is None or not compile_grammar:
-            return None
-        return self.grammar_compiler(so.source_param).compile(so)
+        return self.grammar_compiler(so.source_param).compile(so) if so is not None and compile_grammar else None
 
     def grammar_compiler(self, param: str = STRUCTURED_PARAM) -> GrammarCompiler:
-        """The engine's one GrammarCompiler (llguidance's view of the tokenizer), built on first use."""
+        """The engine's one GrammarCompiler (llguidance's view), built on first use; `grammar_limits` bound it."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
                 if self.tokenizer is None:
                     raise RequestError("structured outputs need the model's tokenizer, and this model has "
                                        "none", param, "unsupported_parameter")
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.config.vocab_size,
-                                                         limits=self.grammar_limits)
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.config.vocab_size)
+            self._grammar_compiler.limits = self.grammar_limits
             return self._grammar_compiler
-
-    def set_grammar_limits(self, limits: GrammarLimits) -> None:
-        """The budgets each grammar compiles within (size, time); see GrammarLimits."""
-        with self._grammar_lock:
-            self.grammar_limits = limits
-            if self._grammar_compiler is not None:
-                self._grammar_compiler.limits = limits
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,

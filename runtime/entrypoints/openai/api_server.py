@@ -32,7 +32,7 @@ from runtime.entrypoints.openai.protocol import APIError
 from runtime.entrypoints.openai.serving import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                                 DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN,
-                                                PROTOCOL_ERROR_KEY, Server, ServerConfig)
+                                                PROTOCOL_ERROR_KEY, Server, ServerConfig, peer)
 
 log = logging.getLogger("runtime.serve")
 
@@ -246,7 +246,7 @@ def _guarded_protocol(header_timeout_s: float, max_connections: int):
             if in_flight:
                 cycle.scope[PROTOCOL_ERROR_KEY] = reason
             else:
-                log.warning("refused a request from %s: %s", _client(self.client), reason)
+                log.warning("refused a request from %s: %s", peer(self.client), reason)
             if in_flight and cycle.response_started:  # no second answer after one begun
                 self.transport.close()
                 return
@@ -257,10 +257,6 @@ def _guarded_protocol(header_timeout_s: float, max_connections: int):
             self.transport.close()
 
     return GuardedHTTPProtocol
-
-
-def _client(addr) -> str:
-    return "%s:%d" % tuple(addr) if addr else "a client"
 
 
 def _uvicorn_config(app, host: str, port: int, **kwargs):

@@ -36,12 +36,11 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # and its body within this
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5  # idle keep-alive connections are closed after this
 DEFAULT_MAX_CONNECTIONS = 512  # open connections; more are closed at accept (each holds a file descriptor)
 PROMPT_CHARS_PER_TOKEN = 64  # default prompt cap: max_model_len x this many characters
-# Where the HTTP protocol leaves, in a request's scope, why it refused the rest of the request (a
-# malformed chunk, say): its handler, reading the body, then logs the request's one line with it.
+# In a request's scope, why the HTTP protocol refused the rest of it (a bad chunk): read_body logs it.
 PROTOCOL_ERROR_KEY = "jaxserve.protocol_error"
 PREPARE_THREADS = 2  # JSON parsing, tokenizing and chat templating run here, off the event loop
-# Bodies larger than this are prepared on a lane of their own (one thread), so that a burst of huge
-# ones, legitimate or not, never holds the threads ordinary requests wait for.
+# Larger bodies are prepared on a lane of their own (one thread): a burst of them never holds the
+# threads that ordinary requests wait for.
 BULK_BODY_BYTES = 256 << 10
 
 
@@ -90,7 +89,7 @@ class Server(CompletionServing, ChatServing):
             config.max_prompt_chars = self.max_model_len * PROMPT_CHARS_PER_TOKEN
         if config.max_chat_messages is None:
             config.max_chat_messages = self.max_model_len
-        engine.set_grammar_limits(GrammarLimits(config.max_grammar_chars, config.grammar_timeout_s))
+        engine.grammar_limits = GrammarLimits(config.max_grammar_chars, config.grammar_timeout_s)
         self.pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self.bulk_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare-bulk")
 
@@ -126,14 +125,10 @@ class Server(CompletionServing, ChatServing):
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g}s",
                            code="request_timeout", headers={"Connection": "close"}) from None
-        except ClientDisconnect:
-            # One line per such request (its answer goes nowhere): not a server error's traceback.
-            got = sum(map(len, chunks))
-            why = request.scope.get(PROTOCOL_ERROR_KEY) or (
-                f"the client closed the connection after {got} of {length or 'its chunked'} body bytes")
-            client = request.client
-            log.warning("%s %s from %s: %s", request.method, request.url.path,
-                        f"{client.host}:{client.port}" if client else "a client", why)
+        except ClientDisconnect:  # one line per such request (its answer goes nowhere), no traceback
+            why = request.scope.get(PROTOCOL_ERROR_KEY) or (f"the client closed the connection after "
+                                                            f"{sum(map(len, chunks))} of {length or '?'} body bytes")
+            log.warning("%s %s from %s: %s", request.method, request.url.path, peer(request.client), why)
             raise APIError(400, why, code="incomplete_body") from None
 
     def parse(self, raw: bytes, model_cls):
@@ -173,13 +168,6 @@ class Server(CompletionServing, ChatServing):
         if n > limit:
             raise APIError(413, f"the prompt has {n} characters; the limit is {limit} characters", param=param,
                            code="prompt_too_long")
-
-    def check_num_messages(self, messages) -> None:
-        """Many messages cost time to walk and to render even when they are empty: counted first."""
-        limit = self.cfg.max_chat_messages
-        if isinstance(messages, list) and len(messages) > limit:
-            raise bad_request(f"the request has {len(messages)} messages; the limit is {limit}", "messages",
-                              "too_many_messages")
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -328,10 +316,9 @@ class Server(CompletionServing, ChatServing):
         compiler = self.engine.grammar_compiler(so.source_param)
         try:
             await asyncio.wait_for(asyncio.wrap_future(future), compiler.limits.timeout_s)
-        except asyncio.TimeoutError:
-            raise self._request_error(compiler.timeout_error(so), prep.request_id.startswith("chat")) from None
-        except RequestError as e:
-            raise self._request_error(compiler.retarget(e, so), prep.request_id.startswith("chat")) from None
+        except (asyncio.TimeoutError, RequestError) as e:
+            e = compiler.retarget(e, so) if isinstance(e, RequestError) else compiler.timeout_error(so)
+            raise self._request_error(e, prep.request_id.startswith("chat")) from None
 
     def _closed(self, prep: Prepared) -> None:
         self.abort_unfinished(prep)  # the client left early: free the KV blocks now
@@ -539,6 +526,11 @@ class Server(CompletionServing, ChatServing):
             raise bad_request(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "tokens",
                               "invalid_token_id")
         return json_response({"prompt": self.tokenizer.decode(r.tokens)})
+
+
+def peer(addr) -> str:
+    """host:port of a client address (a tuple, or Starlette's Address), for log lines."""
+    return f"{addr[0]}:{addr[1]}" if addr else "a client"
 
 
 def _version() -> str:

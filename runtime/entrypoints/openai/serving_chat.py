@@ -51,6 +51,13 @@ class ChatServing:
                                                               "token_ids_as_names": r.return_tokens_as_token_ids,
                                                               "role": role, "echo": echo})
 
+    def check_num_messages(self, messages) -> None:
+        """Many messages cost time to walk and to render even when they are empty: counted first."""
+        limit = self.cfg.max_chat_messages
+        if isinstance(messages, list) and len(messages) > limit:
+            raise bad_request(f"the request has {len(messages)} messages; the limit is {limit}", "messages",
+                              "too_many_messages")
+
     def _messages(self, messages) -> list[dict]:
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages must be a non-empty list", "messages",
