@@ -46,7 +46,8 @@ def main() -> None:
             err = r.json().get("error", {})
             print(f"| {what} | {r.status_code} | {err.get('code')} | {ms:.0f} | {err.get('message', '')[:90]} |")
         p50 = lambda x: x[len(x) // 2]  # noqa: E731
-        for kind in ("choice", "messages"):
+        # "padding": 4 MB bodies that cost nothing to parse: what receiving the bytes alone costs
+        for kind in ("choice", "messages", "padding"):
             # seconds=0: each of the four clients sends one request per round
             for _ in range(args.rounds):
                 before, during, burst = _latency_during_burst(st.url, kind, seconds=0.0)

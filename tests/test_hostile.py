@@ -538,8 +538,11 @@ url, kind, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 if kind == "choice":
     path, obj = "/v1/completions", {"prompt": "Output:", "max_tokens": 16, "temperature": 0,
                                     "structured_outputs": {"choice": [f"option {i}" for i in range(100_000)]}}
-else:
+elif kind == "messages":
     path, obj = "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 125_000, "max_tokens": 4}
+else:  # "padding": as many bytes, cheap to parse (one string), refused after parsing (n=0)
+    path, obj = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "x" * 4_000_000,
+                                         "max_tokens": 4, "n": 0}
 body = json.dumps(obj).encode()
 async def client(c, out):
     t_end = time.monotonic() + seconds
