@@ -193,17 +193,17 @@ class GrammarCompiler:
             compiled = self._compile(params, key)
             if time.monotonic() - start > self.limits.timeout_s:
                 raise self.timeout_error(params)  # a repeat must not pass where this one was refused
-        except RequestError as e:
-            with self._lock:
-                self._refused[key] = e
-                _trim(self._refused, self._cache_size)
-            raise
-        finally:
-            with self._lock:
+        except BaseException as e:
+            with self._lock:  # cached and no longer in flight at once: a request sees one or the other
+                if isinstance(e, RequestError):
+                    self._refused[key] = e
+                    _trim(self._refused, self._cache_size)
                 self._inflight.pop(key, None)
+            raise
         with self._lock:
             self._cache[key] = compiled
             _trim(self._cache, self._cache_size)
+            self._inflight.pop(key, None)
         return compiled
 
     def _compile(self, params: StructuredOutputsParams, key: tuple) -> CompiledGrammar:

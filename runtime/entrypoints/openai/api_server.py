@@ -210,8 +210,11 @@ def _guarded_protocol(header_timeout_s: float, max_connections: int):
                 else:
                     self._refuse(400, f"malformed HTTP request: {e}")
                 return
-            except httptools.HttpParserUpgrade:
-                self._unsupported_upgrade_warning()
+            except httptools.HttpParserUpgrade:  # as uvicorn's own
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
                 return
             if self._in_head:  # still no end of the head (llhttp itself keeps no limit)
                 self._pending_head_bytes += len(data)
@@ -251,9 +254,8 @@ def _guarded_protocol(header_timeout_s: float, max_connections: int):
                 self.transport.close()
                 return
             body = APIError(status, reason, code="bad_http_request").response().body
-            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n" % (status, HTTPStatus(status).phrase.encode(), len(body))
-                                 + body)
+            head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n"
+            self.transport.write(head % (status, HTTPStatus(status).phrase.encode(), len(body)) + b"\r\n" + body)
             self.transport.close()
 
     return GuardedHTTPProtocol
