@@ -55,12 +55,15 @@ def dumps(obj) -> bytes:
 
 _CONTAINERS = (dict, list)
 # json.loads decodes with "surrogatepass": a lone surrogate comes from a \\uD800-\\uDFFF escape, or
-# from its three UTF-8 bytes (ED A0-BF ..), or from a UTF-16/32 body.
-_SURROGATE_SOURCES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# from its three UTF-8 bytes (ED A0-BF ..), or from a UTF-16/32 body. Two searches, not one
+# alternation: each runs at memchr speed (2 ms for 4 MB, holding the GIL), the alternation 15x slower.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_UTF8 = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def may_hold_surrogates(raw: bytes) -> bool:
-    return b"\x00" in raw[:4] or raw[:2] in (b"\xff\xfe", b"\xfe\xff") or _SURROGATE_SOURCES.search(raw) is not None
+    return (b"\x00" in raw[:4] or raw[:2] in (b"\xff\xfe", b"\xfe\xff") or _SURROGATE_ESCAPE.search(raw) is not None
+            or _SURROGATE_UTF8.search(raw) is not None)
 
 
 def check_json_text(obj, max_depth: int = MAX_JSON_DEPTH, surrogates: bool = True) -> None:
