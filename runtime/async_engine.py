@@ -259,6 +259,7 @@ class EngineLoop:
                                                     if s.index == 0 else 0)
                 if req.params.max_tokens is not None:
                     met.req_params_max_tokens.observe(req.params.max_tokens)
+                met.req_num_preemptions.observe(s.num_preemptions)
             met.req_params_n.observe(req.params.n)
             met.req_max_num_generation_tokens.observe(max(s.num_output_tokens for s in req.seqs))
         for r in reasons:

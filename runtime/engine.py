@@ -21,7 +21,7 @@ from runtime.core.spec_decode import make_proposer
 from runtime.step_inputs import Row, StepBatch, build_step, grammar_bitmask, pick_bucket
 from models.engine_config import SpeculativeConfig
 from runtime.core.sampling_params import STRUCTURED_PARAM, RequestError, SamplingParams
-from runtime.core.structured_output import CompiledGrammar, GrammarCompiler
+from runtime.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarLimits
 from runtime.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from runtime.core.sequence import Request, Sequence, SeqStatus
 from runtime.output_processor import PENDING, OutputProcessor
@@ -73,6 +73,7 @@ class LLMEngine:
         self.async_scheduling = e.schedules_async()
         self._inflight: _Launched | None = None  # async scheduling: the step launched, not yet read
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
+        self.grammar_limits = GrammarLimits()  # a grammar's compile budgets (the server's flags)
         self.speculative = SpeculativeConfig.from_dict(e.speculative_config)
         self.proposer = make_proposer(self.speculative) if self.speculative is not None else None
         k = self.speculative.num_speculative_tokens if self.speculative is not None else 0
@@ -82,11 +83,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> CompiledGrammar | None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, compile_grammar=True):
         """Raises RequestError, with the exact numbers, when this engine cannot serve a request:
         the model-dependent checks (SamplingParams has checked the value ranges). Compiles the
-        request's grammar (structured outputs), so a bad schema fails here, at admission; returns
-        it (None without one). Safe to call from several threads."""
+        request's grammar (structured outputs; the server awaits `grammar_compiler().submit` itself),
+        so a bad schema fails here, at admission; returns it (None without one). Thread-safe."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty", "prompt", "empty_prompt")
@@ -109,16 +110,17 @@ class LLMEngine:
                 if not 0 <= int(t) < vocab:
                     raise RequestError(f"{name} token id {t} is outside [0, {vocab})", name)
         so = params.structured_outputs
-        return self.grammar_compiler(so.source_param).compile(so) if so is not None else None
+        return self.grammar_compiler(so.source_param).compile(so) if so is not None and compile_grammar else None
 
     def grammar_compiler(self, param: str = STRUCTURED_PARAM) -> GrammarCompiler:
-        """The engine's one GrammarCompiler (llguidance's view of the tokenizer), built on first use."""
+        """The engine's one GrammarCompiler (llguidance's view), built on first use; `grammar_limits` bound it."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
                 if self.tokenizer is None:
                     raise RequestError("structured outputs need the model's tokenizer, and this model has "
                                        "none", param, "unsupported_parameter")
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.config.vocab_size)
+            self._grammar_compiler.limits = self.grammar_limits
             return self._grammar_compiler
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,

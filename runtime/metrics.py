@@ -24,6 +24,7 @@ def _1_2_5_buckets(limit: int) -> list[float]:
         scale *= 10
 
 
+PREEMPTION_BUCKETS = [0, 1, 2, 3, 4, 5, 10, 20]  # preemptions per finished sequence
 # vLLM's fixed buckets for tokens per engine step (fixed, so histograms from several servers add up).
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 WAITING_REASONS = ("capacity", "deferred")
@@ -100,6 +101,8 @@ class Metrics:
                                        "sequence.", tokens)
         self.req_max_num_generation_tokens = h("vllm:request_max_num_generation_tokens", "The most tokens one "
                                                "sample of each finished request generated.", tokens)
+        self.req_num_preemptions = h("vllm:request_num_preemptions", "Times each finished sequence was "
+                                     "preempted (its KV freed, to be recomputed).", PREEMPTION_BUCKETS)
         self.iteration_tokens = h("vllm:iteration_tokens_total", "Tokens per engine step: prompt tokens whose "
                                   "prefill finished in it plus tokens it generated.", ITERATION_TOKENS_BUCKETS)
         self.success = Counter("vllm:request_success", "Finished sequences by finish reason.",

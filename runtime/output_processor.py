@@ -77,6 +77,9 @@ class OutputProcessor:
         if reason is None and (n_out >= p.max_tokens or len(seq) >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if seq.detok_state is not None and not isinstance(stop_reason, str):  # a stop string cut the text
+                seq.text += detokenizer.flush(self.tokenizer, seq.output_token_ids, seq.detok_state,
+                                              p.skip_special_tokens)
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.finish(seq)
 
@@ -109,17 +112,18 @@ class OutputProcessor:
             if req.prompt_logprobs is None:
                 req.prompt_logprobs = [None]  # the first prompt token has no logprob
             if start > 0 and len(req.prompt_logprobs) < start + 1:
-                # Prefix-cached tokens were never run; their logprobs are not available.
+                # Prefix-cached tokens were never run (the block manager gives such requests no hits).
                 req.prompt_logprobs += [None] * (start + 1 - len(req.prompt_logprobs))
-            # Row j predicts token start + j + 1, for the tokens inside the prompt.
+            # Row j predicts token start + j + 1, for the tokens inside the prompt; a preempted
+            # sequence's recompute runs positions whose logprobs are already there.
             n = min(sc.num_new_tokens, seq.prompt_len - 1 - start)
-            if n <= 0:
+            if n <= 0 or len(req.prompt_logprobs) >= start + 1 + n:
                 continue
             o = offsets[seq.seq_id]
             targets = np.asarray(seq.token_ids[start + 1:start + 1 + n], np.int32)
             lp, ids, top = head(hidden[o:o + n], targets)
             k = req.params.prompt_logprobs
-            for j in range(n):
+            for j in range(len(req.prompt_logprobs) - start - 1, n):
                 d = {int(targets[j]): float(lp[j])}
                 for a, b in zip(ids[j][:k], top[j][:k]):
                     d.setdefault(int(a), float(b))

@@ -63,3 +63,22 @@ def test_holdback():
     assert detokenizer.holdback("hello wor", ["world"]) == 3
     assert detokenizer.holdback("hello", ["xyz"]) == 0
     assert detokenizer.find_stop("abc STOP def", 8, ["STOP"]) == (4, "STOP")
+
+
+def test_flush_gives_the_held_back_tail_as_the_decoder_renders_it():
+    """A sequence that ends inside a character split across tokens: `step` holds its first byte
+    back (a later token could complete it); once none can, `flush` gives it as the decoder renders
+    it (U+FFFD), so the text is what decoding the ids gives (issue 48)."""
+    from conftest import tiny_bpe_tokenizer
+
+    tok = tiny_bpe_tokenizer()
+    ids = tok.encode("a\u00e9")[:-1]  # "a" and the first of the two bytes of "é"
+    state = detokenizer.new_state()
+    text = "".join(detokenizer.step(tok, ids[:i], state, True) for i in range(1, len(ids) + 1))
+    assert text == "a"
+    text += detokenizer.flush(tok, ids, state, True)
+    assert text == tok.decode(ids) == "a\ufffd"
+    assert detokenizer.flush(tok, ids, state, True) == ""  # nothing twice
+    done = detokenizer.new_state()
+    whole = "".join(detokenizer.step(tok, tok.encode("ab")[:i], done, True) for i in (1, 2))
+    assert whole == "ab" and detokenizer.flush(tok, tok.encode("ab"), done, True) == ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -24,7 +25,8 @@ import pytest
 from test_engine import tiny_llm
 from test_serve import MODEL, assert_kv_idle, start_cli_server, wait_idle
 
-from runtime.core.sampling_params import SamplingParams
+from runtime.core.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
+from runtime.core.structured_output import GrammarCompiler, GrammarLimits
 from runtime.serve import ServerThread, build_app
 
 CHAT = [{"role": "user", "content": "Say hi."}]
@@ -138,6 +140,99 @@ def test_step_error_fails_only_the_requests_it_touched(tiny):
     assert_engine_idle(engine)
 
 
+# ====================================================================== grammars refused at admission (tiny BPE)
+
+_LOOP = {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}
+# (what, structured_outputs): each passed admission and then failed inside a step (500 engine_error),
+# or compiled for seconds, before admission checked grammars fully (issue 48).
+HOSTILE_GRAMMARS = [
+    ("regex matching nothing", {"regex": "[^\\s\\S]"}),
+    ("regex (a{1000}){1000}", {"regex": "(a{1000}){1000}"}),
+    ("json $ref #", {"json": {"$ref": "#"}}),
+    ("json $defs referring to each other", {"json": {"$defs": _LOOP, "$ref": "#/$defs/a"}}),
+    ("json required field of such $defs", {"json": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                     "required": ["x"], "$defs": _LOOP}}),
+    ("lark s: s", {"grammar": "start: s\ns: s"}),
+    ("lark a then s: s", {"grammar": 'start: "a" s\ns: s'}),
+    ("choice of one 1,000,000-char string", {"choice": ["x" * 1_000_000]}),
+    ("lark of 20,000 alternatives", {"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(20_000))}),
+    ("lark of 3,000 alternatives", {"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(3_000))}),
+    ("choice of 100,000 strings", {"choice": [f"option {i}" for i in range(100_000)]}),
+]
+GRAMMAR_IDS = [g[0] for g in HOSTILE_GRAMMARS]
+
+
+def assert_short_grammar_error(message: str, field: str) -> None:
+    """A 400's message names the field, in one short line: no Rust panic, stack or parser state."""
+    assert field in message and len(message) < 300 and "\n" not in message, message
+    assert not any(w in message for w in ("panic", "backtrace", "<state>", ".rs:", "/")), message
+
+
+@pytest.fixture(scope="module")
+def bpe_compiler():
+    from conftest import tiny_bpe_tokenizer
+
+    return GrammarCompiler(tiny_bpe_tokenizer())
+
+
+@pytest.mark.parametrize("what,so", HOSTILE_GRAMMARS, ids=GRAMMAR_IDS)
+def test_hostile_grammar_is_refused_at_admission(bpe_compiler, what, so):
+    t0 = time.monotonic()
+    with pytest.raises(RequestError) as e:
+        bpe_compiler.compile(StructuredOutputsParams(**so))
+    assert e.value.param == "structured_outputs"
+    assert_short_grammar_error(e.value.message, f"structured_outputs.{next(iter(so))}")
+    assert time.monotonic() - t0 < 3.0  # the size limit, llguidance's fuel or the probe, not the budget
+    # Refusals are cached: a repeat costs a lookup.
+    t0 = time.monotonic()
+    with pytest.raises(RequestError) as again:
+        bpe_compiler.compile(StructuredOutputsParams(**so))
+    assert again.value.message == e.value.message and time.monotonic() - t0 < 0.05
+
+
+def test_good_grammars_still_compile_after_the_checks(bpe_compiler):
+    for so in ({"regex": "[a-z]{1,8}"}, {"choice": ["ab", "12", "x" * 5000]}, {"json_object": True},
+               {"grammar": 'start: "a" s\ns: "b" | s "c"'},
+               {"json": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"],
+                         "$defs": {"n": {"type": "integer"}}}}):
+        assert bpe_compiler.compile(StructuredOutputsParams(**so)).matcher() is not None
+
+
+def test_grammar_compile_budget_is_a_400_and_cached():
+    """A grammar within the size limit whose compile takes longer than the budget is refused, and so
+    is every repeat, at once; a compile already running is shared by the requests that wait for it."""
+    from conftest import tiny_bpe_tokenizer
+
+    compiler = GrammarCompiler(tiny_bpe_tokenizer(), limits=GrammarLimits(timeout_s=0.05))
+    slow = StructuredOutputsParams(choice=["x" * 60_000])  # within the size limit; ~0.5 s to compile
+    futures = [compiler.submit(slow) for _ in range(3)]
+    assert futures[0] is futures[1] is futures[2]  # one compile for three requests
+    with pytest.raises(RequestError, match=r"did not compile within 0.05s") as e:
+        compiler.compile(slow)
+    assert_short_grammar_error(e.value.message, "structured_outputs.choice")
+    futures[0].exception(timeout=30)  # the compile ends, over budget: refused from now on
+    t0 = time.monotonic()
+    with pytest.raises(RequestError, match="did not compile within"):
+        compiler.compile(slow)
+    assert time.monotonic() - t0 < 0.05
+
+
+def test_budgets_are_server_flags(tiny):
+    from runtime.entrypoints.openai.api_server import parse_args
+
+    _, args = parse_args(["--max-chat-messages", "8", "--max-grammar-chars", "100", "--grammar-timeout-s", "0.5"])
+    assert (args.max_chat_messages, args.max_grammar_chars, args.grammar_timeout_s) == (8, 100, 0.5)
+    app = build_app(tiny.engine, served_model_names="tiny", log_stats_interval=0, start_engine=False,
+                    max_chat_messages=args.max_chat_messages, max_grammar_chars=args.max_grammar_chars,
+                    grammar_timeout_s=args.grammar_timeout_s)
+    assert app.state.server.cfg.max_chat_messages == 8
+    assert tiny.engine.grammar_limits == GrammarLimits(max_chars=100, timeout_s=0.5)
+    _, defaults = parse_args([])
+    assert defaults.max_chat_messages is None  # then max_model_len
+    build_app(tiny.engine, served_model_names="tiny", log_stats_interval=0, start_engine=False)
+    assert tiny.engine.grammar_limits == GrammarLimits()
+
+
 # ====================================================================== HTTP: the table of bad inputs
 
 
@@ -233,6 +328,47 @@ class TestHostileRequests:
         assert http.get("/health").status_code == 200
         ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+    @pytest.mark.parametrize("what,so", HOSTILE_GRAMMARS, ids=GRAMMAR_IDS)
+    def test_hostile_grammar_is_400_at_admission(self, http, smol_llm, what, so):
+        """Each of these passed admission and then failed inside a step (500 engine_error), or compiled
+        for seconds; now a short 400 names the field, and the engine never sees the request."""
+        added = []
+        smol_llm.engine.finished_callbacks.append(added.append)
+        try:
+            r = http.post("/v1/completions", json={"prompt": "Output:", "max_tokens": 16, "temperature": 0,
+                                                   "structured_outputs": so})
+        finally:
+            smol_llm.engine.finished_callbacks.remove(added.append)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "structured_outputs" and err["type"] == "invalid_request_error", err
+        assert_short_grammar_error(err["message"], f"structured_outputs.{next(iter(so))}")
+        assert not added  # it never reached the engine
+        ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        assert_kv_idle(smol_llm.engine, wait_idle(http, smol_llm.engine))
+
+    def test_hostile_response_format_is_400(self, http):
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+        assert_short_grammar_error(r.json()["error"]["message"], "response_format.json_schema")
+        assert "structured_outputs" not in r.json()["error"]["message"]  # cached under either field
+
+    def test_chat_limits_count_messages_and_the_rendered_prompt(self, http):
+        """The prompt cap counts what the template renders, not only the messages' content: 500
+        messages of 60 characters are 30,000 characters of content, under the cap (512 x 64), but
+        render to 44,000, and are refused before tokenizing; more messages than max_model_len are
+        refused before rendering."""
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 60}] * 500})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_long", r.text
+        assert "32768" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 600})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_messages", r.text
+        assert r.json()["error"]["param"] == "messages" and "512" in r.json()["error"]["message"]
+        r = http.post("/tokenize", json={"messages": [{"role": "user", "content": ""}] * 600})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_messages", r.text
 
     def test_limits_are_in_the_messages(self, http):
         r = http.post("/v1/completions", json={"prompt": "x" * 40_000})
@@ -395,6 +531,83 @@ def test_health_answers_while_huge_prompts_arrive(smol_llm):
         assert len(lat) >= 20 and lat[len(lat) // 2] < 0.05 and lat[-1] < 1.0
 
 
+# Four clients of their own process, each sending one hostile body after another for a few seconds.
+BURST = """
+import asyncio, json, sys, time, httpx
+url, kind, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+if kind == "choice":
+    path, obj = "/v1/completions", {"prompt": "Output:", "max_tokens": 16, "temperature": 0,
+                                    "structured_outputs": {"choice": [f"option {i}" for i in range(100_000)]}}
+elif kind == "messages":
+    path, obj = "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 125_000, "max_tokens": 4}
+else:  # "padding": as many bytes, cheap to parse (one string), refused after parsing (n=0)
+    path, obj = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "x" * 4_000_000,
+                                         "max_tokens": 4, "n": 0}
+body = json.dumps(obj).encode()
+async def client(c, out):
+    t_end = time.monotonic() + seconds
+    while True:
+        t0 = time.monotonic()
+        r = await c.post(path, content=body, headers={"Content-Type": "application/json"})
+        out.append([r.status_code, r.json()["error"]["code"], time.monotonic() - t0])
+        if time.monotonic() > t_end:
+            return
+async def main():
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        print("ready", flush=True)
+        await asyncio.gather(*[client(c, out) for _ in range(4)])
+    print(json.dumps(out), flush=True)
+asyncio.run(main())
+"""
+NORMAL = {"prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+def _normal_latencies(c: httpx.Client, n: int | None = None, until=None) -> list[float]:
+    """Latencies of a normal 4-token completion and of /tokenize, one after another."""
+    lat = []
+    while (n is not None and len(lat) < n) or (until is not None and until()):
+        t0 = time.perf_counter()
+        assert c.post("/v1/completions", json=NORMAL).status_code == 200
+        assert c.post("/tokenize", json={"prompt": "hello world"}).status_code == 200
+        lat.append(time.perf_counter() - t0)
+    return sorted(lat)
+
+
+def _latency_during_burst(url: str, kind: str, seconds: float = 4.0):
+    with httpx.Client(base_url=url, timeout=60) as c:
+        _normal_latencies(c, 3)  # warm
+        before = _normal_latencies(c, 8)
+        proc = subprocess.Popen([sys.executable, "-c", BURST, url, kind, str(seconds)], stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        during = _normal_latencies(c, until=lambda: proc.poll() is None)
+        out, _ = proc.communicate(timeout=300)
+    return before, during, json.loads(out)
+
+
+@pytest.mark.parametrize("kind,code", [("choice", "grammar_too_large"), ("messages", "too_many_messages")])
+def test_normal_requests_keep_their_latency_during_a_burst_of_slow_bad_ones(smol_llm, kind, code):
+    """Four clients sending, one after another, choice lists of 100,000 strings (or chats of 125,000
+    empty messages): each is refused before any compile or rendering, and a normal 4-token completion
+    plus a /tokenize keep their latency (they took 12-15 s each during such a burst before the size
+    limits were checked first)."""
+    app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
+    with ServerThread(app) as st:
+        before, during, burst = _latency_during_burst(st.url, kind)
+        with httpx.Client(base_url=st.url) as c:
+            assert_kv_idle(smol_llm.engine, wait_idle(c, smol_llm.engine))
+    p50 = lambda x: x[len(x) // 2]  # noqa: E731
+    print(f"{kind} burst: {len(burst)} refused (max {max(b[2] for b in burst) * 1e3:.0f} ms); normal request "
+          f"p50 {p50(before) * 1e3:.0f} -> {p50(during) * 1e3:.0f} ms, max {before[-1] * 1e3:.0f} -> "
+          f"{during[-1] * 1e3:.0f} ms over {len(during)} during the burst")
+    assert {(b[0], b[1]) for b in burst} == {(400, code)} and len(burst) >= 8
+    assert len(during) >= 3
+    # The target is 100 ms (docs/results-issue48-api.md has the measured moves: +50 to +150 ms on two
+    # cores at load 4-5); the bound leaves room for a busier machine, far below the 12-15 s of before.
+    assert p50(during) - p50(before) < 0.4, (before, during)
+
+
 def _num_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -451,6 +664,134 @@ def test_slow_clients_are_timed_out_and_connections_capped(smol_llm):
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200
     assert _num_fds() <= fds_before + 2  # nothing leaked
+
+
+# ====================================================================== HTTP: RFC 9112 framing, auth, logs
+
+
+KEY = "k3y"
+
+
+@pytest.fixture(scope="module")
+def keyed(smol_llm):
+    app = build_app(smol_llm.engine, served_model_names=MODEL, api_key=KEY, log_stats_interval=0)
+    with ServerThread(app) as st:
+        yield st
+
+
+def _exchange(port: int, raw: bytes, timeout: float = 5.0) -> bytes:
+    """Sends `raw` on a fresh connection, then reads until the server closes it (or `timeout`)."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(raw)
+        s.settimeout(timeout)
+        reply = b""
+        try:
+            while chunk := s.recv(65536):
+                reply += chunk
+        except (socket.timeout, ConnectionResetError):
+            pass
+    return reply
+
+
+def _post(headers: str, body: bytes = b'{"prompt": "hi"}', eol: bytes = b"\r\n") -> bytes:
+    head = ["POST /tokenize HTTP/1.1", "Host: x", "Content-Type: application/json", "Connection: close",
+            *[h for h in headers.split("|") if h]]
+    return eol.join(h.encode() for h in head) + eol + eol + body
+
+
+def _chunked(body: bytes) -> bytes:
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+
+class _Lines(logging.Handler):
+    """Counts the lines our and uvicorn's loggers write (a record with a traceback is many)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines += self.format(record).splitlines()
+
+    def __enter__(self):
+        for name in ("runtime", "uvicorn"):
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name in ("runtime", "uvicorn"):
+            logging.getLogger(name).removeHandler(self)
+
+
+AUTH = f"Authorization: Bearer {KEY}"
+FRAMING = [  # (what, raw request, status)
+    ("Transfer-Encoding and Content-Length", _post(f"{AUTH}|Transfer-Encoding: chunked|Content-Length: 21",
+                                                   _chunked(b'{"prompt": "hi"}')), 400),
+    ("Content-Length then Transfer-Encoding", _post(f"{AUTH}|Content-Length: 21|Transfer-Encoding: chunked",
+                                                    _chunked(b'{"prompt": "hi"}')), 400),
+    ("bare LF line endings", _post(AUTH + "|Content-Length: 16", eol=b"\n"), 400),
+    ("a bare LF after one header", _post(f"{AUTH}\nContent-Length: 16"), 400),
+    ("two Content-Length", _post(f"{AUTH}|Content-Length: 16|Content-Length: 17"), 400),
+    ("a malformed chunk size", _post(f"{AUTH}|Transfer-Encoding: chunked", b"zz\r\n{}\r\n0\r\n\r\n"), 400),
+    ("a chunk size with a bare LF", _post(f"{AUTH}|Transfer-Encoding: chunked", b"2\n{}\r\n0\r\n\r\n"), 400),
+    ("a head over 64 KiB", _post(f"{AUTH}|X-Big: {'a' * 70_000}|Content-Length: 16"), 431),
+    ("two Authorization headers", _post(f"{AUTH}|Authorization: Bearer other|Content-Length: 16"), 400),
+    ("a key with a trailing space", _post(f"{AUTH} |Content-Length: 16"), 401),
+    ("a key with a trailing tab", _post(f"{AUTH}\t|Content-Length: 16"), 401),
+    ("another key", _post("Authorization: Bearer k3|Content-Length: 16"), 401),
+    ("no scheme", _post(f"Authorization: {KEY}|Content-Length: 16"), 401),
+    ("lowercase scheme", _post(f"Authorization: bearer {KEY}|Content-Length: 16"), 200),
+    ("Transfer-Encoding:<TAB>chunked (OWS)", _post(f"{AUTH}|Transfer-Encoding:\tchunked",
+                                                  _chunked(b'{"prompt": "hi"}')), 200),
+]
+
+
+@pytest.mark.parametrize("what,raw,status", FRAMING, ids=[f[0] for f in FRAMING])
+def test_http_framing_and_auth_are_strict(keyed, smol_llm, what, raw, status):
+    """RFC 9112 framing: the request-smuggling shapes and bare LFs are refused (h11 served them);
+    `Transfer-Encoding:<TAB>chunked` is RFC 9112's optional whitespace, and read as chunked (never
+    beside a Content-Length). The API key must match exactly; the scheme in any case. Each refusal
+    is one log line at most."""
+    with _Lines() as logs:
+        reply = _exchange(keyed.port, raw)
+        time.sleep(0.2)  # a handler's line would follow the reply
+    assert reply.startswith(b"HTTP/1.1 %d " % status), reply[:300]
+    assert len(logs.lines) <= 1, logs.lines
+    if status != 200:
+        err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+    else:
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["count"] == 1
+    with httpx.Client(base_url=keyed.url, headers={"Authorization": AUTH.split(": ")[1]}) as c:
+        assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
+@pytest.mark.parametrize("what,raw", [
+    ("10 of 100 body bytes", _post(f"{AUTH}|Content-Length: 100", b'{"prompt":')),
+    ("a chunk cut short", _post(f"{AUTH}|Transfer-Encoding: chunked", b"40\r\n{\"prompt\":")),
+    ("a malformed chunk after a good one", _post(f"{AUTH}|Transfer-Encoding: chunked", b"2\r\n{}\r\nzz\r\n")),
+], ids=["content-length", "chunked", "bad-chunk"])
+def test_a_request_cut_short_is_one_log_line(keyed, smol_llm, what, raw):
+    """A client that sends part of a body and closes (or a malformed chunk mid-body) wrote ~98 ERROR
+    lines (an unhandled error and uvicorn's traceback): now one WARNING line, and no KV touched."""
+    with _Lines() as logs:
+        with socket.create_connection(("127.0.0.1", keyed.port)) as s:
+            s.sendall(raw)
+            time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while not logs.lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    assert len(logs.lines) == 1, logs.lines
+    assert "ERROR" not in logs.lines[0] and "/tokenize" in logs.lines[0], logs.lines
+    with httpx.Client(base_url=keyed.url, headers={"Authorization": AUTH.split(": ")[1]}) as c:
+        assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+
+
+def test_pipelined_requests_are_answered_in_order(keyed):
+    one = _post(f"{AUTH}|Content-Length: 16").replace(b"Connection: close\r\n", b"")
+    reply = _exchange(keyed.port, one + _post(f"{AUTH}|Content-Length: 16"))
+    assert reply.count(b"HTTP/1.1 200 ") == 2, reply
 
 
 # ====================================================================== SIGTERM (one subprocess)

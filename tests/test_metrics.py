@@ -195,3 +195,30 @@ def test_waiting_by_reason(policy, admitted, want):
     _seqs(sched, 5)
     sched._batch_quota = admitted
     assert _waiting_by_reason(sched) == want
+
+
+def test_request_num_preemptions_histogram():
+    """vLLM's vllm:request_num_preemptions: one observation per finished sequence, its preemptions.
+    Eight 48-token sequences on a pool of 12 eight-token blocks (each needs 6): the scheduler preempts
+    some, and the histogram's sum is the engine's vllm:num_preemptions_total."""
+    from conftest import tiny_llm
+
+    engine = tiny_llm(seed=0, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+                      num_kv_blocks=12).engine
+    app = build_app(engine, served_model_names=[MODEL], log_stats_interval=0)
+    with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=120) as http:
+        m0 = scrape(http)
+        assert m0["vllm:request_num_preemptions_count"] == 0
+        body = {"model": MODEL, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+        threads = [threading.Thread(target=http.post, args=("/v1/completions",),
+                                    kwargs={"json": {**body, "prompt": [3 + i, 4, 5, 6, 7, 8, 9, 10]}})
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        m = wait_idle(http, engine, until=lambda m: m["vllm:request_num_preemptions_count"] == 8)
+    total = m["vllm:num_preemptions_total"] - m0["vllm:num_preemptions_total"]
+    assert total > 0 and m["vllm:request_num_preemptions_sum"] == total
+    assert m["vllm:request_num_preemptions_bucket{le=0.0}"] < 8  # some sequence was preempted
+    assert m["vllm:request_num_preemptions_bucket{le=+Inf}"] == 8

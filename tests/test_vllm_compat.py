@@ -134,7 +134,8 @@ class TestVLLMCompat:
         assert full["choices"][0]["finish_reason"] == "stop"
         events = [e for e in sse(http, "/v1/chat/completions", chat_body(ignore_eos=False, max_tokens=64))
                   if e["choices"]]
-        assert events[-1]["choices"][0]["delta"] == {} and events[-1]["choices"][0]["finish_reason"] == "stop"
+        assert events[-1]["choices"][0]["delta"] == {"content": ""}  # vLLM's, never null
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
         assert events[-2]["choices"][0]["finish_reason"] is None
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == full["choices"][0][
             "message"]["content"]
@@ -153,6 +154,118 @@ class TestVLLMCompat:
         assert [e["token"] for e in content] == [f"token_id:{t}" for t in offline["chat"].outputs[0].token_ids]
         assert bytes(content[0]["bytes"]).decode() == content[0]["token"]
         assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+
+    @pytest.mark.parametrize("path,body", [
+        ("/v1/completions", {"prompt": "What is an LLM?", "max_tokens": 5}),
+        ("/v1/completions", {"prompt": "What is an LLM?", "max_tokens": 5, "ignore_eos": True}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "stop": [" and"]}),
+        ("/v1/completions", {"prompt": "What is an LLM?", "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 7}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is an LLM?"}], "max_tokens": 5}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 64}),
+    ], ids=["eos-first", "length", "stop-string", "n3-seeded", "chat-length", "chat-stop"])
+    def test_stream_and_whole_agree(self, http, path, body):
+        """Issue 48 saw a stream end with "stop" where the same request whole said "length" (max_tokens
+        5, greedy, "What is an LLM?"). On this code both end alike; SmolLM2's greedy first token
+        there is <|im_end|> (p=0.39), so both say "stop" after one token."""
+        body = {"temperature": 0, "return_token_ids": True, **body}
+        whole = http.post(path, json=body).json()["choices"]
+        events = sse(http, path, body)
+        for ch in whole:
+            mine = [c for e in events for c in e["choices"] if c["index"] == ch["index"]]
+            assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [ch["finish_reason"]]
+            assert mine[-1]["finish_reason"] == ch["finish_reason"]
+            assert [t for c in mine for t in c.get("token_ids") or []] == ch["token_ids"]
+            text = "".join(c["delta"].get("content") or "" for c in mine) if "messages" in body else \
+                "".join(c["text"] for c in mine)
+            assert text == (ch["message"]["content"] if "messages" in body else ch["text"])
+
+    def test_chat_stream_deltas_always_carry_content(self, http, oai):
+        """vLLM's chat chunks carry delta.content "" where nothing is new (the role chunk, a finish
+        alone, an abort); a null there crashes a client that joins the deltas."""
+        events = sse(http, "/v1/chat/completions", chat_body(ignore_eos=False, max_tokens=64, n=2, seed=3,
+                                                             temperature=1.0))
+        deltas = [c["delta"] for e in events for c in e["choices"]]
+        assert deltas and all(isinstance(d.get("content"), str) for d in deltas), deltas
+        stream = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=64, stream=True, temperature=0)
+        assert isinstance("".join(c.choices[0].delta.content for c in stream if c.choices), str)
+
+    def test_completion_stream_carries_prompt_token_ids(self, http, offline):
+        """With return_token_ids, each choice's first chunk carries the prompt's ids (vLLM); later ones not."""
+        want = offline["gen"].prompt_token_ids
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": 2, "n": 2, "return_token_ids": True}
+        whole = http.post("/v1/completions", json=body).json()["choices"]
+        assert all(ch["prompt_token_ids"] == want for ch in whole)
+        chunks = [c for e in sse(http, "/v1/completions", body) for c in e["choices"]]
+        for i in (0, 1):
+            mine = [c for c in chunks if c["index"] == i]
+            assert mine[0]["prompt_token_ids"] == want
+            assert all("prompt_token_ids" not in c for c in mine[1:])
+        plain = [c for e in sse(http, "/v1/completions", {**body, "return_token_ids": False}) for c in e["choices"]]
+        assert all("prompt_token_ids" not in c for c in plain)
+
+    def test_prompt_logprobs_of_a_cached_prefix(self, http, smol_llm):
+        """A repeated prompt's full blocks are in the prefix cache, whose positions are never run: the
+        request that asks for prompt logprobs skips the cache (as vLLM), and gets them all."""
+        block = smol_llm.engine.block_manager.block_size
+        prompt = "The history of the printing press begins with woodblocks. " * 8
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
+        first = http.post("/v1/completions", json=body).json()
+        assert first["usage"]["prompt_tokens"] > 2 * block
+        for again in (http.post("/v1/completions", json=body).json(),
+                      http.post("/v1/completions", json={**body, "n": 2, "seed": 1}).json()):
+            for ch in again["choices"]:
+                plps = ch["prompt_logprobs"]
+                assert plps[0] is None and all(p is not None for p in plps[1:]), [i for i, p in enumerate(plps)
+                                                                                  if p is None]
+                for a, b in zip(first["choices"][0]["prompt_logprobs"][1:], plps[1:]):
+                    assert a.keys() == b.keys()
+                    assert all(abs(a[k]["logprob"] - b[k]["logprob"]) < 1e-3 for k in a)
+        # Requests without prompt logprobs still hit the cache.
+        hits = smol_llm.engine.block_manager.stats.hits
+        http.post("/v1/completions", json={**body, "prompt_logprobs": None})
+        assert smol_llm.engine.block_manager.stats.hits >= hits + 2 * block
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+    def test_token_ids_as_names_decode_to_the_text(self, http, smol_llm, stream):
+        """return_tokens_as_token_ids: decoding the named ids gives the returned text, also when the
+        output ends inside a character split across tokens (7 tokens into SmolLM2's emoji: the text
+        ends with the decoder's U+FFFD, as decoding the ids does, instead of dropping it)."""
+        tok = smol_llm.engine.tokenizer
+        body = {"prompt": "Emoji story: \U0001F600\U0001F603\U0001F604", "max_tokens": 7, "temperature": 0,
+                "logprobs": 1, "return_tokens_as_token_ids": True}
+        if stream:
+            chunks = [c for e in sse(http, "/v1/completions", body) for c in e["choices"]]
+            text = "".join(c["text"] for c in chunks)
+            names = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        else:
+            ch = http.post("/v1/completions", json=body).json()["choices"][0]
+            text, names = ch["text"], ch["logprobs"]["tokens"]
+        ids = [int(n.removeprefix("token_id:")) for n in names]
+        assert len(ids) == 7 and tok.decode(ids) == text and text.endswith("\ufffd"), (text, tok.decode(ids))
+        chat = http.post("/v1/chat/completions", json=chat_body(
+            messages=[{"role": "user", "content": body["prompt"]}], max_tokens=7, logprobs=True,
+            return_tokens_as_token_ids=True)).json()["choices"][0]
+        ids = [int(e["token"].removeprefix("token_id:")) for e in chat["logprobs"]["content"]]
+        assert tok.decode(ids, skip_special_tokens=True) == chat["message"]["content"]
+
+    def test_n_samples_each_have_their_tokens_logprobs(self, http):
+        """Issue 48: n=3, temperature 1.0, seed 42, logprobs 0, max_tokens 50 on "What is an LLM?" gave
+        one-token choices. They are one token long: each sample drew <|im_end|> first (p=0.39 at that
+        position; the three samples' uniforms for seed 42 are 0.36, 0.31 and 0.24). The lists are not
+        cut: each has one entry per token the choice generated."""
+        body = {"prompt": "What is an LLM?", "n": 3, "temperature": 1.0, "seed": 42, "logprobs": 0,
+                "max_tokens": 50, "return_token_ids": True}
+        r = http.post("/v1/completions", json=body).json()
+        assert [len(c["token_ids"]) for c in r["choices"]] == [1, 1, 1]
+        assert all(c["finish_reason"] == "stop" and c["logprobs"]["tokens"] == ["<|im_end|>"] for c in r["choices"])
+        assert abs(r["choices"][0]["logprobs"]["token_logprobs"][0] - -0.942) < 0.01
+        for extra, lens in (({"ignore_eos": True}, [50, 50, 50]), ({"seed": 7}, None)):
+            r = http.post("/v1/completions", json={**body, **extra}).json()
+            got = [len(c["token_ids"]) for c in r["choices"]]
+            assert lens is None or got == lens
+            assert [len(c["logprobs"]["tokens"]) for c in r["choices"]] == got
+            assert sum(got) == r["usage"]["completion_tokens"]
+        assert len({tuple(c["token_ids"]) for c in r["choices"]}) == 3  # seed 7: three different samples
 
     def test_tokenize_return_token_strs(self, http):
         r = http.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
@@ -304,3 +417,46 @@ def test_cached_tokens_with_prompt_tokens_details(smol_llm):
         again = sse(http, "/v1/chat/completions", chat_body(max_tokens=2, stream_options={"include_usage": True}))
         assert again[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= block
         assert events[-1]["usage"]["prompt_tokens_details"] is not None
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_tiny():
+    """Engine level, on the tiny model: a repeat of a prompt whose full blocks are cached gets every
+    prompt logprob (the positions a cache hit would skip are run), equal to the first request's;
+    so do n=2 and a request that shares only the cached prefix. Without prompt logprobs the cache
+    is still used."""
+    from conftest import tiny_llm
+
+    llm = tiny_llm(seed=1, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=32)
+    bm = llm.engine.block_manager
+    prompt = [(5 * i) % 200 + 3 for i in range(bm.block_size * 2 + 5)]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    first = llm.generate([prompt], params)[0].prompt_logprobs
+    assert first[0] is None and all(p is not None for p in first[1:])
+    for again in (llm.generate([prompt], params)[0], llm.generate([prompt], SamplingParams(
+            n=2, seed=0, max_tokens=1, prompt_logprobs=1))[0]):
+        assert again.num_cached_tokens == 0
+        assert [p.keys() if p else p for p in again.prompt_logprobs] == [p.keys() if p else p for p in first]
+        assert all(abs(a[t] - b[t]) < 1e-5 for a, b in zip(first[1:], again.prompt_logprobs[1:]) for t in a)
+    other = llm.generate([prompt[:-3] + [7, 8, 9]], params)[0]
+    assert len(other.prompt_logprobs) == len(prompt) and all(p is not None for p in other.prompt_logprobs[1:])
+    cached = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert cached.num_cached_tokens == 2 * bm.block_size and cached.prompt_logprobs is None
+
+
+def test_prompt_logprobs_once_per_position_after_preemption_tiny():
+    """A sequence preempted after its prefill recomputes its prompt: its prompt logprobs are not
+    appended a second time (eight 48-token sequences on twelve 8-token blocks: some are preempted)."""
+    from conftest import tiny_llm
+
+    llm = tiny_llm(seed=0, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+                   num_kv_blocks=12)
+    prompts = [[3 + i, 4, 5, 6, 7, 8, 9, 10] for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1))
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = tiny_llm(seed=0, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+                     num_kv_blocks=12).generate([prompts[0]], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    for o in outs:
+        assert len(o.prompt_logprobs) == 8 and o.prompt_logprobs[0] is None
+        assert all(p is not None for p in o.prompt_logprobs[1:])
+    assert all(abs(outs[0].prompt_logprobs[i][t] - alone.prompt_logprobs[i][t]) < 1e-5
+               for i in range(1, 8) for t in alone.prompt_logprobs[i])

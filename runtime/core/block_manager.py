@@ -100,8 +100,10 @@ class BlockManager:
                 self.free.append(bid)
 
     def _lookup(self, seq: Sequence) -> list[int]:
-        """Cached blocks that match the sequence's leading full blocks (at least one token stays uncached)."""
-        if not self.enable_prefix_caching:
+        """Cached blocks that match the sequence's leading full blocks (at least one token stays uncached).
+        None for a request that asks for prompt logprobs: cached positions are never run, and their
+        logprobs are wanted (vLLM skips the cache for such requests too)."""
+        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
             return []
         hits, parent = [], None
         bs = self.block_size

@@ -2,7 +2,8 @@
 
 Text is emitted only once it decodes to complete characters: a multi-byte character split
 across tokens is held back (the decoder yields U+FFFD for the incomplete tail) until the
-token that completes it arrives.
+token that completes it arrives, or the sequence finishes without one (then `flush` gives the
+decoder's U+FFFD, as decoding the whole output does).
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def step(tokenizer, output_ids: list[int], state: DetokState, skip_special_token
     state.read_offset = len(output_ids)
     state.prefix_offset = max(0, len(output_ids) - _CONTEXT_TOKENS)
     return new_text
+
+
+def flush(tokenizer, output_ids: list[int], state: DetokState, skip_special_tokens: bool) -> str:
+    """The text still held back for an incomplete character, as the decoder renders it (U+FFFD),
+    once no token can complete it (the sequence finished): the text then decodes from the same
+    ids as the whole output does."""
+    if state.read_offset >= len(output_ids):
+        return ""
+    prefix = tokenizer.decode(output_ids[state.prefix_offset:state.read_offset],
+                              skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(output_ids[state.prefix_offset:], skip_special_tokens=skip_special_tokens)
+    state.read_offset = len(output_ids)
+    return full[len(prefix):] if len(full) > len(prefix) else ""
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:

@@ -20,22 +20,24 @@ import signal
 import sys
 import threading
 import time
+from http import HTTPStatus
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
 from runtime.async_engine import DEFAULT_MAX_QUEUE
+from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_CHARS
 from runtime.entrypoints.openai.protocol import APIError
 from runtime.entrypoints.openai.serving import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                                                DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN, Server,
-                                                ServerConfig)
+                                                DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN,
+                                                PROTOCOL_ERROR_KEY, Server, ServerConfig, peer)
 
 log = logging.getLogger("runtime.serve")
 
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
-MAX_HEADER_BYTES = 64 << 10  # h11's buffer for an incomplete request head
+MAX_HEADER_BYTES = 64 << 10  # a request head larger than this gets 431
 
 
 # ====================================================================== the app
@@ -59,16 +61,24 @@ class _Gate:
                 err = APIError(503, "the server is shutting down", code="server_shutting_down",
                                headers={"Retry-After": str(s.cfg.retry_after_s)})
             elif s.cfg.api_key and path.startswith(self.PROTECTED):
-                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                scheme, _, token = auth.partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                         s.cfg.api_key.encode()):
+                auths = [v for k, v in scope["headers"] if k == b"authorization"]
+                if len(auths) > 1:  # which one a proxy checked is anyone's guess
+                    err = APIError(400, "more than one Authorization header", code="invalid_api_key")
+                elif not _bearer_matches(auths[0] if auths else b"", s.cfg.api_key):
                     err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             if err is not None:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _bearer_matches(value: bytes, key: str) -> bool:
+    """`Bearer KEY`: the scheme in any case and one or more spaces after it (RFC 9110 11.4); the key
+    exactly, trailing whitespace included."""
+    scheme, sep, token = value.decode("latin-1").partition(" ")
+    return bool(sep) and scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode("latin-1"),
+                                                                            key.encode())
 
 
 def build_app(engine, *, served_model_names: list[str] | str | None = None, api_key: str | None = None,
@@ -96,6 +106,7 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
         finally:
             server.loop.stop()
             server.pool.shutdown(wait=False, cancel_futures=True)
+            server.bulk_pool.shutdown(wait=False, cancel_futures=True)
 
     async def api_error(request, exc: APIError):
         return exc.response()
@@ -145,13 +156,21 @@ class _UvicornServer:
 
 
 def _guarded_protocol(header_timeout_s: float, max_connections: int):
-    """uvicorn's HTTP protocol, plus what it lacks against slow or numerous clients: connections past
-    `max_connections` are closed at accept, and one that has not sent a full request head within
-    `header_timeout_s` (of connecting, or of its previous response) is closed."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    """uvicorn's llhttp (httptools) protocol, which holds requests to RFC 9112 where h11 is lenient
+    (a body framed by both Transfer-Encoding and Content-Length, the request-smuggling shape; bare-LF
+    line endings; bad chunk sizes), plus what it lacks against slow or numerous clients:
+    connections past `max_connections` are closed at accept; one that has not sent a full request
+    head within `header_timeout_s` (of connecting, or of its previous response) is closed; a head
+    over MAX_HEADER_BYTES gets 431. A malformed request is one log line, not a traceback; an
+    Authorization value keeps its trailing whitespace, so the key must match exactly."""
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class GuardedHTTPProtocol(AutoHTTPProtocol):
+    class GuardedHTTPProtocol(HttpToolsProtocol):
         _header_timer = None
+        _in_head = True  # the bytes received now belong to a request head
+        _head_bytes = 0  # the URL and headers parsed so far
+        _pending_head_bytes = 0  # received while the head is still incomplete
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -181,6 +200,64 @@ def _guarded_protocol(header_timeout_s: float, max_connections: int):
             if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
                 self.transport.close()
 
+        def data_received(self, data: bytes) -> None:
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError as e:
+                if self._head_bytes > MAX_HEADER_BYTES:  # on_header stopped the parser
+                    self._refuse(431, f"the request head is larger than {MAX_HEADER_BYTES} bytes")
+                else:
+                    self._refuse(400, f"malformed HTTP request: {e}")
+                return
+            except httptools.HttpParserUpgrade:  # as uvicorn's own
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return
+            if self._in_head:  # still no end of the head (llhttp itself keeps no limit)
+                self._pending_head_bytes += len(data)
+                if self._pending_head_bytes > MAX_HEADER_BYTES:
+                    self._refuse(431, f"the request head is larger than {MAX_HEADER_BYTES} bytes")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_bytes, self._pending_head_bytes = True, 0, 0
+
+        def on_url(self, url: bytes) -> None:
+            self._head_bytes += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_bytes += len(name) + len(value) + 4
+            if self._head_bytes > MAX_HEADER_BYTES:
+                raise ValueError("request head too large")  # feed_data raises; data_received answers 431
+            super().on_header(name, value)
+            if self.headers[-1][0] == b"authorization":
+                self.headers[-1] = (b"authorization", value)  # as sent: "Bearer KEY " is not KEY
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def _refuse(self, status: int, reason: str) -> None:
+            """One line in the log and an error body, then the connection closes. When the request's
+            head had arrived, its handler (reading the body) writes that line, with this reason."""
+            cycle = self.cycle
+            in_flight = cycle is not None and not cycle.response_complete
+            if in_flight:
+                cycle.scope[PROTOCOL_ERROR_KEY] = reason
+            else:
+                log.warning("refused a request from %s: %s", peer(self.client), reason)
+            if in_flight and cycle.response_started:  # no second answer after one begun
+                self.transport.close()
+                return
+            body = APIError(status, reason, code="bad_http_request").response().body
+            head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n"
+            self.transport.write(head % (status, HTTPStatus(status).phrase.encode(), len(body)) + b"\r\n" + body)
+            self.transport.close()
+
     return GuardedHTTPProtocol
 
 
@@ -192,7 +269,7 @@ def _uvicorn_config(app, host: str, port: int, **kwargs):
     return uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
                           http=_guarded_protocol(cfg.header_timeout_s, cfg.max_connections),
                           limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=cfg.keep_alive_timeout_s,
-                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **kwargs)
+                          **kwargs)
 
 
 class ServerThread:
@@ -296,6 +373,13 @@ SERVER_LIMIT_FLAGS = (
      "answer 408 when a request body takes longer than this to arrive"),
     ("--keep-alive-timeout-s", int, DEFAULT_KEEP_ALIVE_TIMEOUT_S, "close an idle keep-alive connection after this"),
     ("--max-connections", int, DEFAULT_MAX_CONNECTIONS, "open connections allowed; more are closed at accept"),
+    ("--max-chat-messages", int, None,
+     "chat requests with more messages get 400 before the template renders (default: max_model_len)"),
+    ("--max-grammar-chars", int, DEFAULT_MAX_GRAMMAR_CHARS,
+     "structured-output constraints longer than this (schema JSON, regex, grammar, all choices) get 400 "
+     "before compiling"),
+    ("--grammar-timeout-s", float, DEFAULT_GRAMMAR_TIMEOUT_S,
+     "a structured-output constraint that takes longer to compile gets 400, and so does every repeat of it"),
 )
 
 
@@ -363,7 +447,9 @@ def main(argv=None) -> int:
                     max_prompt_chars=args.max_prompt_chars, header_timeout_s=args.header_timeout_s,
                     body_timeout_s=args.body_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s,
                     max_connections=args.max_connections,
-                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                    max_chat_messages=args.max_chat_messages, max_grammar_chars=args.max_grammar_chars,
+                    grammar_timeout_s=args.grammar_timeout_s)
     log.info("serving %s on http://%s:%d (model name%s %s)", source, args.host, args.port,
              "s" if len(names) > 1 else "", ", ".join(names))
     asyncio.run(serve(app, args.host, args.port, shutdown_grace_s=args.shutdown_grace_s,

@@ -14,16 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from runtime.async_engine import ABORTED, DEFAULT_MAX_QUEUE, EngineLoop, QueueFull
 from runtime.core.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
+from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_CHARS, GrammarLimits
 from runtime.entrypoints.openai.protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, ChoiceState,
                                                  CompletionRequest, Detok, DetokenizeRequest, Prepared,
                                                  SamplingFields, TokenIdNames, TokenizeRequest, bad_request,
                                                  check_json_text, clamp_logprob, dumps, json_response,
-                                                 validation_error)
+                                                 may_hold_surrogates, validation_error)
 from runtime.entrypoints.openai.serving_chat import ChatServing
 from runtime.entrypoints.openai.serving_completion import CompletionServing
 
@@ -35,7 +36,12 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # and its body within this
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5  # idle keep-alive connections are closed after this
 DEFAULT_MAX_CONNECTIONS = 512  # open connections; more are closed at accept (each holds a file descriptor)
 PROMPT_CHARS_PER_TOKEN = 64  # default prompt cap: max_model_len x this many characters
+# In a request's scope, why the HTTP protocol refused the rest of it (a bad chunk): read_body logs it.
+PROTOCOL_ERROR_KEY = "jaxserve.protocol_error"
 PREPARE_THREADS = 2  # JSON parsing, tokenizing and chat templating run here, off the event loop
+# Larger bodies are prepared on a lane of their own (one thread): a burst of them never holds the
+# threads that ordinary requests wait for.
+BULK_BODY_BYTES = 256 << 10
 
 
 # ====================================================================== the server
@@ -56,6 +62,9 @@ class ServerConfig:
     keep_alive_timeout_s: int = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
+    max_chat_messages: int | None = None  # None: max_model_len (each message renders to a token or more)
+    max_grammar_chars: int = DEFAULT_MAX_GRAMMAR_CHARS  # a constraint's size, checked before compiling
+    grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S  # a constraint's compile budget
 
 
 class Server(CompletionServing, ChatServing):
@@ -78,7 +87,11 @@ class Server(CompletionServing, ChatServing):
         self._openapi: dict | None = None
         if config.max_prompt_chars is None:
             config.max_prompt_chars = self.max_model_len * PROMPT_CHARS_PER_TOKEN
+        if config.max_chat_messages is None:
+            config.max_chat_messages = self.max_model_len
+        engine.grammar_limits = GrammarLimits(config.max_grammar_chars, config.grammar_timeout_s)
         self.pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        self.bulk_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare-bulk")
 
     # ------------------------------------------------------------ plumbing
 
@@ -95,8 +108,10 @@ class Server(CompletionServing, ChatServing):
             raise APIError(413, f"request body is {int(length)} bytes; the limit is {limit} bytes",
                            code="request_too_large")
 
+        chunks: list[bytes] = []
+
         async def read() -> bytes:
-            chunks, size = [], 0
+            size = 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
@@ -110,9 +125,13 @@ class Server(CompletionServing, ChatServing):
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g}s",
                            code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:  # one line per such request (its answer goes nowhere), no traceback
+            why = request.scope.get(PROTOCOL_ERROR_KEY) or (f"the client closed the connection after "
+                                                            f"{sum(map(len, chunks))} of {length or '?'} body bytes")
+            log.warning("%s %s from %s: %s", request.method, request.url.path, peer(request.client), why)
+            raise APIError(400, why, code="incomplete_body") from None
 
-    @staticmethod
-    def parse(raw: bytes, model_cls):
+    def parse(self, raw: bytes, model_cls):
         """JSON body -> request model (run off the event loop: parsing a big body takes a while)."""
         try:
             obj = json.loads(raw)
@@ -123,7 +142,8 @@ class Server(CompletionServing, ChatServing):
                               "invalid_json") from None
         if not isinstance(obj, dict):
             raise bad_request("the request body must be a JSON object", code="invalid_json")
-        check_json_text(obj)
+        self.check_num_messages(obj.get("messages"))  # before walking them all
+        check_json_text(obj, surrogates=may_hold_surrogates(raw))
         for name, off in getattr(model_cls, "UNSUPPORTED", {}).items():
             if name in obj and obj[name] is not None and obj[name] != off:
                 raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
@@ -132,9 +152,11 @@ class Server(CompletionServing, ChatServing):
         except ValidationError as e:
             raise validation_error(e) from None
 
-    async def off_loop(self, fn, *args):
-        """Runs CPU work (parsing, tokenizing, chat templates) in the prepare pool, not on the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    async def off_loop(self, fn, raw: bytes, *args):
+        """Runs CPU work on a request body (parsing, tokenizing, chat templates) in a prepare pool, not
+        on the event loop: a large body on the bulk lane, the others on the ordinary one."""
+        pool = self.bulk_pool if len(raw) > BULK_BODY_BYTES else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, raw, *args)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # The batch call releases the GIL while it runs (a single `encode` holds it: a 4 MB prompt
@@ -253,7 +275,9 @@ class Server(CompletionServing, ChatServing):
     async def _generate(self, request: Request, model_cls, prepare, chat: bool) -> Response:
         arrival = time.monotonic()
         raw = await self.read_body(request)
-        body, prep = await self.off_loop(self._parse_and_prepare, raw, model_cls, prepare, arrival)
+        body, prep, grammar = await self.off_loop(self._parse_and_prepare, raw, model_cls, prepare, arrival)
+        if grammar is not None:
+            await self._await_grammar(prep, grammar)
         if body.user:
             log.debug("request %s from user %r", prep.request_id, body.user)
         queue: asyncio.Queue = asyncio.Queue()
@@ -267,15 +291,34 @@ class Server(CompletionServing, ChatServing):
             self._closed(prep)
 
     def _parse_and_prepare(self, raw: bytes, model_cls, prepare, arrival: float):
+        """(body, Prepared, the future of its grammar or None). The grammar compiles on the grammar
+        compiler's thread, not here: a slow one must not hold a thread that other requests wait for."""
         body = self.parse(raw, model_cls)
         prep = prepare(body, arrival)
+        chat = prep.request_id.startswith("chat")
         # The engine's checks walk every prompt token: here, not on the event loop.
         for _, ids, params in prep.items:
             try:
-                self.engine.validate(ids, params)
+                self.engine.validate(ids, params, compile_grammar=False)
             except ValueError as e:
-                raise self._request_error(e, prep.request_id.startswith("chat")) from None
-        return body, prep
+                raise self._request_error(e, chat) from None
+        so = prep.items[0][2].structured_outputs  # the prompts of one request share their params
+        if so is None:
+            return body, prep, None
+        try:
+            return body, prep, self.engine.grammar_compiler(so.source_param).submit(so)
+        except RequestError as e:
+            raise self._request_error(e, chat) from None
+
+    async def _await_grammar(self, prep: Prepared, future) -> None:
+        """Waits for the request's grammar within the compile budget; 400 if it is refused or late."""
+        so = prep.items[0][2].structured_outputs
+        compiler = self.engine.grammar_compiler(so.source_param)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), compiler.limits.timeout_s)
+        except (asyncio.TimeoutError, RequestError) as e:
+            e = compiler.retarget(e, so) if isinstance(e, RequestError) else compiler.timeout_error(so)
+            raise self._request_error(e, prep.request_id.startswith("chat")) from None
 
     def _closed(self, prep: Prepared) -> None:
         self.abort_unfinished(prep)  # the client left early: free the KV blocks now
@@ -411,8 +454,8 @@ class Server(CompletionServing, ChatServing):
 
     @staticmethod
     def _finish_delta(chat: bool, index: int, reason: str, stop_reason=None) -> dict:
-        if chat:
-            return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
+        if chat:  # vLLM's delta there is {"content": ""}: a client that joins the deltas gets no null
+            return {"index": index, "delta": {"content": ""}, "logprobs": None, "finish_reason": reason,
                     "stop_reason": stop_reason}
         return {"index": index, "text": "", "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}
 
@@ -483,6 +526,11 @@ class Server(CompletionServing, ChatServing):
             raise bad_request(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "tokens",
                               "invalid_token_id")
         return json_response({"prompt": self.tokenizer.decode(r.tokens)})
+
+
+def peer(addr) -> str:
+    """host:port of a client address (a tuple, or Starlette's Address), for log lines."""
+    return f"{addr[0]}:{addr[1]}" if addr else "a client"
 
 
 def _version() -> str:

@@ -51,10 +51,18 @@ class ChatServing:
                                                               "token_ids_as_names": r.return_tokens_as_token_ids,
                                                               "role": role, "echo": echo})
 
+    def check_num_messages(self, messages) -> None:
+        """Many messages cost time to walk and to render even when they are empty: counted first."""
+        limit = self.cfg.max_chat_messages
+        if isinstance(messages, list) and len(messages) > limit:
+            raise bad_request(f"the request has {len(messages)} messages; the limit is {limit}", "messages",
+                              "too_many_messages")
+
     def _messages(self, messages) -> list[dict]:
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages must be a non-empty list", "messages",
                               "missing_required_parameter" if messages is None else "invalid_value")
+        self.check_num_messages(messages)  # before the template renders them
         out = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
@@ -94,6 +102,7 @@ class ChatServing:
             text = self.tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+        self.check_prompt_chars(len(text), "messages")  # what the template added counts too, before tokenizing
         if continue_final:
             final = messages[-1]["content"]
             for part in (final, final.strip()):

@@ -117,5 +117,7 @@ class CompletionServing:
         if first and prep.extra.get("prompt_logprobs") is not None and out is not None:
             ch["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
         if want_ids:
+            if first:  # vLLM: a choice's first chunk carries its prompt's ids
+                ch["prompt_token_ids"] = prep.items[idx][1]
             ch["token_ids"] = list(new_ids)
         yield chunk([ch])
