@@ -20,8 +20,8 @@ from ir import OPS
 from ir.blocks import round_q8
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.ops import kv_write_reference
-from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
-                                XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
+from ir.tiling import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
+                       XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
 from runtime.worker import cpp_kernels
 
 
