@@ -76,11 +76,89 @@ _MEMORY_UNITS = {"": GiB, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m"
 DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
 
 
+# What to call a command in its messages when the user reached it another way than `python -m`:
+# "MODULE=NAME" (runtime.cli sets "runtime.serve=jaxserve serve"; scripts/serve.sh
+# "runtime.serve=scripts/serve.sh"), so an error names the command the user typed.
+PROG_ENV = "JAXSERVE_PROG"
+
+
+def shown_prog(prog: str) -> str:
+    """`prog` ("python -m runtime.bench serve") as the user invoked it ("jaxserve bench serve")."""
+    module, _, name = os.environ.get(PROG_ENV, "").partition("=")
+    head = f"python -m {module}"
+    if module and name and (prog == head or prog.startswith(head + " ")):
+        return name + prog[len(head):]
+    return prog
+
+
+def did_you_mean(word: str, choices, cutoff: float = 0.6) -> str:
+    """" (did you mean X?)" for the closest of `choices`, or the two closest when they are about as
+    close (flags compared without their dashes; a word that is part of exactly one choice names
+    it), or ""."""
+    bare = {str(c).lstrip("-"): str(c) for c in choices}
+    key = str(word).lstrip("-")
+    close = difflib.get_close_matches(key, list(bare), n=2, cutoff=cutoff)
+    if len(close) == 2 and _likeness(key, close[1]) < _likeness(key, close[0]) - 0.05:
+        close = close[:1]  # a clearly closer one is the suggestion
+    if not close:
+        close = [c for c in bare if key and key in c]
+        close = close if len(close) == 1 else []
+    return f" (did you mean {' or '.join(bare[c] for c in close)}?)" if close else ""
+
+
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, `error: ... (see PROG --help)`, exit 2, with no usage dump."""
+    """argparse whose errors are one line, `error: ... (see PROG --help)`, exit 2, with no usage
+    dump and a "did you mean" for a mistyped flag or choice. vLLM's underscore spellings of flags
+    (`--max_model_len`) are taken as the dashed ones, and PROG is the command the user typed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prog = shown_prog(self.prog)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._dashed(args), namespace)
+
+    def _dashed(self, args: list[str]) -> list[str]:
+        """`--max_model_len 512` and `--max_model_len=512` as `--max-model-len`, when that is a flag
+        here (everything after `--` is left alone)."""
+        out = []
+        for i, a in enumerate(args):
+            if a == "--":
+                return out + args[i:]
+            flag, eq, value = a.partition("=")
+            if flag.startswith("--") and "_" in flag and flag not in self._option_string_actions:
+                dashed = "--" + flag[2:].replace("_", "-")
+                if dashed in self._option_string_actions:
+                    a = dashed + eq + value
+            out.append(a)
+        return out
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {self._suggest(message)} (see {self.prog} --help)\n")
+
+    def _suggest(self, message: str) -> str:
+        flags = [f for f in self._option_string_actions if f.startswith("--")]
+        if message.startswith("unrecognized arguments: "):
+            words = message[len("unrecognized arguments: "):].split()
+            unknown = [w.split("=")[0] for w in words if w.startswith("-")]
+            if not unknown:
+                return f"unexpected argument{'s' * (len(words) > 1)}: {' '.join(words)}"
+            named = ", ".join(w + did_you_mean(w, flags) for w in unknown)
+            return f"unknown flag{'s' * (len(unknown) > 1)} {named}"
+        if "invalid choice: " in message and "(choose from " in message:
+            action = next((a for a in self._actions if a.choices and message.startswith(
+                f"argument {argparse._get_action_name(a)}:")), None)
+            if action is not None:
+                value = message.split("invalid choice: ", 1)[1].split(" (choose from", 1)[0].strip("'\"")
+                choices = [str(c) for c in action.choices if c is not None]
+                flag = action.option_strings[0] if action.option_strings else argparse._get_action_name(action)
+                return f"{flag} {value!r} is not one of {', '.join(choices)}{did_you_mean(value, choices)}"
+        return message
 
 
 def _bool(v: str) -> bool:
@@ -109,9 +187,19 @@ def parse_memory(text: str) -> int:
 def parse_dtype(text: str) -> str:
     name = str(text).lower()
     if name not in DTYPE_CHOICES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: use auto, float32, bfloat16 or float16 "
-                                         f"(aliases: {', '.join(sorted(DTYPE_ALIASES))})")
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}{_dtype_hint(name)}: use auto, "
+                                         f"float32, bfloat16 or float16 (aliases: {', '.join(sorted(DTYPE_ALIASES))})")
     return name
+
+
+def _dtype_hint(name: str) -> str:
+    """The closest spellings of up to two different dtypes (`bf32`: f32 or bf16)."""
+    seen, picks = set(), []
+    for c in difflib.get_close_matches(name, DTYPE_CHOICES, n=len(DTYPE_CHOICES), cutoff=0.5):
+        if DTYPE_ALIASES.get(c, c) not in seen:
+            seen.add(DTYPE_ALIASES.get(c, c))
+            picks.append(c)
+    return f" (did you mean {' or '.join(picks[:2])}?)" if picks else ""
 
 
 def format_gib(num_bytes: int) -> str:

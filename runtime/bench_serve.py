@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from runtime.args import ArgumentParser
 from runtime.workload import WORKLOADS, make_workload
 
 
@@ -264,7 +265,7 @@ def run(url: str, *, request_rates: list[float], num_prompts: int, seed: int = 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.bench serve", description=__doc__,
+    ap = ArgumentParser(prog="python -m runtime.bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     ap.add_argument("--model", default=None, help="model name to send (default: the server's first)")

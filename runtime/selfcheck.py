@@ -34,6 +34,7 @@ import threading
 import time
 from pathlib import Path
 
+from runtime.args import ArgumentParser
 from runtime.selfcheck_parts import (_print_rows, part_bench, part_devices, part_kernels, part_throughput,
                                      part_tiny)
 
@@ -198,7 +199,7 @@ def run_part(part: str, args, timeout_s: float) -> PartResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runtime.selfcheck", description=__doc__,
+    parser = ArgumentParser(prog="python -m runtime.selfcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="small shapes and short timeouts (CPU CI: well under 5 minutes)")

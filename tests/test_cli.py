@@ -157,16 +157,56 @@ def test_dump_and_compile_take_the_same_dtype_names(capsys):
 @pytest.mark.parametrize("argv, says", [
     (("compile", "--model", "tiny", "--dry-run", "--dtype", "bfloat17"), "unknown dtype 'bfloat17'"),
     (("dump", "--model", "tiny", "--device-memory", "4GB0"), "bad memory size '4GB0'"),
-    (("bench", "--workload", "nope"), "invalid choice: 'nope'"),
+    (("bench", "--workload", "nope"), "--workload 'nope' is not one of"),
     (("compile", "--model", "tiny"), "--out is required unless --dry-run"),
     (("compile", "--model", "tiny", "--out", str(ROOT / "README.md")), f"--out {ROOT / 'README.md'} is a file"),
-    (("frobnicate",), "invalid choice: 'frobnicate'"),
+    (("frobnicate",), "COMMAND 'frobnicate' is not one of serve, compile"),
 ])
 def test_bad_flags_are_one_line_too(capsys, argv, says):
     with pytest.raises(SystemExit) as e:
         cli.main(list(argv))
     line = _one_line_error(e.value.code, capsys.readouterr().err)
     assert says in line and line.endswith("--help)")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("serve", "--max-model-lenn", "512"), "unknown flag --max-model-lenn (did you mean --max-model-len?) "
+                                           "(see jaxserve serve --help)"),
+    (("compile", "--dry-run", "--model", "tiny", "--dtype", "bf32"), "unknown dtype 'bf32' (did you mean f32 or bf16?)"),
+    (("serve", "--quantization", "int4"), "--quantization 'int4' is not one of int8, w8a8 (did you mean int8?)"),
+    (("bench", "serve", "--num-promts", "3"), "unknown flag --num-promts (did you mean --num-prompts?) "
+                                              "(see jaxserve bench serve --help)"),
+    (("selfcheck", "--qick"), "(did you mean --quick?) (see jaxserve selfcheck --help)"),
+    (("kv-table", "--model", "smollm2"), "(did you mean smollm2-135m?)"),
+    (("serv",), "COMMAND 'serv' is not one of serve, compile"),
+])
+def test_a_mistyped_flag_gets_one_line_and_a_suggestion(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    assert says in _one_line_error(e.value.code, capsys.readouterr().err)
+    assert "JAXSERVE_PROG" not in os.environ  # the name the command was typed as does not outlive it
+
+
+def test_vllm_underscore_spellings_are_the_dashed_flags():
+    from models.cli import ArgumentParser, add_engine_args
+
+    ap = ArgumentParser(prog="x")
+    add_engine_args(ap)
+    ap.add_argument("rest", nargs="*")
+    args = ap.parse_args(["--max_model_len", "256", "--gpu_memory_utilization=0.5", "--", "--max_num_seqs"])
+    assert (args.max_model_len, args.memory_utilization, args.rest) == (256, 0.5, ["--max_num_seqs"])
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--max_model_lenn", "256"])  # only a spelling of a real flag is rewritten
+
+
+def test_errors_name_the_command_the_user_typed(monkeypatch, capsys):
+    r = _run("-m", "runtime.serve", "--max-model-lenn", "3")
+    assert r.stderr.strip().endswith("(see python -m runtime.serve --help)"), r.stderr
+    monkeypatch.setenv("JAXSERVE_PROG", "runtime.serve=scripts/serve.sh")  # what scripts/serve.sh sets
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--max-model-lenn", "3"])
+    assert capsys.readouterr().err.strip().endswith("(see scripts/serve.sh --help)")
+    assert os.environ["JAXSERVE_PROG"] == "runtime.serve=scripts/serve.sh"
 
 
 # ------------------------------------------------------------------------------ one-line errors
@@ -332,7 +372,7 @@ def _fake_repo(tmp_path: Path) -> Path:
     fake = bin_dir / "python"
     # The stamp hash is computed by the venv's python: hand that one call to the real one.
     fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
-                    f'echo "$*" >> "{repo}/calls.log"\n')
+                    f'echo "$*" >> "{repo}/calls.log"\necho "$JAXSERVE_PROG" > "{repo}/prog.log"\n')
     fake.chmod(0o755)
     return repo
 
@@ -370,6 +410,7 @@ def test_serve_sh_passes_every_flag_through(tmp_path, flags):
     repo = _fake_repo(tmp_path)
     subprocess.run(["bash", str(repo / "scripts" / "serve.sh"), *flags], check=True)
     assert _calls(repo)[-1] == " ".join(["-m", "runtime.cli", "serve", *flags])
+    assert (repo / "prog.log").read_text().strip() == f"runtime.serve={repo / 'scripts' / 'serve.sh'}"
 
 
 # ------------------------------------------------------------------------------ the README, run
