@@ -26,6 +26,12 @@ SMOL_ARGS = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
 
 
 def pytest_configure(config):
+    if not (GOLDEN_DIR / "prompts.json").is_file():
+        # Test modules read the golden prompts when they are collected; say what is missing once.
+        raise pytest.UsageError(
+            f"the tests need the golden outputs of HF transformers, and {GOLDEN_DIR} has none (no prompts.json). "
+            f"They live beside the checkout, in ../shared/golden (../shared/DESIGN.md, 'The default model and the golden "
+            f"data'); point GOLDEN_DIR=/path/to/golden at a copy if yours is elsewhere.")
     from runtime.worker.model_runner import enable_compilation_cache
 
     enable_compilation_cache(CACHE_DIR)

@@ -477,3 +477,12 @@ def test_readme_commands_are_found():
     for c in skipped:
         if c.startswith("bash "):
             assert (ROOT / c.split()[1]).is_file(), c
+
+
+def test_the_suite_without_golden_data_says_where_it_lives(tmp_path):
+    r = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layering.py",
+             env={"GOLDEN_DIR": str(tmp_path / "golden")})
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "../shared/golden" in out and "GOLDEN_DIR" in out and str(tmp_path / "golden") in out, out[-2000:]
+    assert "FileNotFoundError" not in out
