@@ -246,7 +246,7 @@ def report(results: list[RunResult], out=sys.stdout) -> None:
             mean = f"{1 + accepted / drafts:.2f}" if drafts else "-"
             print(f"speculative decoding ({r.name}): {drafts} drafts of {drafted} tokens, {accepted} accepted "
                   f"({rate}); mean acceptance length {mean} tokens per verified sequence step "
-                  f"(the speed-up against plain decoding: scripts/bench_spec_decode.py)", file=out)
+                  f"(the speed-up against plain decoding: benchmarks/bench_spec_decode.py)", file=out)
     for r in results:
         if r.ttft_s:
             t = np.asarray(r.ttft_s)

@@ -486,3 +486,11 @@ def test_the_suite_without_golden_data_says_where_it_lives(tmp_path):
     out = r.stdout + r.stderr
     assert "../shared/golden" in out and "GOLDEN_DIR" in out and str(tmp_path / "golden") in out, out[-2000:]
     assert "FileNotFoundError" not in out
+
+
+def test_scripts_hold_set_up_only_and_every_harness_is_listed():
+    assert sorted(p.name for p in (ROOT / "scripts").iterdir()) == ["bootstrap.sh", "serve.sh", "test.sh"]
+    listed = set(re.findall(r"^\| `(?:\.\./)?([\w/]+\.(?:py|cc))` \|", (ROOT / "benchmarks" / "README.md").read_text(), re.M))
+    present = {p.name for p in (ROOT / "benchmarks").glob("*.py")} | {"runtime/worker/cpp/bench_walk.cc"}
+    assert listed == present
+    assert (ROOT / "runtime" / "worker" / "cpp" / "bench_walk.cc").is_file()

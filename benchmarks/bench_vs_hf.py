@@ -1,7 +1,7 @@
 """Our engine against HF transformers on SmolLM2-135M (f32, greedy, CPU), in one process: the ratios
 issue 13 asks for, each a median over interleaved rounds.
 
-    .venv/bin/python scripts/bench_vs_hf.py [--rounds 3] [--skip-batch] [--matmul-precision bfloat16]
+    .venv/bin/python benchmarks/bench_vs_hf.py [--rounds 3] [--skip-batch] [--matmul-precision bfloat16]
                                             [--quantization w8a8] [--kv-cache-dtype bfloat16]
                                             [--gguf-activations q8]
                                             [--kernel-backend auto|xla|cpp]

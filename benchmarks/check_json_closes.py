@@ -2,7 +2,7 @@
 maxLength, an integer with a minimum, an array of at most 3 short strings, a boolean, an enum) at
 temperatures 0.7-1.0, max_tokens 200, on SmolLM2-135M, with each whitespace rule in one process.
 
-    .venv/bin/python scripts/check_json_closes.py [--samples 20]
+    .venv/bin/python benchmarks/check_json_closes.py [--samples 20]
 
 Whitespace rules: "default" (at most one newline and 16 spaces or tabs between tokens), "compact"
 (disable_any_whitespace) and "free" (any whitespace: llguidance's flexible pattern, through the

@@ -1,5 +1,5 @@
 """The engine configuration the A/B benchmarks share, and their KEY=VALUE engine fields. No runtime
-import here: scripts/bench_seqs64.py imports this before it puts the checkout it runs on the path."""
+import here: benchmarks/bench_seqs64.py imports this before it puts the checkout it runs on the path."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ few rows at long context, one layer of SmolLM2-135M's heads, with each row's wal
 threads (the default `part_tokens`) against one row per thread (`--base-part-tokens 0`), in one
 process, over f32 pools and bf16 bits.
 
-    .venv/bin/python scripts/bench_decode_split.py [--base-part-tokens 0] [--part-tokens 256] [--iters 30]
+    .venv/bin/python benchmarks/bench_decode_split.py [--base-part-tokens 0] [--part-tokens 256] [--iters 30]
 
 The last cases put one long row after short ones. Prints one JSON line per (rows, context, pool):
 medians in ms, the speedup, and the largest difference between the two outputs (attention output,

@@ -1,7 +1,7 @@
 """Async scheduling on and off, on one SmolLM2-135M engine in one process (the flag is toggled
 between rounds, so both modes run the same executables), in alternating rounds.
 
-    .venv/bin/python scripts/bench_async_scheduling.py [--rounds 3] [--cases 1,16,64]
+    .venv/bin/python benchmarks/bench_async_scheduling.py [--rounds 3] [--cases 1,16,64]
 
 Each case decodes `--new` tokens (greedy, `ignore_eos`, detokenized as a user would get them) after
 32-token prompts, for 1, 16 or 64 sequences at once; new prompts each round (the prefix cache is

@@ -1,7 +1,7 @@
 """What XLA:CPU's matmuls do on this machine at SmolLM2-135M's shapes: the numbers behind the
 one-token bucket (runtime/core/buckets.py) and the compute limit of batched decode (BENCHMARKS.md).
 
-    .venv/bin/python scripts/bench_cpu_matmul.py
+    .venv/bin/python benchmarks/bench_cpu_matmul.py
 
 - Weight streaming at M rows: 30 MLP-like layers (576 -> 1536 -> 576, f32) and the tied LM head
   (576 x 49,152), as GB/s of weights read; one row takes XLA:CPU's matrix-vector path. The same

@@ -2,7 +2,7 @@
 hostile grammar is answered and how long it takes, and a normal 4-token completion's latency
 (plus a /tokenize) before and during a burst of four concurrent slow bad requests.
 
-    python scripts/bench_hostile.py [--rounds 1]
+    python benchmarks/bench_hostile.py [--rounds 1]
 
 `--rounds 1` is the issue's burst: four concurrent requests, once; more rounds repeat them back to
 back (tests/test_hostile.py runs them for 4 s)."""

@@ -1,8 +1,8 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding on SmolLM2-135M, greedy, in one
 process: two engines over the same weights, runs interleaved, medians of the decode rates.
 
-    .venv/bin/python scripts/bench_spec_decode.py [--rounds 3] [--k 4] [--max-tokens 128]
-    .venv/bin/python scripts/bench_spec_decode.py --max-num-seqs 1 --max-tokens 96 --cases copy
+    .venv/bin/python benchmarks/bench_spec_decode.py [--rounds 3] [--k 4] [--max-tokens 128]
+    .venv/bin/python benchmarks/bench_spec_decode.py --max-num-seqs 1 --max-tokens 96 --cases copy
 
 Cases: batch 1 on a repetitive prompt (asking the model to repeat a long list), and 16 mixed prompts
 (the golden prompts and chat questions); `--cases copy` runs issue 48's four copy-heavy prompts at

@@ -3,7 +3,7 @@
 two give the same tokens (and logprobs, in the case that reports them).
 
     git show <commit>:runtime/worker/sampler.py > /tmp/sampler_old.py
-    .venv/bin/python scripts/bench_sampler.py --baseline /tmp/sampler_old.py [--case greedy] [--golden DIR]
+    .venv/bin/python benchmarks/bench_sampler.py --baseline /tmp/sampler_old.py [--case greedy] [--golden DIR]
 
 Cases: greedy, "temperature 0.8", "top-p 0.9 at 0.8", "greedy + presence penalty", "greedy + logprobs".
 Prints the medians of 5 rounds of 20 calls each, and the load average.

@@ -1,7 +1,7 @@
 """Times the weight products of a decode step: our C++ kernels (runtime/worker/cpp/matmul.cc) against
 XLA's products, in one process, rounds interleaved.
 
-    .venv/bin/python scripts/bench_decode_matmul.py [--rows 1,4,8,16,32,64]
+    .venv/bin/python benchmarks/bench_decode_matmul.py [--rows 1,4,8,16,32,64]
                                                     [--modes w8a8,weight-only,f32,f32-scan]
                                                     [--layers 30] [--rounds 7]
 

@@ -1,6 +1,6 @@
 """Start-up as a user sees it: `python -m runtime.serve` from launch to a 200 on /health.
 
-    .venv/bin/python scripts/bench_startup.py [--rounds 2] [-- extra serve flags]
+    .venv/bin/python benchmarks/bench_startup.py [--rounds 2] [-- extra serve flags]
 
 One cold start on an empty cache directory (the compile caches and the GGUF index), then `--rounds` pairs of warm starts on that cache,
 alternating the executable store on and off (JAXSERVE_EXECUTABLE_STORE), each start its own

@@ -1,7 +1,7 @@
 """A bf16 plan (`--dtype bfloat16`) on CPU with its KV pools stored as bf16 against the same plan
 with them stored as uint16 bits (runtime.worker.kernels.pool_storage_dtype), in one process.
 
-    .venv/bin/python scripts/bench_bf16_pool_storage.py [--rounds 3]
+    .venv/bin/python benchmarks/bench_bf16_pool_storage.py [--rounds 3]
 
 The first engine is built with the storage rule switched off, as before 18c244f: XLA:CPU then
 widens the whole pool to f32 for every bf16 gather and scatter. Case: 16 sequences of 64-token

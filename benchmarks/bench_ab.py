@@ -1,7 +1,7 @@
 """Two engine configurations of SmolLM2-135M (f32 plan, greedy, CPU) in one process: two engines
 over the same weights, rounds interleaved, medians, the variant's speedup over the base.
 
-    .venv/bin/python scripts/bench_ab.py [--base KEY=VALUE ...] [--variant KEY=VALUE ...]
+    .venv/bin/python benchmarks/bench_ab.py [--base KEY=VALUE ...] [--variant KEY=VALUE ...]
                                          [--rounds 3] [--cases ttft,batch1,seqs64,long,long1,mixed1]
                                          [--base-kernels DIR] [--base-sampler FILE]
                                          [--base-decode-part-tokens N] [--base-decode-group-rows N]

@@ -1,8 +1,8 @@
 """Scan over layers vs unrolled on SmolLM2-135M: cold compile, warm load, and step times (A/B).
 
-    .venv/bin/python scripts/bench_scan_layers.py startup   # 19 buckets, empty caches: cold, then warm
-    .venv/bin/python scripts/bench_scan_layers.py startup int8   # the same, quantization=int8
-    .venv/bin/python scripts/bench_scan_layers.py steps     # interleaved step timings, one process
+    .venv/bin/python benchmarks/bench_scan_layers.py startup   # 19 buckets, empty caches: cold, then warm
+    .venv/bin/python benchmarks/bench_scan_layers.py startup int8   # the same, quantization=int8
+    .venv/bin/python benchmarks/bench_scan_layers.py steps     # interleaved step timings, one process
 
 Numbers for BENCHMARKS.md ("Scan over layers"). Run on a quiet machine; one heavy job at a time.
 """

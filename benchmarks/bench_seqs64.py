@@ -1,10 +1,10 @@
 """64 sequences x 64 new tokens (greedy, SmolLM2-135M, CPU) from one checkout's code, for comparing
 two checkouts whose C++ kernels differ: one process holds one build of the kernel library, so
-scripts/bench_ab.py cannot put them side by side. Run it in alternating processes instead:
+benchmarks/bench_ab.py cannot put them side by side. Run it in alternating processes instead:
 
     git worktree add /tmp/base PARENT
     for i in 1 2 3; do for root in /tmp/base .; do
-        .venv/bin/python scripts/bench_seqs64.py --root $root --rounds 5; done; done
+        .venv/bin/python benchmarks/bench_seqs64.py --root $root --rounds 5; done; done
 
 Each process warms up on one batch, then times `--rounds` batches of 64 new 64-token prompts
 (bench_ab.py's seqs64 case) and prints the rates and their median. Engine fields can be given as

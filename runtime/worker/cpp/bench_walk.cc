@@ -6,13 +6,13 @@
 //
 //   g++ -O3 -march=native -ffast-math -fopenmp-simd -std=c++17 \
 //       -I$(.venv/bin/python -c 'import jax.ffi; print(jax.ffi.include_dir())') \
-//       scripts/bench_walk.cc -o /tmp/bench_walk -lpthread
+//       runtime/worker/cpp/bench_walk.cc -o /tmp/bench_walk -lpthread
 //   /tmp/bench_walk [positions per row, 96] [threads, 2] [hot blocks, 0]
 //
 // `hot blocks` > 0 draws every row's blocks from that many blocks instead (all in cache): the walk's
 // time without waiting on memory. To compare two checkouts, build this file in each.
 
-#include "../runtime/worker/cpp/paged_decode.cc"
+#include "paged_decode.cc"
 
 #include <algorithm>
 #include <chrono>

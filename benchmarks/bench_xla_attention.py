@@ -2,7 +2,7 @@
 layer of SmolLM2-135M's shape, on the step shapes the engine runs; optionally against another
 checkout's lowering in the same process, which is the only fair comparison on a shared machine.
 
-    .venv/bin/python scripts/bench_xla_attention.py [--baseline-root /path/to/other/checkout] [--bf16-pools] [--cpp]
+    .venv/bin/python benchmarks/bench_xla_attention.py [--baseline-root /path/to/other/checkout] [--bf16-pools] [--cpp]
 
 Prints one markdown row per case: milliseconds (median of --iters), and with a baseline its
 milliseconds and the largest difference between the two outputs. With --bf16-pools, also this
