@@ -1,5 +1,5 @@
 """What XLA:CPU's matmuls do on this machine at SmolLM2-135M's shapes: the numbers behind the
-one-token bucket (runtime/core/buckets.py) and the compute limit of batched decode (BENCHMARKS.md).
+one-token bucket (runtime/core/buckets.py) and the compute limit of batched decode (docs/benchmarks/).
 
     .venv/bin/python benchmarks/bench_cpu_matmul.py
 

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_scan_layers.py startup int8   # the same, quantization=int8
     .venv/bin/python benchmarks/bench_scan_layers.py steps     # interleaved step timings, one process
 
-Numbers for BENCHMARKS.md ("Scan over layers"). Run on a quiet machine; one heavy job at a time.
+Numbers for docs/benchmarks/ ("Scan over layers"). Run on a quiet machine; one heavy job at a time.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 One cold start on an empty cache directory (the compile caches and the GGUF index), then `--rounds` pairs of warm starts on that cache,
 alternating the executable store on and off (JAXSERVE_EXECUTABLE_STORE), each start its own
 process, each after the load average has settled (`--max-load`). Per start: seconds to /health,
-and the server's own "plan ready" and "engine warm" log times. Numbers for BENCHMARKS.md
+and the server's own "plan ready" and "engine warm" log times. Numbers for docs/benchmarks/
 ("Start-up"). Run on a quiet machine; one heavy job at a time.
 """
 

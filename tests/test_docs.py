@@ -27,3 +27,52 @@ def test_every_flag_and_field_is_on_the_configuration_page():
         assert f"| `{field.name}` |" in page, field.name
     for _, flags, _, vllm in _ENGINE_FLAGS:
         assert all(f"`{f}`" in page for f in flags) and vllm
+
+
+DOCS = ["README.md", "BENCHMARKS.md", "benchmarks/README.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (but - and _), spaces to dashes,
+    a repeated one numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _prose(text).splitlines():
+        m = re.match(r"^#{1,6} (.*)$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_anchors_follow_githubs_rule():
+    text = "# A `flag`: here (x, y)\n## Same\n## Same\n```\n# not a heading\n```\n"
+    assert anchors(text) == {"a-flag-here-x-y", "same", "same-1"}
+
+
+def test_every_relative_link_resolves():
+    bad = []
+    for doc in DOCS:
+        path = ROOT / doc
+        text = path.read_text()
+        for m in LINK.finditer(_prose(text)):
+            target = m.group(1) or m.group(2)
+            if re.match(r"^[a-z]+:", target):  # http(s):, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                bad.append(f"{doc}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+                bad.append(f"{doc}: {target} (no such heading)")
+    assert not bad, "broken links:\n" + "\n".join(bad)

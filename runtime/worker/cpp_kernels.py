@@ -144,7 +144,7 @@ def fits(num_kv_heads: int, n_rep: int, block_size: int, head_dim: int) -> bool:
 
 
 # The shortest piece of one row's context that the decode kernel gives a thread of its own, when a
-# step has too few rows to keep the threads busy (batch 1 at long context); BENCHMARKS.md,
+# step has too few rows to keep the threads busy (batch 1 at long context); docs/benchmarks/,
 # "Decode attention in our C++ kernel", "Long rows split over the threads".
 PART_TOKENS = 256
 # Consecutive rows of one sequence (a prompt's tokens in a prefill chunk) walked together, at most (the

@@ -343,7 +343,7 @@ class ModelRunner:
         unrolled step's first run is 2-3x slower (XLA builds each of its per-layer YNNPACK fusions
         on first use); a scanned step has one layer's fusions, and its first runs took 1.09x the
         second ones, summed over SmolLM2's 20 buckets (4.5 against 4.1 s, the rest all compute).
-        Off CPU it has not been measured, so it counts as slow (BENCHMARKS.md, "Start-up")."""
+        Off CPU it has not been measured, so it counts as slow (docs/benchmarks/, "Start-up")."""
         return self.layout.layers is None or jax.default_backend() != "cpu"
 
     def warmup(self, progress: bool = False, execute: bool | str = False) -> float:
@@ -354,7 +354,7 @@ class ModelRunner:
 
         With `execute`, also runs each bucket once on all-padding inputs (nothing is written to
         the KV pools), so that a timed run or a first request does not pay an executable's first
-        run. One run is enough: the second already runs at the third's speed (BENCHMARKS.md,
+        run. One run is enough: the second already runs at the third's speed (docs/benchmarks/,
         "Start-up"). `execute="auto"` (the server's) runs them only where `first_runs_are_slow`:
         elsewhere they would add the buckets' compute to the start (4.5 s for SmolLM2 on 2 cores)
         to save 0.4 s spread over the first requests.
