@@ -76,3 +76,34 @@ def test_every_relative_link_resolves():
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
                 bad.append(f"{doc}: {target} (no such heading)")
     assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+GUIDES = ("serving", "offline", "compiler", "models", "cpu", "gpu", "scaling", "vllm-compat", "configuration")
+
+
+def test_the_readme_is_a_first_visit():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    for guide in GUIDES:
+        assert f"(docs/{guide}.md)" in text, f"the README does not link docs/{guide}.md"
+    assert "../shared/golden" in text and ".venv/bin/jaxserve" in text and "source .venv/bin/activate" in text
+
+
+def test_every_guide_starts_with_what_the_reader_can_do():
+    for guide in (*GUIDES, "benchmarks/README"):
+        lines = (ROOT / "docs" / f"{guide}.md").read_text().splitlines()
+        assert lines[0].startswith("# ") and lines[2].startswith("After reading this "), guide
+    assert (ROOT / "docs" / "ARCHITECTURE.md").is_file()
+
+
+def test_benchmarks_rows_have_date_machine_command_baseline_and_entry():
+    """BENCHMARKS.md is current results only: every table has those columns (or says them in its
+    rows), and every row links to its dated entry in docs/benchmarks/."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    rows = [l for l in text.splitlines() if l.startswith("| 20")]
+    assert len(rows) >= 10
+    for row in rows:
+        assert re.match(r"^\| 20\d\d-\d\d-\d\d \|", row) and "](docs/benchmarks/" in row, row
+    for header in (l for l in text.splitlines() if l.startswith("| date |")):
+        assert {"machine", "command"} <= {c.strip() for c in header.split("|")}, header
+    assert len(text.splitlines()) < 200  # the history lives in docs/benchmarks/

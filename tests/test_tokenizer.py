@@ -149,3 +149,7 @@ def test_token_bytes_maps_byte_level_pieces_back():
     assert t.decode(ids[:1]) == "\ufffd"  # what the text alone would give for half a character
     assert b"".join(t.token_bytes(i) for i in ids) == "é ab".encode()
     assert t.token_bytes(t.token_to_id("<eos>")) == b"<eos>"  # not in the byte alphabet: its text
+
+    from runtime.entrypoints.openai.protocol import Detok  # the logprobs' "bytes" ask the tokenizer
+
+    assert Detok(t).bytes(ids[0]) == list(e_acute[:1]) and Detok(t).text(ids[0]) == "\ufffd"
