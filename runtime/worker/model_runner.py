@@ -451,12 +451,6 @@ class ModelRunner:
         self.state = self._alloc_state()
         return True
 
-    def check_measured_fit(self) -> None:
-        """Refuses to run a plan whose measured peak no longer fits beside the weights and the KV
-        pools (a runner whose pool was given, not sized by fit_kv_pool)."""
-        memory = self.memory_with_xla(self.plan.memory)
-        check_fit(memory, memory.measured_peak_bytes)
-
     @property
     def max_num_copy_pairs(self) -> int:
         return self.plan.engine.max_num_seqs
