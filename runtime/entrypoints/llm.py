@@ -15,12 +15,14 @@ class LLM:
 
     Building one converts the weights and compiles every bucket (minutes on a cold start; the
     caches make later ones seconds), with the server's progress bars on stderr unless
-    `progress=False`."""
+    `progress=False`. As in the server, the plan's host copy of the weights is dropped once they
+    are on the device (`self.plan.weights` is None): on CPU it would stay resident beside them."""
 
     def __init__(self, model: str = "smollm2-135m", *, check_invariants: bool = False, progress: bool = True,
                  **engine_args):
         self.plan = load_plan(model, engine_args, progress=progress)
-        self.engine = build_engine(self.plan, check_invariants=check_invariants, progress=progress)
+        self.engine = build_engine(self.plan, check_invariants=check_invariants, progress=progress,
+                                   release_host_weights=True)
 
     @classmethod
     def from_plan(cls, plan: Plan, **engine_kwargs) -> "LLM":
