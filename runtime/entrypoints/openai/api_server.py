@@ -24,6 +24,7 @@ from http import HTTPStatus
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from runtime.async_engine import DEFAULT_MAX_QUEUE
@@ -32,7 +33,7 @@ from runtime.entrypoints.openai.protocol import APIError
 from runtime.entrypoints.openai.serving import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                                 DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN,
-                                                PROTOCOL_ERROR_KEY, Server, ServerConfig, peer)
+                                                PROTOCOL_ERROR_KEY, Server, ServerConfig, _version, peer)
 
 log = logging.getLogger("runtime.serve")
 
@@ -119,6 +120,17 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
         log.exception("unhandled error in %s", request.url.path)
         return APIError(500, f"internal server error: {exc!r}", code="internal_error").response()
 
+    async def model_info(request):
+        # What sglang-router asks a worker when it registers it (/model_info, then /get_model_info),
+        # as SGLang answers: the model its /v1/models then lists. No tokenizer_path: the router
+        # would load one to tokenize for its own use; it routes on the request's text.
+        return JSONResponse({"model_path": names[0], "tokenizer_path": None, "is_generation": True})
+
+    async def server_info(request):  # /server_info, then /get_server_info: the router's other probe
+        return JSONResponse({"model_path": names[0], "served_model_name": names[0],
+                             "max_model_len": engine.engine_config.max_model_len,
+                             "tp_size": engine.engine_config.tensor_parallel_size, "version": _version()})
+
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
@@ -130,6 +142,9 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
         Route("/docs", server.docs, methods=["GET"]),
+        *(Route(path, fn, methods=["GET"]) for path, fn in (
+            ("/model_info", model_info), ("/get_model_info", model_info), ("/server_info", server_info),
+            ("/get_server_info", server_info))),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
@@ -386,6 +401,7 @@ SERVER_LIMIT_FLAGS = (
 def parse_args(argv=None):
     from runtime.args import add_engine_args
     from runtime.distributed import add_distributed_args
+    from runtime.replicas import add_replica_args
 
     ap = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -412,6 +428,7 @@ def parse_args(argv=None):
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_args(ap)
     add_distributed_args(ap)
+    add_replica_args(ap)
     args = ap.parse_args(argv)
     return ap, args
 
@@ -424,6 +441,14 @@ def main(argv=None) -> int:
     ap, args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.data_parallel_size < 1:
+        from runtime.errors import UserError
+
+        raise UserError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:  # a router in front of replicas, each this command at dp 1
+        from runtime import replicas
+
+        return replicas.main(list(sys.argv[1:] if argv is None else argv), args)
     from runtime import distributed
     from runtime.args import quiet_tpu_probe
     from runtime.build import build_engine
