@@ -34,6 +34,16 @@ DUMP_ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "tensor_parallel_size", "quanti
                       "memory_utilization", "device_memory", "gguf_blocks", "gguf_activations", "gguf_tiles")
 
 
+# Why `jaxserve serve` may print other weights than a dump (SmolLM2: 513.1 MiB here, 217.8 MiB in
+# the server on a CPU with AMX-BF16): the engine's defaults for GGUF blocks and tiles depend on the
+# machine's kernels, and a dump must not.
+MACHINE_NOTE = (
+    "note: a dump does not depend on the machine: a GGUF model's blocks and tiles (--gguf-blocks, --gguf-tiles,\n"
+    "--gguf-activations) count only when asked for, and --device-memory is 4 GiB unless given. The server\n"
+    "turns them on where this CPU's kernels run them (tiles replace the f32 weights: SmolLM2's 513 MiB become\n"
+    "218 MiB), so its plan may differ; `jaxserve compile --model M --dry-run` shows the plan for this machine.")
+
+
 def parse_bucket(text: str) -> tuple[int, int]:
     """`tokens=N,seqs=M` (or `N,M` / `NxM`) -> (N, M)."""
     parts = dict.fromkeys(("tokens", "seqs"))
@@ -156,7 +166,7 @@ def main(argv=None) -> int:
         shown = [texts[-1]]
     chunks = [] if args.no_ir else [f"IR after {name}:\n{text}" for name, text in shown]
     if args.stats:
-        stats = op_count_table(stages) + "\n\n" + plan.table() + "\n"
+        stats = op_count_table(stages) + "\n\n" + plan.table() + "\n" + MACHINE_NOTE + "\n"
         chunks.append(stats)
         if args.dump_dir:
             (Path(args.dump_dir) / "stats.txt").write_text(stats)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 # matmul_int8's `activations` value that asks for per-row int8 activations.
 INT8_ACTIVATIONS = "i8"
 # Rows below which a W8A8 product is padded with zero rows: XLA:CPU's int8 GEMM runs one row
-# 10x slower than 2-4 rows (BENCHMARKS.md, "W8A8"), and a padded row costs next to nothing.
+# 10x slower than 2-4 rows (docs/benchmarks/, "W8A8"), and a padded row costs next to nothing.
 W8A8_MIN_ROWS = 4
 
 

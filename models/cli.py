@@ -76,11 +76,89 @@ _MEMORY_UNITS = {"": GiB, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m"
 DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
 
 
+# What to call a command in its messages when the user reached it another way than `python -m`:
+# "MODULE=NAME" (runtime.cli sets "runtime.serve=jaxserve serve"; scripts/serve.sh
+# "runtime.serve=scripts/serve.sh"), so an error names the command the user typed.
+PROG_ENV = "JAXSERVE_PROG"
+
+
+def shown_prog(prog: str) -> str:
+    """`prog` ("python -m runtime.bench serve") as the user invoked it ("jaxserve bench serve")."""
+    module, _, name = os.environ.get(PROG_ENV, "").partition("=")
+    head = f"python -m {module}"
+    if module and name and (prog == head or prog.startswith(head + " ")):
+        return name + prog[len(head):]
+    return prog
+
+
+def did_you_mean(word: str, choices, cutoff: float = 0.6) -> str:
+    """" (did you mean X?)" for the closest of `choices`, or the two closest when they are about as
+    close (flags compared without their dashes; a word that is part of exactly one choice names
+    it), or ""."""
+    bare = {str(c).lstrip("-"): str(c) for c in choices}
+    key = str(word).lstrip("-")
+    close = difflib.get_close_matches(key, list(bare), n=2, cutoff=cutoff)
+    if len(close) == 2 and _likeness(key, close[1]) < _likeness(key, close[0]) - 0.05:
+        close = close[:1]  # a clearly closer one is the suggestion
+    if not close:
+        close = [c for c in bare if key and key in c]
+        close = close if len(close) == 1 else []
+    return f" (did you mean {' or '.join(bare[c] for c in close)}?)" if close else ""
+
+
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, `error: ... (see PROG --help)`, exit 2, with no usage dump."""
+    """argparse whose errors are one line, `error: ... (see PROG --help)`, exit 2, with no usage
+    dump and a "did you mean" for a mistyped flag or choice. vLLM's underscore spellings of flags
+    (`--max_model_len`) are taken as the dashed ones, and PROG is the command the user typed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prog = shown_prog(self.prog)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._dashed(args), namespace)
+
+    def _dashed(self, args: list[str]) -> list[str]:
+        """`--max_model_len 512` and `--max_model_len=512` as `--max-model-len`, when that is a flag
+        here (everything after `--` is left alone)."""
+        out = []
+        for i, a in enumerate(args):
+            if a == "--":
+                return out + args[i:]
+            flag, eq, value = a.partition("=")
+            if flag.startswith("--") and "_" in flag and flag not in self._option_string_actions:
+                dashed = "--" + flag[2:].replace("_", "-")
+                if dashed in self._option_string_actions:
+                    a = dashed + eq + value
+            out.append(a)
+        return out
 
     def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"error: {self._suggest(message)} (see {self.prog} --help)\n")
+
+    def _suggest(self, message: str) -> str:
+        flags = [f for f in self._option_string_actions if f.startswith("--")]
+        if message.startswith("unrecognized arguments: "):
+            words = message[len("unrecognized arguments: "):].split()
+            unknown = [w.split("=")[0] for w in words if w.startswith("-")]
+            if not unknown:
+                return f"unexpected argument{'s' * (len(words) > 1)}: {' '.join(words)}"
+            named = ", ".join(w + did_you_mean(w, flags) for w in unknown)
+            return f"unknown flag{'s' * (len(unknown) > 1)} {named}"
+        if "invalid choice: " in message and "(choose from " in message:
+            action = next((a for a in self._actions if a.choices and message.startswith(
+                f"argument {argparse._get_action_name(a)}:")), None)
+            if action is not None:
+                value = message.split("invalid choice: ", 1)[1].split(" (choose from", 1)[0].strip("'\"")
+                choices = [str(c) for c in action.choices if c is not None]
+                flag = action.option_strings[0] if action.option_strings else argparse._get_action_name(action)
+                return f"{flag} {value!r} is not one of {', '.join(choices)}{did_you_mean(value, choices)}"
+        return message
 
 
 def _bool(v: str) -> bool:
@@ -109,85 +187,103 @@ def parse_memory(text: str) -> int:
 def parse_dtype(text: str) -> str:
     name = str(text).lower()
     if name not in DTYPE_CHOICES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: use auto, float32, bfloat16 or float16 "
-                                         f"(aliases: {', '.join(sorted(DTYPE_ALIASES))})")
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}{_dtype_hint(name)}: use auto, "
+                                         f"float32, bfloat16 or float16 (aliases: {', '.join(sorted(DTYPE_ALIASES))})")
     return name
+
+
+def _dtype_hint(name: str) -> str:
+    """The closest spellings of up to two different dtypes (`bf32`: f32 or bf16)."""
+    seen, picks = set(), []
+    for c in difflib.get_close_matches(name, DTYPE_CHOICES, n=len(DTYPE_CHOICES), cutoff=0.5):
+        if DTYPE_ALIASES.get(c, c) not in seen:
+            seen.add(DTYPE_ALIASES.get(c, c))
+            picks.append(c)
+    return f" (did you mean {' or '.join(picks[:2])}?)" if picks else ""
 
 
 def format_gib(num_bytes: int) -> str:
     return f"{num_bytes / GiB:.1f} GiB"
 
 
-# (field, flags, argparse kwargs); defaults come from EngineConfig unless a command overrides them.
+# The one flag table: (field, flags, argparse kwargs, vLLM's equivalent). Defaults come from
+# EngineConfig unless a command overrides them. Each help is one line of meaning (docs/configuration.md
+# is generated from this table: `python -m models.config_doc`); measurements live in the guides.
 _ENGINE_FLAGS = (
-    ("max_model_len", ("--max-model-len",), dict(type=int, help="longest prompt + output")),
-    ("max_num_seqs", ("--max-num-seqs",), dict(type=int, help="sequences in one step")),
+    ("max_model_len", ("--max-model-len",), dict(type=int, help="longest prompt + output, in tokens"),
+     "--max-model-len"),
+    ("max_num_seqs", ("--max-num-seqs",), dict(type=int, help="sequences in one step"), "--max-num-seqs"),
     ("max_num_batched_tokens", ("--max-num-batched-tokens",),
-     dict(type=int, help="tokens in one step (the largest token bucket)")),
-    ("block_size", ("--block-size",), dict(type=int, help="tokens per KV block")),
+     dict(type=int, help="tokens in one step (the largest token bucket)"), "--max-num-batched-tokens"),
+    ("block_size", ("--block-size",), dict(type=int, help="tokens per KV block (a power of two)"), "--block-size"),
     ("memory_utilization", ("--memory-utilization", "--gpu-memory-utilization"),
-     dict(type=float, help="share of device memory the plan may use")),
+     dict(type=float, help="share of device memory the plan may use (weights + activations + KV cache)"),
+     "--gpu-memory-utilization"),
     ("device_memory", ("--device-memory",),
      dict(type=parse_memory, metavar="SIZE",
           help="device memory to plan for: 80 (GiB), 80GiB or 512MiB (default: measured on GPU, "
-               f"{CPU_DEVICE_MEMORY // GiB} GiB per process on CPU, split across its tensor-parallel devices)")),
-    ("num_kv_blocks", ("--num-kv-blocks",), dict(type=int, help="override the planned KV block count")),
+               f"{CPU_DEVICE_MEMORY // GiB} GiB per process on CPU, split across its tensor-parallel devices)"),
+     "none (vLLM measures the device)"),
+    ("num_kv_blocks", ("--num-kv-blocks",), dict(type=int, help="override the KV block count the memory plan gives"),
+     "--num-gpu-blocks-override"),
     ("dtype", ("--dtype",),
      dict(type=parse_dtype, metavar="DTYPE",
-          help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16")),
-    ("enable_prefix_caching", ("--enable-prefix-caching",), dict(type=_bool, metavar="BOOL")),
-    ("enable_chunked_prefill", ("--enable-chunked-prefill",), dict(type=_bool, metavar="BOOL")),
-    ("scheduling", ("--scheduling",), dict(help="continuous (default), dynamic or static")),
-    ("max_waiting_ms", ("--max-waiting-ms",), dict(type=float)),
-    ("tensor_parallel_size", ("--tensor-parallel-size", "-tp"), dict(type=int)),
+          help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16"), "--dtype"),
+    ("enable_prefix_caching", ("--enable-prefix-caching",),
+     dict(type=_bool, metavar="BOOL", help="reuse the KV blocks of shared prompt prefixes"), "--enable-prefix-caching"),
+    ("enable_chunked_prefill", ("--enable-chunked-prefill",),
+     dict(type=_bool, metavar="BOOL", help="split long prompts across steps so decodes never stall"),
+     "--enable-chunked-prefill"),
+    ("scheduling", ("--scheduling",), dict(help="continuous (default), dynamic or static batching"),
+     "none (vLLM batches continuously)"),
+    ("max_waiting_ms", ("--max-waiting-ms",),
+     dict(type=float, help="dynamic batching: the longest a request waits for its batch to fill"), "none"),
+    ("tensor_parallel_size", ("--tensor-parallel-size", "-tp"),
+     dict(type=int, help="shard the model over this many devices"), "--tensor-parallel-size"),
     ("quantization", ("--quantization",),
-     dict(default=None, choices=QUANTIZATIONS, help="int8: int8 weights (a quarter of f32's bytes), widened in the "
-          "product; w8a8: int8 weights and activations quantized per token at run time, an int8 x int8 product "
-          "(1.5-3x faster matmuls than f32 on CPUs with VNNI/AMX-INT8)")),
+     dict(default=None, choices=QUANTIZATIONS, help="int8: int8 weights widened in the product; w8a8: int8 weights "
+          "and per-token int8 activations, an int8 x int8 product"), "--quantization (other methods)"),
     ("quantize_lm_head", ("--quantize-lm-head",),
-     dict(type=_bool, metavar="BOOL", help="with --quantization: true puts the LM head in int8 too (a tied head "
-          "from an int8 copy of the embedding: more weight memory, fewer bytes read per token), false keeps it in "
-          "full precision (default: w8a8 quantizes it; int8 keeps a tied head)")),
+     dict(type=_bool, metavar="BOOL", help="with --quantization: true puts the LM head in int8 too, false keeps it "
+          "in full precision (default: w8a8 quantizes it; int8 keeps a tied head)"), "none"),
     ("matmul_precision", ("--matmul-precision",),
      dict(choices=MATMUL_PRECISIONS, help="bfloat16: an f32 plan's steps of 4+ rows multiply in bf16 from a bf16 "
-          "copy of the weights, with f32 accumulation (2-3x faster GEMMs on CPUs with avx512_bf16/AMX; weight "
-          "memory x1.5); default float32")),
+          "copy of the weights, accumulating in f32 (weight memory x1.5)"), "none"),
     ("gguf_blocks", ("--gguf-blocks",),
-     dict(type=_bool, metavar="BOOL", help="decode steps read a GGUF model's Q4_0/Q4_1/Q8_0 weights from the "
-          "file's own blocks, widened to f32 in registers (a fifth of f32's bytes per token; weight memory grows "
-          "by the blocks); default: on for f32 engines where the C++ CPU kernels have their vector path")),
+     dict(type=_bool, metavar="BOOL", help="decode steps read a GGUF model's Q4_0/Q4_1/Q8_0 weights from the file's "
+          "own blocks (default: on where the C++ CPU kernels have their vector path)"), "none"),
     ("gguf_activations", ("--gguf-activations",),
-     dict(choices=GGUF_ACTIVATIONS, help="q8: the products on a GGUF model's blocks multiply in int8, as llama.cpp "
-          "does, each step's activations rounded per block of 32 to 8 bits (on CPUs with AVX-512 VNNI: 1.1x the f32 "
-          "blocks' rate at one row, 2.8x at 64 rows, 4x at 512; logits move by about 1e-2); default f32")),
+     dict(choices=GGUF_ACTIVATIONS, help="q8: the products on a GGUF model's blocks multiply in int8, activations "
+          "rounded per block of 32 to 8 bits, as llama.cpp does (default f32)"), "none"),
     ("gguf_tiles", ("--gguf-tiles",),
-     dict(type=_bool, metavar="BOOL", help="repack a GGUF model's blocks into tiles of 16 columns, which every "
-          "step reads: with f32 activations, on CPUs with AMX-BF16, wide steps multiply three exact bf16 parts of "
-          "each activation (the f32 product; 2.3x the file's rows at 64 rows, 3.1x at 512); default: "
-          "on with --gguf-activations q8, and where the CPU has AMX-BF16")),
+     dict(type=_bool, metavar="BOOL", help="repack a GGUF model's blocks into tiles of 16 columns that every step "
+          "reads (default: on with --gguf-activations q8, and where the CPU has AMX-BF16)"), "none"),
     ("kv_cache_dtype", ("--kv-cache-dtype",),
      dict(choices=KV_CACHE_DTYPES, help="auto (the model's dtype) or bfloat16: K/V stored in bf16, attention "
-          "computed in f32 (twice the KV blocks; wide decode steps read half the bytes)")),
-    ("seed", ("--seed",), dict(type=int)),
-    ("kernel_backend", ("--kernel-backend",), dict(choices=KERNEL_BACKENDS)),
+          "computed in f32"), "--kv-cache-dtype (fp8 not built)"),
+    ("seed", ("--seed",), dict(type=int, help="the seed of requests that give none"), "--seed"),
+    ("kernel_backend", ("--kernel-backend",),
+     dict(choices=KERNEL_BACKENDS, help="auto (Pallas on GPU; on CPU our C++ kernels where they build, else XLA), "
+          "xla, cpp, pallas or interpret"), "VLLM_ATTENTION_BACKEND (environment)"),
     ("scan_layers", ("--scan-layers",),
-     dict(type=_bool, metavar="BOOL", help="run the decoder layers as one lax.scan: about 3x faster cold "
-          "compiles (default: on GPU/TPU, off on CPU, where the steps run 5-13%% slower)")),
+     dict(type=_bool, metavar="BOOL", help="run the decoder layers as one lax.scan, so XLA compiles one layer "
+          "(default: on GPU/TPU, and on CPU where the C++ kernels read a layer in place)"), "none"),
     ("num_scheduler_steps", ("--num-scheduler-steps",),
-     dict(type=int, help="decode steps per executable for all-decode batches (vLLM's multi-step)")),
+     dict(type=int, help="decode steps per executable for all-decode batches (vLLM's multi-step)"),
+     "--num-scheduler-steps (vLLM V0)"),
     ("async_scheduling", ("--async-scheduling",),
-     dict(type=_bool, metavar="BOOL", help="schedule step N+1 while step N runs, feeding decode tokens on the "
-          "device (vLLM's async scheduling; default: on GPU/TPU, except with multi-step, speculative decoding or "
-          "TP; off on CPU)")),
+     dict(type=_bool, metavar="BOOL", help="schedule step N+1 while step N runs, decode tokens fed on the device "
+          "(default: on GPU/TPU, except with multi-step, speculative decoding or TP; off on CPU)"),
+     "--async-scheduling"),
     ("speculative_config", ("--speculative-config",),
-     dict(metavar="JSON", help='speculative decoding, as in vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-          '"prompt_lookup_max": 4}\' (n-gram prompt lookup; drafts are verified in the decode buckets)')),
+     dict(metavar="JSON", help='speculative decoding as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+          "(n-gram prompt lookup)"), "--speculative-config"),
 )
 
 # EngineConfig fields with no flag: set through LLM(...) or a saved plan only.
 NO_FLAG_FIELDS = ("static_batch_size", "memory_limit", "reserve_bytes")
 # The fields engine_kwargs_from_args passes on as they are (device_memory is converted there).
-ENGINE_FIELDS = tuple(name for name, _, _ in _ENGINE_FLAGS if name != "device_memory")
+ENGINE_FIELDS = tuple(name for name, *_ in _ENGINE_FLAGS if name != "device_memory")
 
 
 def add_engine_args(ap: argparse.ArgumentParser, only=None, defaults=None) -> None:
@@ -195,7 +291,7 @@ def add_engine_args(ap: argparse.ArgumentParser, only=None, defaults=None) -> No
     d = EngineConfig.__dataclass_fields__
     defaults = defaults or {}
     g = ap.add_argument_group("engine")
-    for name, flags, kw in _ENGINE_FLAGS:
+    for name, flags, kw, _ in _ENGINE_FLAGS:
         if only is not None and name not in only:
             continue
         kw = dict(kw, dest=name)

@@ -218,7 +218,7 @@ class EngineConfig:
     # check at start-up), and for f32 weights and matmuls where the f32 kernel has its vector path
     # (see scans_layers). Elsewhere on CPU, XLA copies each layer's weight slice out of the stack
     # before every product, which costs more per step than the compile saves (f32 batch-1 decode
-    # ran at half speed; BENCHMARKS.md, "Scan over layers").
+    # ran at half speed; docs/benchmarks/, "Scan over layers").
     scan_layers: bool | None = None
     # vLLM's multi-step decode: an all-decode batch runs this many steps in one executable, the
     # host checking stops after them (amortizes the host's share of a step; 1 = off).
@@ -320,7 +320,7 @@ class EngineConfig:
         k+1 rows (runtime/step_inputs.py) and a lone one must fit a whole draft. Drafts take the rows
         a step's decodes leave free: sizing the table for every sequence's drafts (max_num_seqs x
         (k+1)) added 6 buckets to compile for 16 sequences and no speed that 15 alternating rounds
-        on 16 mixed prompts could tell apart (docs/results-issue48-decoding.md). Never more than the
+        on 16 mixed prompts could tell apart (docs/benchmarks/2026-12-06-issue48-decoding.md). Never more than the
         step's tokens."""
         k = self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
         return min(max(self.max_num_seqs, 1 + k), self.max_num_batched_tokens)

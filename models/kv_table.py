@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from models.cli import ArgumentParser
 from models.config import PRESETS, ModelConfig
 
 SEQ_LENS: tuple[int, ...] = tuple(256 << i for i in range(7))  # 256 .. 16384
@@ -47,9 +48,7 @@ def kv_table(configs: Iterable[ModelConfig] | None = None, seq_lens: Sequence[in
 
 def main(argv: Sequence[str] = ()) -> int:
     """`argv` is the flags only (the module form passes sys.argv[1:])."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m models.kv_table", description=__doc__)
+    ap = ArgumentParser(prog="python -m models.kv_table", description=__doc__)
     ap.add_argument("--model", action="append", choices=sorted(PRESETS), metavar="PRESET",
                     help="only these presets (repeatable; default: every preset)")
     args = ap.parse_args(argv)

@@ -25,7 +25,7 @@ _TOKEN_TYPE_USER_DEFINED = 4
 
 
 @lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character map."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -36,6 +36,11 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 @lru_cache(maxsize=32)
@@ -139,7 +144,7 @@ class Tokenizer:
         merges: Sequence[str] = fields.get("tokenizer.ggml.merges") or []
         token_types: Sequence[int] = fields.get("tokenizer.ggml.token_type") or []
 
-        alphabet = _bytes_to_unicode()
+        alphabet = bytes_to_unicode()
         letters = set(alphabet.values())
         # A token spelled outside the byte alphabet (rare llama.cpp quirk) is re-spelled byte-wise.
         vocab = {t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")): i
@@ -201,6 +206,16 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for: a byte-level BPE piece mapped back through the byte
+        alphabet (so a piece holding part of a UTF-8 character gives those bytes, not U+FFFD);
+        any other token, the UTF-8 of its decoded text."""
+        piece = self.id_to_token(token_id) or ""
+        inverse = _unicode_to_bytes()
+        if all(c in inverse for c in piece):
+            return bytes(inverse[c] for c in piece)
+        return self.decode([token_id]).encode("utf-8")
 
     # -- chat -----------------------------------------------------------------------------------
 

@@ -10,10 +10,12 @@ format)`: decode steps read those (passes.gguf_blocks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -448,33 +450,49 @@ def save_safetensors(weights: Mapping[str, np.ndarray], path: str | os.PathLike)
 # Orbax
 
 
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax logs about ten INFO lines (through absl) per save or restore, its version and barrier
+    settings among them, which say nothing to someone serving a plan; they show at DEBUG."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def save_orbax(weights: Mapping[str, np.ndarray], directory: str | os.PathLike, *, force: bool = False) -> None:
     """Saves a flat name -> array dict as an Orbax checkpoint at `directory` (must not exist unless force)."""
-    import orbax.checkpoint as ocp
+    with _quiet_orbax():
+        import orbax.checkpoint as ocp
 
-    directory = Path(directory).absolute()
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(directory, {k: np.asarray(v) for k, v in weights.items()}, force=force)
-    ckptr.wait_until_finished()
+        directory = Path(directory).absolute()
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(directory, {k: np.asarray(v) for k, v in weights.items()}, force=force)
+        ckptr.wait_until_finished()
 
 
 def load_orbax(directory: str | os.PathLike) -> dict[str, np.ndarray]:
     """Restores a checkpoint written by save_orbax as numpy arrays."""
-    import orbax.checkpoint as ocp
-
     directory = Path(directory).absolute()
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: Orbax checkpoint directory not found")
     import jax
 
-    # This process alone: each rank of a multi-process engine loads its plan on its own, and
-    # Orbax's default would wait in a barrier (a collective) for every process to restore too.
-    me = jax.process_index()
-    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-    try:
-        restored = ocp.StandardCheckpointer(multiprocessing_options=alone).restore(directory)
-    except Exception as e:
-        raise ValueError(f"{directory}: cannot restore Orbax checkpoint: {type(e).__name__}: {e}") from None
+    with _quiet_orbax():
+        import orbax.checkpoint as ocp
+
+        # This process alone: each rank of a multi-process engine loads its plan on its own, and
+        # Orbax's default would wait in a barrier (a collective) for every process to restore too.
+        me = jax.process_index()
+        alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        try:
+            restored = ocp.StandardCheckpointer(multiprocessing_options=alone).restore(directory)
+        except Exception as e:
+            raise ValueError(f"{directory}: cannot restore Orbax checkpoint: {type(e).__name__}: {e}") from None
     return {k: np.asarray(v) for k, v in restored.items()}
 
 

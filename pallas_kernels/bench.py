@@ -61,6 +61,8 @@ XLA_PREFILL = "dot_product_attention[xla]"
 CUDNN_PREFILL = "dot_product_attention[cudnn]"
 XLA_DECODE = "dot_product_attention[xla] contiguous"
 CUDNN_DECODE = "dot_product_attention[cudnn] contiguous"
+# cuDNN's rows where there is no NVIDIA GPU: said so, instead of JAX's "cuDNN is not detected".
+CUDNN_NA = "n.a.: cuDNN needs an NVIDIA GPU"
 MHA_PREFILL = "jax pallas mha (baseline)"
 
 
@@ -212,6 +214,9 @@ def _prefill_impls(case: PrefillCase, *, interpret: bool, flash_blocks, device_b
 
   logits_bytes = B * Hq * L * L * 4
   for impl, name in (("xla", XLA_PREFILL), ("cudnn", CUDNN_PREFILL)):
+    if impl == "cudnn" and jax.default_backend() != "gpu":
+      impls[name] = CUDNN_NA
+      continue
     if impl == "xla" and logits_bytes > _max_temp_bytes(device_bytes):
       impls[name] = f"skip: {logits_bytes / 2**30:.0f} GiB of logits would not fit"
       continue
@@ -264,6 +269,9 @@ def _decode_impls(case: DecodeCase, *, interpret: bool, paged_blocks, device_byt
   k_contig, v_contig = jax.jit(gather)(k_cache), jax.jit(gather)(v_cache)
   q4 = q[:, None]
   for impl, name in (("xla", XLA_DECODE), ("cudnn", CUDNN_DECODE)):
+    if impl == "cudnn" and jax.default_backend() != "gpu":
+      impls[name] = CUDNN_NA
+      continue
     fn = jax.jit(lambda q, k, v, lens, impl=impl: jax.nn.dot_product_attention(
         q, k, v, scale=scale, key_value_seq_lengths=lens, implementation=impl))
     impls[name] = lambda fn=fn: fn(q4, k_contig, v_contig, context_lens)

@@ -14,8 +14,8 @@ from ir import Graph, Node, add_params, make_node, rewrite
 from ir.attrs import BF16_COPY, BF16_TRANSPOSED, ROLE, Role, role_of
 from ir.graph import freeze_attrs
 
-# Rows from which a step's matmuls take the bf16 path (BENCHMARKS.md, "bf16 matmuls for wide
-# steps", scripts/bench_cpu_matmul.py): on the 2-core CI machine bf16 is 7x slower at one row,
+# Rows from which a step's matmuls take the bf16 path (docs/benchmarks/, "bf16 matmuls for wide
+# steps", benchmarks/bench_cpu_matmul.py): on the 2-core CI machine bf16 is 7x slower at one row,
 # about even at two, and ahead from three or four.
 BF16_MIN_ROWS = 4
 

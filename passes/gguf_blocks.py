@@ -15,10 +15,10 @@ something else reads it (a tied LM head's embedding does): SmolLM2-135M's weight
 plan take 217.8 MiB, against 622.8 MiB with both. Elsewhere w stays, and the backend multiplies
 by it. `tiles="q8"` (EngineConfig.gguf_activations) multiplies in int8, its activations rounded
 per block of 32 to 8 bits as llama.cpp does: against
-the f32 blocks, 1.1x at one row, 2.8x at 64 and 4x at 512 (BENCHMARKS.md, "Int8 products on GGUF
+the f32 blocks, 1.1x at one row, 2.8x at 64 and 4x at 512 (docs/benchmarks/, "Int8 products on GGUF
 blocks"). `tiles="f32"` (EngineConfig.gguf_tiles; by default where the CPU has AMX-BF16) keeps the
 activations as they are: the kernel multiplies three exact bf16 parts of each, so the product is
-f32's up to the order of its sums (BENCHMARKS.md, "f32 products on AMX"). A weight whose N is not
+f32's up to the order of its sums (docs/benchmarks/, "f32 products on AMX"). A weight whose N is not
 a multiple of 16 keeps the file's rows.
 """
 
@@ -32,7 +32,7 @@ from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES, TILE_ACTIVATIONS, TILE_COLUMN
 from ir.graph import freeze_attrs
 
 # Rows up to which a step's matmuls read the blocks: every decode bucket of the default engine (64
-# sequences); prefill chunks of 128+ tokens keep f32 (BENCHMARKS.md, "Decode steps from the GGUF's own blocks").
+# sequences); prefill chunks of 128+ tokens keep f32 (docs/benchmarks/, "Decode steps from the GGUF's own blocks").
 BLOCKS_MAX_ROWS = 64
 # Tiles serve every step (a bound above any bucket's rows).
 TILES_MAX_ROWS = 1 << 30

@@ -9,6 +9,8 @@ from ir import DTYPE_BYTES, Graph, Node, bind_shape
 from ir.attrs import ALL_GATHER, GGUF_BLOCKS, SHARDING, TP_AXIS
 from ir.graph import freeze_attrs
 from ir.layers import find_layers
+from ir.tiling import (PAGED_ATTENTION_LOWERINGS, XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS, XLA_POOL_TILE,
+                       XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
 
 # Elementwise ops XLA fuses into their consumer: a result with exactly one user that is itself
 # fusible never gets a buffer of its own. A result with several users is materialized once
@@ -19,41 +21,6 @@ _VIEWS = {"reshape"}
 # Outputs that alias a donated input buffer (KV pools and caches updated in place).
 _IN_PLACE = {"kv_write", "kv_cache_update", "copy_blocks"}
 
-# How the executor lowers `paged_attention` on the XLA backend (CPU):
-#   "chunked": runtime.worker.kernels.paged_attention_xla, a fori_loop over chunks of XLA_CHUNK_BLOCKS
-#              blocks with an online softmax;
-#   "gather":  ir.ops.paged_attention_reference, the jnp reference, which gathers every token's
-#              whole context at once.
-PAGED_ATTENTION_LOWERINGS = ("chunked", "gather")
-# The chunked lowering's tiling, defined here once: the memory plan sizes its workspace from them,
-# and runtime.worker.kernels lowers with them (runtime may import passes; not the other way).
-# Blocks of context per loop iteration: 8 x 16 = 128 tokens.
-XLA_CHUNK_BLOCKS = 8
-# Buckets past XLA_SELF_MAX_TOKENS with at most this many sequences gather each
-# sequence's chunk once and score every token against all of them, masking other sequences:
-# S times the score flops, but far less memory traffic than a per-token gather. Past ~4
-# sequences the wasted flops cost more than the gather saves (1.5 S flops per gathered byte).
-XLA_DENSE_MAX_SEQS = 4
-# Prefill-shaped buckets up to this many tokens attend over the step's own new K/V directly (one
-# [T, heads, T] score block), and walk the pool only for context from earlier steps; a fresh
-# prompt then reads no KV from the pool at all. Larger buckets use the chunked walk alone (the
-# score block would be T^2: 151 MB at 2048 tokens with 9 heads).
-XLA_SELF_MAX_TOKENS = 2048
-# Those buckets then walk the pool per sequence, never per token: decode rows one row each, and
-# the tokens of a chunked continuation or prefix hit in tiles of XLA_POOL_TILE tokens against
-# chunks of XLA_SEQ_CHUNK_BLOCKS blocks of their own context (512 tokens), each gathered once per
-# tile. Fresh prompts read nothing from the pool.
-XLA_POOL_TILE = 64
-# The per-token walk (decode rows) goes in groups of this many rows, longest context first, each
-# group only as far as its own longest context.
-XLA_ROW_GROUP = 8
-XLA_SEQ_CHUNK_BLOCKS = 32
-
-
-def uses_new_kv(t: int, s: int) -> bool:
-    """Whether the chunked lowering of a (t tokens, s sequences) bucket attends over the step's new
-    K/V first (runtime.worker.kernels.paged_attention_xla)."""
-    return s < t <= XLA_SELF_MAX_TOKENS
 F32 = 4
 HALF = ("bf16", "f16")
 

@@ -6,7 +6,7 @@ Two modes (EngineConfig.quantization):
   decode steps take our C++ kernel instead under kernel_backend=cpp (runtime.worker.kernels).
 - "w8a8": the same int8 weights, and each row of the activations quantized to int8 at run time
   (`activations="i8"` on the op), so the product is int8 x int8 with int32 accumulation. CPUs
-  with VNNI/AMX-INT8 run it 1.5-3x faster than f32 (BENCHMARKS.md, "W8A8"). A tied LM head also
+  with VNNI/AMX-INT8 run it 1.5-3x faster than f32 (docs/benchmarks/, "W8A8"). A tied LM head also
   gets an int8 copy, of the transposed embedding, since its product is a fifth of a small
   model's weight reads per token.
 Either way EngineConfig.quantize_lm_head can force the LM head into int8 or keep it in full
@@ -31,7 +31,7 @@ def quantize_int8(graph: Graph, activations: str | None = None, lm_head: bool | 
     `lm_head` (EngineConfig.quantize_lm_head): True rewrites the LM head, tied or not; False keeps
     it in full precision. None is each mode's default: W8A8 (`activations="i8"`) rewrites it;
     weight-only rewrites an untied head but leaves a tied one, whose int8 copy adds bytes to the
-    weights rather than saving them (it saves bytes read per token instead: BENCHMARKS.md).
+    weights rather than saving them (it saves bytes read per token instead: docs/benchmarks/).
 
     Both new params keep the source's role (and its other attributes); `quantize_int8=src` marks
     the int8 weight and `int8_scale=src` its scale.

@@ -2,6 +2,8 @@
 
     python -m runtime.bench --model smollm2-135m --workload mixed --num-prompts 64
     python -m runtime.bench --scheduling static,dynamic,continuous --baseline hf --plot bench.png
+    python -m runtime.bench --request-rate 1.0 --max-num-seqs 16      # arrivals as at a server: TTFT
+    python -m runtime.bench --structured-fraction 0.5 --num-prompts 32  # the cost of JSON-schema masks
     python -m runtime.bench serve --url http://127.0.0.1:8000 --request-rate 4 --num-prompts 64
     python -m runtime.bench soak --duration-min 10 --serve-args "--max-model-len 512"
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -40,6 +43,7 @@ class RunResult:
     breakdown_ms: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list)  # (t, output tok/s, kv pool occupancy)
     spec: tuple[int, int, int] | None = None  # speculative decoding: (drafts, draft tokens, accepted tokens)
+    ttft_s: list = field(default_factory=list)  # per request, when requests arrive at a rate
 
     @property
     def output_tps(self) -> float:
@@ -50,29 +54,70 @@ class RunResult:
         return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
 
 
-def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list | None = None) -> RunResult:
+def arrival_times(num: int, request_rate: float, seed: int = 0) -> np.ndarray:
+    """Seconds after the start at which each request arrives: Poisson arrivals at `request_rate`
+    requests/s (the seeded gaps `bench serve` draws), or all at once when it is inf."""
+    if math.isinf(request_rate):
+        return np.zeros(num)
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / request_rate, size=num))
+
+
+def json_digits_schema(num_tokens: int) -> dict:
+    """A JSON array of exactly `num_tokens` digits: every item costs at least one token, so a request
+    constrained to it runs to its max_tokens as a free one (ignore_eos) does, and the two runs
+    generate the same tokens in the same steps: tok/s then compares the step cost alone (the host
+    writing masks, the masked sampler)."""
+    return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": num_tokens, "maxItems": num_tokens}
+
+
+def constrained_requests(num: int, fraction: float) -> list[bool]:
+    """Which of `num` requests are constrained: round(num x fraction), spread evenly."""
+    k = round(num * fraction)
+    return [(i * k) // num != ((i + 1) * k) // num for i in range(num)]
+
+
+def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list | None = None, *,
+               request_rate: float = math.inf, structured_fraction: float = 0.0, schema_items: int | None = None,
+               name: str | None = None) -> RunResult:
     """One policy over the workload; with `request_traces`, every request runs with
-    SamplingParams(trace=True) and its trace is appended there."""
+    SamplingParams(trace=True) and its trace is appended there. `request_rate`: requests arrive at
+    this rate (Poisson, seeded) instead of all at once, as they would at a server, without HTTP.
+    `structured_fraction`: that share of the requests is constrained to json_digits_schema
+    (`schema_items` long: by default the workload's longest max_tokens)."""
     from runtime.build import build_engine
     from runtime.core.sampling_params import SamplingParams
 
     plan = dataclasses.replace(plan, engine=dataclasses.replace(plan.engine, scheduling=policy))
     engine = build_engine(plan, runner=runner, tokenizer=tokenizer, warmup=False)
     engine.trace = []
-    engine.scheduler.no_more_arrivals = True
+    schema = {"json": json_digits_schema(schema_items or max(m for _, m in work)), "disable_any_whitespace": True}
+    constrained = constrained_requests(len(work), structured_fraction)
+    timed = not math.isinf(request_rate)  # TTFT is what arrivals at a rate are for
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                             trace=request_traces is not None or timed,
+                             structured_outputs=schema if constrained[i] else None)
+              for i, (_, max_tokens) in enumerate(work)]
+    arrivals = arrival_times(len(work), request_rate)
     t0 = time.monotonic()
-    for i, (ids, max_tokens) in enumerate(work):
-        engine.add_request(f"{policy}-{i}", ids, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                 ignore_eos=True, detokenize=False,
-                                                                 trace=request_traces is not None),
-                           arrival_time=t0)
-    out_tokens = 0
-    while engine.has_unfinished_requests():
+    added = 0
+    out_tokens, ttft = 0, []
+    while added < len(work) or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while added < len(work) and arrivals[added] <= now:
+            engine.add_request(f"{policy}-{added}", work[added][0], params[added], arrival_time=t0 + arrivals[added])
+            added += 1
+        engine.scheduler.no_more_arrivals = added == len(work)  # static/dynamic batching stop waiting
+        if not engine.has_unfinished_requests():
+            time.sleep(min(max(arrivals[added] - now, 0.0), 0.01))
+            continue
         for o in engine.step():
             if o.finished:
                 out_tokens += len(o.outputs[0].token_ids)
+                if timed:
+                    ttft.append(o.trace["ttft_s"])
                 if request_traces is not None:
-                    request_traces.append(dict(o.trace, request_id=o.request_id, policy=policy))
+                    request_traces.append(dict(o.trace, request_id=o.request_id, policy=name or policy))
     elapsed = time.monotonic() - t0
     tr = engine.trace
     pool = engine.block_manager.num_blocks * plan.engine.block_size
@@ -93,11 +138,11 @@ def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list 
         for t in tr:
             timeline.append((t.time - start, by_bin[int((t.time - start) / window)] / window,
                              t.kv_used_slots / pool))
-    return RunResult(policy, elapsed, sum(len(p) for p, _ in work), out_tokens,
+    return RunResult(name or policy, elapsed, sum(len(p) for p, _ in work), out_tokens,
                      float(np.mean(fill)) if fill else 0.0, max(fill, default=0.0),
                      float(np.mean(occ)) if occ else 0.0, max(occ, default=0.0),
                      engine.num_recompiles, len(tr), dict(padding),
-                     step_breakdown(tr), timeline, _spec_counts(engine))
+                     step_breakdown(tr), timeline, _spec_counts(engine), ttft)
 
 
 def _spec_counts(engine) -> tuple[int, int, int] | None:
@@ -201,7 +246,19 @@ def report(results: list[RunResult], out=sys.stdout) -> None:
             mean = f"{1 + accepted / drafts:.2f}" if drafts else "-"
             print(f"speculative decoding ({r.name}): {drafts} drafts of {drafted} tokens, {accepted} accepted "
                   f"({rate}); mean acceptance length {mean} tokens per verified sequence step "
-                  f"(the speed-up against plain decoding: scripts/bench_spec_decode.py)", file=out)
+                  f"(the speed-up against plain decoding: benchmarks/bench_spec_decode.py)", file=out)
+    for r in results:
+        if r.ttft_s:
+            t = np.asarray(r.ttft_s)
+            print(f"TTFT ({r.name}, {len(t)} requests arriving at the rate): p50 {np.median(t):.2f} s, "
+                  f"p90 {np.percentile(t, 90):.2f} s, p99 {np.percentile(t, 99):.2f} s, max {t.max():.2f} s", file=out)
+    by_name = {r.name: r for r in results}
+    for r in results:
+        base = by_name.get(r.name.split("+json")[0]) if "+json" in r.name else None
+        if base is not None:
+            print(f"structured outputs ({r.name}): {r.output_tps:.1f} out tok/s against {base.output_tps:.1f} free, "
+                  f"cost {100 * (1 - r.output_tps / base.output_tps):+.1f}% ({r.output_tokens} and "
+                  f"{base.output_tokens} tokens)", file=out)
     for r in results:
         if not r.padding:
             continue
@@ -271,6 +328,12 @@ def main(argv=None) -> int:
                          "TTFT, per-token times) as JSON lines")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="write a jax.profiler trace of the timed runs to DIR (TensorBoard / Perfetto)")
+    ap.add_argument("--request-rate", type=float, default=math.inf, metavar="RATE",
+                    help="requests arrive at RATE per second (Poisson, seeded), as at a server but in process; "
+                         "reports TTFT percentiles (default inf: all at once)")
+    ap.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
+                    help="also run each policy with this share of the requests constrained to a JSON schema "
+                         "as long as their max_tokens, and report the throughput cost of the masks")
     add_engine_args(ap)
     args = ap.parse_args(argv)
     # --scheduling takes a comma list here: every policy runs on the same workload and plan.
@@ -278,6 +341,10 @@ def main(argv=None) -> int:
     bad = [p for p in policies if p not in ("continuous", "dynamic", "static")]
     if bad or not policies:
         raise UserError(f"--scheduling {args.scheduling}: use a comma list of continuous, dynamic and static")
+    if not 0.0 <= args.structured_fraction <= 1.0:
+        raise UserError(f"--structured-fraction {args.structured_fraction}: a share between 0 and 1")
+    if not args.request_rate > 0:
+        raise UserError(f"--request-rate {args.request_rate}: requests per second, above 0 (inf: all at once)")
     if args.baseline == "hf":  # found out now, not after the JAX runs
         import importlib.util
 
@@ -307,7 +374,8 @@ def main(argv=None) -> int:
     print(f"workload {args.workload}: {len(work)} prompts, prompt tokens {sum(len(p) for p, _ in work)}, "
           f"output tokens {sum(m for _, m in work)}", file=sys.stderr)
     # A short untimed run so first-touch effects don't land on whichever policy runs first.
-    run_engine(plan, runner, "continuous", work[:4], tok)
+    run_engine(plan, runner, "continuous", work[:4], tok, structured_fraction=0.5 if args.structured_fraction else 0.0,
+               schema_items=max(m for _, m in work))  # and the grammar's compile, when there is one
     results = []
     traces = [] if args.trace else None
     import contextlib
@@ -316,9 +384,12 @@ def main(argv=None) -> int:
 
     with jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext():
         for p in policies:
-            r = run_engine(plan, runner, p, work, tok, request_traces=traces)
-            print(f"  {p}: {r.elapsed_s:.1f}s, {r.output_tps:.1f} out tok/s", file=sys.stderr)
-            results.append(r)
+            runs = [(p, 0.0)] + ([(f"{p}+json", args.structured_fraction)] if args.structured_fraction else [])
+            for name, fraction in runs:
+                r = run_engine(plan, runner, p, work, tok, request_traces=traces, request_rate=args.request_rate,
+                               structured_fraction=fraction, name=name)
+                print(f"  {name}: {r.elapsed_s:.1f}s, {r.output_tps:.1f} out tok/s", file=sys.stderr)
+                results.append(r)
     if args.profile:
         print(f"profiler trace written under {args.profile}", file=sys.stderr)
     if args.trace:

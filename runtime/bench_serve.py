@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from runtime.args import ArgumentParser
 from runtime.workload import WORKLOADS, make_workload, shared_prefix_workload
 
 SHARED_PREFIX = "shared-prefix"  # text prompts: 8 long system prompts x users (workload.shared_prefix_workload)
@@ -303,7 +304,7 @@ def _counts_or_none(urls: list[str]):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.bench serve", description=__doc__,
+    ap = ArgumentParser(prog="python -m runtime.bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     ap.add_argument("--model", default=None, help="model name to send (default: the server's first)")

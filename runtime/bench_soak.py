@@ -228,7 +228,7 @@ def start_server(serve_args: list[str], log_path: str, timeout_s: float = 600.0)
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"the server did not start within {timeout_s:.0f}s; see {log_path}")
-        time.sleep(0.1)  # scripts/bench_startup.py times starts with this
+        time.sleep(0.1)  # benchmarks/bench_startup.py times starts with this
 
 
 def main(argv=None) -> int:

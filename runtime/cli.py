@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from models.cli import PROG_ENV
 from runtime.args import ArgumentParser, quiet_tpu_probe  # noqa: F401 (runtime.serve imports it from here)
 from runtime.errors import run_main
 
@@ -69,10 +71,19 @@ def dispatch(argv: list[str]) -> int:
         ap.print_help()
         return 0 if not argv else 2
     name, rest = argv[0], argv[1:]
-    if name == "serve":
-        return serve(rest)
-    module = importlib.import_module(COMMANDS[name][0])  # lazily: selfcheck and serve pull in a lot
-    return module.main(rest) or 0
+    module = COMMANDS[name][0]
+    shown = os.environ.get(PROG_ENV)
+    if (shown or "").partition("=")[0] != module:  # scripts/serve.sh names itself
+        os.environ[PROG_ENV] = f"{module}=jaxserve {name}"  # errors name `jaxserve serve`, not `python -m ...`
+    try:
+        if name == "serve":
+            return serve(rest)
+        return importlib.import_module(module).main(rest) or 0  # lazily: selfcheck and serve pull in a lot
+    finally:
+        if shown is None:
+            os.environ.pop(PROG_ENV, None)
+        else:
+            os.environ[PROG_ENV] = shown
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ CUDA_VISIBLE_DEVICES slice of tensor_parallel_size devices), and SGLang's router
 cache-aware policy keeps a radix tree of the text each replica has served and sends a request to
 the replica holding its longest prefix (so that replica's prefix cache hits), unless the replicas'
 loads are too far apart; `--router-policy round_robin` is the baseline it is measured against
-(docs/results-issue52.md). This module is only the glue: processes, ports, the worker list.
+(docs/benchmarks/2026-12-06-issue52-scale-out.md). This module is only the glue: processes, ports, the worker list.
 
 Faults: a replica whose process exits is taken out of the router's rotation at once (the router's
 worker API), restarted on its port, and put back once its /health answers; its in-flight requests

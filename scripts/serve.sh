@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m runtime.cli serve "$@"
+# A mistyped flag is reported against this script, the command the user typed.
+JAXSERVE_PROG="runtime.serve=$0" exec .venv/bin/python -m runtime.cli serve "$@"

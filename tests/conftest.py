@@ -26,6 +26,12 @@ SMOL_ARGS = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
 
 
 def pytest_configure(config):
+    if not (GOLDEN_DIR / "prompts.json").is_file():
+        # Test modules read the golden prompts when they are collected; say what is missing once.
+        raise pytest.UsageError(
+            f"the tests need the golden outputs of HF transformers, and {GOLDEN_DIR} has none (no prompts.json). "
+            f"They live beside the checkout, in ../shared/golden (../shared/DESIGN.md, 'The default model and the golden "
+            f"data'); point GOLDEN_DIR=/path/to/golden at a copy if yours is elsewhere.")
     from runtime.worker.model_runner import enable_compilation_cache
 
     enable_compilation_cache(CACHE_DIR)
@@ -199,7 +205,21 @@ def smol_llm(smollm2):
 REAL_MODEL_FIXTURES = {"smollm2", "smol_llm", "smol_plan", "gguf_fields", "gguf_reader", "tok"}
 
 
+# The smoke loop (`bash scripts/test.sh -m smoke -n 2`): modules that compile no model (the command
+# line, the IR and passes, the host-only engine core, grammars, docs), less their tests that plan
+# big presets or start subprocesses. What it costs is in the README.
+SMOKE_MODULES = {"test_layering", "test_docs", "test_block_manager", "test_scheduler", "test_engine_config",
+                 "test_detokenizer", "test_spec_decode", "test_structured_output", "test_ir", "test_passes",
+                 "test_build", "test_bench_soak", "test_tokenizer", "test_cli"}
+NOT_SMOKE = {"test_dry_run_that_does_not_fit_exits_2_with_advice_that_fits", "test_dry_run_that_fits_exits_0",
+             "test_python_m_forms_give_the_same_one_line_errors", "test_engine_args_that_cannot_work",
+             "test_readme_command", "test_the_suite_without_golden_data_says_where_it_lives"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if (item.module.__name__.rpartition(".")[2] in SMOKE_MODULES and item.originalname not in NOT_SMOKE
+                and not item.get_closest_marker("slow")):
+            item.add_marker(pytest.mark.smoke)

@@ -162,7 +162,7 @@ def test_preemption_aborts_and_prefix_hits_under_a_random_workload():
 
 def test_config_auto_and_conflicts():
     """auto: on for accelerators, off on CPU (the host's work would share the step's cores:
-    BENCHMARKS.md, "Async scheduling"), and off where it does not apply."""
+    docs/benchmarks/, "Async scheduling"), and off where it does not apply."""
     assert EngineConfig().schedules_async("gpu") and not EngineConfig().schedules_async("cpu")
     assert EngineConfig(async_scheduling=True).schedules_async("cpu")
     assert not EngineConfig(num_scheduler_steps=4).schedules_async("gpu")

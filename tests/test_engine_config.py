@@ -246,7 +246,7 @@ def test_every_engine_field_has_a_flag_or_says_why_not():
     from models.cli import _ENGINE_FLAGS, NO_FLAG_FIELDS
     from runtime.config import EngineConfig
 
-    flagged = {name for name, _, _ in _ENGINE_FLAGS}
+    flagged = {name for name, *_ in _ENGINE_FLAGS}
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert flagged | set(NO_FLAG_FIELDS) == fields
     assert not flagged & set(NO_FLAG_FIELDS)

@@ -78,10 +78,11 @@ def never_traced(monkeypatch, runner):
         monkeypatch.setattr(runner, name, NeverLowered(name))
 
 
-def test_a_warm_runner_loads_every_executable_without_tracing(tmp_path, monkeypatch):
+def test_a_warm_runner_loads_every_executable_without_tracing(tmp_path, monkeypatch, capsys):
     plan = tiny_plan()
     cold = ModelRunner(plan, executables=tmp_path)
-    cold.warmup()
+    cold.warmup(progress=True)
+    assert "compile buckets: 100%" in capsys.readouterr().err
     n = len(plan.buckets.pairs()) + 2  # every bucket's step, the block copy, prompt logprobs
     assert (cold.executables.hits, cold.executables.misses) == (0, n)
     assert len(list(tmp_path.glob("*.bin"))) == n and not list(tmp_path.glob("*.tmp"))
@@ -92,8 +93,10 @@ def test_a_warm_runner_loads_every_executable_without_tracing(tmp_path, monkeypa
     jax.clear_caches()
     warm = ModelRunner(plan, executables=tmp_path)
     never_traced(monkeypatch, warm)
-    warm.warmup()
+    warm.warmup(progress=True)
     assert (warm.executables.hits, warm.executables.misses) == (n, 0)
+    bar = capsys.readouterr().err
+    assert "load buckets: 100%" in bar and "compile" not in bar  # a warm start only loads
     got = step_tokens(warm, bucket)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
@@ -102,6 +105,14 @@ def test_a_warm_runner_loads_every_executable_without_tracing(tmp_path, monkeypa
     again.compile_bucket(bucket)
     assert again.executables.hits == 1
     np.testing.assert_array_equal(step_tokens(again, bucket)[1], want[1])
+
+
+def test_the_bar_says_how_many_buckets_were_loaded():
+    from runtime.worker.model_runner import bar_label
+
+    assert bar_label("compile buckets", 0, 8) == "compile buckets"
+    assert bar_label("compile buckets", 3, 8) == "compile buckets (3 of 8 loaded)"
+    assert bar_label("compile buckets for the resized KV pool", 8, 8) == "load buckets for the resized KV pool"
 
 
 def test_an_executable_that_xla_did_not_compile_is_not_stored(tmp_path):

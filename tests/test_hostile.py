@@ -603,7 +603,7 @@ def test_normal_requests_keep_their_latency_during_a_burst_of_slow_bad_ones(smol
           f"{during[-1] * 1e3:.0f} ms over {len(during)} during the burst")
     assert {(b[0], b[1]) for b in burst} == {(400, code)} and len(burst) >= 8
     assert len(during) >= 3
-    # The target is 100 ms (docs/results-issue48-api.md has the measured moves: +50 to +150 ms on two
+    # The target is 100 ms (docs/benchmarks/2026-12-06-issue48-api.md has the measured moves: +50 to +150 ms on two
     # cores at load 4-5); the bound leaves room for a busier machine, far below the 12-15 s of before.
     assert p50(during) - p50(before) < 0.4, (before, during)
 

@@ -399,3 +399,16 @@ def test_dump_stats_is_deterministic(capsys):
 def test_dump_every_preset_without_weights(capsys, name):
     out = _dump(capsys, "--model", name, "--stats", "--no-ir")
     assert "memory plan" in out and "paged_attention" in out
+
+
+def test_the_dumps_note_on_the_servers_weights_holds(capsys):
+    """The dump says why the server's weights may differ, with SmolLM2's numbers: check them."""
+    from ir.dump import MACHINE_NOTE
+
+    def weights(*flags):
+        out = _dump(capsys, "--model", "smollm2-135m", "--stats", "--no-ir", *flags)
+        assert MACHINE_NOTE in out
+        return next(l.split()[-2] for l in out.splitlines() if l.strip().startswith("- weights"))
+
+    plain, tiles = weights(), weights("--gguf-tiles", "true")
+    assert f"SmolLM2's {round(float(plain))} MiB become\n{round(float(tiles))} MiB" in MACHINE_NOTE, (plain, tiles)

@@ -117,6 +117,42 @@ def test_folders_import_only_what_design_allows():
     assert not bad, "imports DESIGN forbids:\n" + "\n".join(bad)
 
 
+# The worker runs what the compiler made: it may read a pass's result (the memory plan it is sized
+# by), never a pass's constants or rewrites. Constants that a pass and the worker must agree on
+# (the XLA lowering's tiling: ir/tiling.py) live under ir/, which both may import.
+WORKER_MAY_TAKE_FROM_PASSES = {"passes.plan_memory": {"MemoryPlan"}}
+
+
+def test_the_worker_takes_only_results_from_passes():
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        if not module.startswith("runtime.worker"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {a.name}"
+                        for a in node.names if a.name.split(".")[0] == "passes"]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "passes":
+                allowed = WORKER_MAY_TAKE_FROM_PASSES.get(node.module, set())
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}.{a.name}"
+                        for a in node.names if a.name not in allowed]
+    assert not bad, ("runtime/worker takes a pass's constants or code (put shared constants under ir/, "
+                     "as ir/tiling.py does):\n" + "\n".join(bad))
+
+
+def test_no_private_name_crosses_a_folder():
+    """A name with a leading underscore is its folder's own: another folder asks for a public one
+    (protocol.py once took models.tokenizer's _bytes_to_unicode; it now asks Tokenizer.token_bytes)."""
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                    and node.module.split(".")[0] in PACKAGES and node.module.split(".")[0] != module.split(".")[0]:
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}.{a.name}"
+                        for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "private names taken across folders:\n" + "\n".join(bad)
+
+
 def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan), each sorted."""
     index: dict[str, int] = {}

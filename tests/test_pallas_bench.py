@@ -20,6 +20,10 @@ def test_bench_interpret_smoke(capsys):
     # Every row of ours has a time and agrees with XLA to bf16 accuracy.
     diff = float(re.search(r"max\|diff\| vs \S+: (\S+)", line).group(1))
     assert diff < 5e-2, line
+  # cuDNN has no rows to time on a CPU: they say so rather than print JAX's "cuDNN is not detected".
+  cudnn = [line for line in out.splitlines() if "[cudnn]" in line]
+  assert cudnn and all(bench.CUDNN_NA in line for line in cudnn), cudnn
+  assert "not detected" not in out
 
 
 def test_bench_full_case_lists_are_sane():

@@ -34,7 +34,11 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
   table = proc.stdout[proc.stdout.index("\nselfcheck --quick"):]
   for name in selfcheck.PARTS:
     assert f"\n{name} " in table
-  assert "PASS: 5/5 parts passed" in table
+  assert "PASS: 6/6 parts passed" in table
+  cpu = parts["cpu"]["data"]  # the C++ kernels and the GGUF block and tile paths, on this CPU's paths
+  names = [r["check"] for r in cpu["rows"]]
+  assert all(r["ok"] for r in cpu["rows"]) and len(names) == 14
+  assert any("blocks" in n for n in names) and any("tiles, f32" in n for n in names)
 
   kernels = parts["kernels"]["data"]["rows"]
   assert {r["dtype"] for r in kernels} == {"float32", "bfloat16"}
@@ -56,6 +60,38 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
   assert all(r["seconds"] for r in ours)
   # Nothing here can measure the H200 targets; they say so rather than pass.
   assert [t["status"] for t in report["targets"]] == ["n.a."] * 4
+
+
+def test_cpu_part_checks_the_kernels_against_their_references(monkeypatch):
+  """A block product that is off by a little fails its rows, and only those; every other check
+  of the part runs and passes (the GGUF ones here: they are the fast ones)."""
+  from runtime import selfcheck_cpu
+  from runtime.worker import cpp_kernels
+
+  if not cpp_kernels.available():
+    pytest.skip("the C++ kernels do not build here")
+  features = {"avx512bw": cpp_kernels.matmul_vectorized(), "vnni": cpp_kernels.tiles_vectorized(),
+              "amx_bf16": cpp_kernels.tiles_amx_bf16()}
+  checks = [c for c in selfcheck_cpu.cpu_checks(features) if c[0].startswith("GGUF q4_1")]
+  assert len(checks) == 3  # blocks, tiles with f32 activations, tiles with q8 ones
+  assert all(selfcheck_cpu._miss(*run(), attention=False)[0] for _, run, _ in checks)
+  real = cpp_kernels.block_matmul
+  monkeypatch.setattr(cpp_kernels, "block_matmul", lambda *a, **k: real(*a, **k) * 1.001)
+  verdicts = {name: selfcheck_cpu._miss(*run(), attention=False)[0] for name, run, _ in checks}
+  assert [n for n, ok in verdicts.items() if not ok] == [checks[0][0]]  # the blocks' row
+
+
+def test_cpu_part_is_na_off_the_cpu(monkeypatch, tmp_path):
+  import jax
+
+  from runtime import selfcheck_cpu
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  ok, summary, data = selfcheck_cpu.part_cpu(SimpleNamespace())
+  assert ok and summary.startswith("n.a.") and data == {"applies": False}
+  monkeypatch.setitem(selfcheck.PART_FUNCTIONS, "cpu", selfcheck_cpu.part_cpu)
+  assert selfcheck.run_child(SimpleNamespace(part="cpu", result=str(tmp_path / "r.json"))) == 0
+  assert json.loads((tmp_path / "r.json").read_text())["status"] == "n.a."
 
 
 def test_a_hang_is_a_timeout_and_the_exit_status_is_1(tmp_path, capsys):

@@ -137,3 +137,19 @@ def test_from_file_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_file(tmp_path)
+
+
+def test_token_bytes_maps_byte_level_pieces_back():
+    from conftest import tiny_bpe_tokenizer
+
+    t = tiny_bpe_tokenizer()
+    e_acute = "é".encode()  # two bytes, two byte-level tokens: each is half a character
+    ids = t.encode("é ab")
+    assert [t.token_bytes(i) for i in ids[:2]] == [e_acute[:1], e_acute[1:]]
+    assert t.decode(ids[:1]) == "\ufffd"  # what the text alone would give for half a character
+    assert b"".join(t.token_bytes(i) for i in ids) == "é ab".encode()
+    assert t.token_bytes(t.token_to_id("<eos>")) == b"<eos>"  # not in the byte alphabet: its text
+
+    from runtime.entrypoints.openai.protocol import Detok  # the logprobs' "bytes" ask the tokenizer
+
+    assert Detok(t).bytes(ids[0]) == list(e_acute[:1]) and Detok(t).text(ids[0]) == "\ufffd"

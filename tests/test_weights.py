@@ -448,6 +448,21 @@ def test_orbax_roundtrip(tmp_path):
         load_orbax(tmp_path / "missing_ckpt")
 
 
+def test_orbax_says_nothing_at_info(tmp_path, caplog):
+    """Serving a plan printed about ten of Orbax's INFO lines (its version, barrier settings)."""
+    import logging
+
+    w = random_weights(get_preset("tiny"), seed=1)
+    with caplog.at_level(logging.INFO):
+        save_orbax(w, tmp_path / "ckpt")
+        load_orbax(tmp_path / "ckpt")
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelno < logging.WARNING]
+    assert logging.getLogger("absl").level == logging.NOTSET  # put back as it was
+    with caplog.at_level(logging.DEBUG):
+        load_orbax(tmp_path / "ckpt")
+    assert [r for r in caplog.records if r.name == "absl"]  # --log-level debug still shows them
+
+
 def test_random_weights_deterministic():
     config = get_preset("tiny")
     a, b, c = random_weights(config, seed=0), random_weights(config, seed=0), random_weights(config, seed=1)

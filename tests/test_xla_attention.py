@@ -12,7 +12,7 @@ import pytest
 
 from ir.ops import paged_attention_reference
 from pallas_kernels.testing import cu_from_lens, random_paged_cache
-from passes.plan_memory import XLA_POOL_TILE, XLA_ROW_GROUP, uses_new_kv
+from ir.tiling import XLA_POOL_TILE, XLA_ROW_GROUP, uses_new_kv
 from runtime.worker.kernels import SELF_TILE, paged_attention_xla
 from tolerances import KERNEL
 

@@ -13,6 +13,7 @@ says why.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -20,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -90,7 +92,19 @@ def _build() -> Path:
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the C++ CPU kernels (once per machine) into %s", lib)
+    # Processes starting at once (test workers, a server beside a benchmark) build once: the others
+    # wait on the lock, then find the library (each built its own copy before: twice the CPU on a
+    # 2-core machine, for one result).
+    with open(lib.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        return _compile_into(lib, cxx, include)
+
+
+def _compile_into(lib: Path, cxx: str, include: str) -> Path:
+    log.warning("compiling the C++ CPU kernels into %s (once per machine; about a minute on 2 cores)", lib)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         objs = [Path(tmp) / (src.stem + ".o") for src in SOURCES]
         out = Path(tmp) / lib.name
@@ -99,7 +113,8 @@ def _build() -> Path:
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 raise KernelUnavailable(f"building the C++ kernels failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
-        os.replace(out, lib)  # atomic: processes building at once each install a whole file
+        os.replace(out, lib)  # atomic: a reader never sees a partial file
+    log.warning("C++ CPU kernels built in %.0f s", time.perf_counter() - t0)
     return lib
 
 
@@ -144,7 +159,7 @@ def fits(num_kv_heads: int, n_rep: int, block_size: int, head_dim: int) -> bool:
 
 
 # The shortest piece of one row's context that the decode kernel gives a thread of its own, when a
-# step has too few rows to keep the threads busy (batch 1 at long context); BENCHMARKS.md,
+# step has too few rows to keep the threads busy (batch 1 at long context); docs/benchmarks/,
 # "Decode attention in our C++ kernel", "Long rows split over the threads".
 PART_TOKENS = 256
 # Consecutive rows of one sequence (a prompt's tokens in a prefill chunk) walked together, at most (the

@@ -4,7 +4,7 @@ compiling.
 JAX's persistent compilation cache (runtime.build) keys an executable by its lowered program, so a
 warm start still traces each bucket's step in Python and lowers it to StableHLO just to find the
 key: about 1-2 s per bucket of the unrolled 30-layer SmolLM2 step, as much as loading the
-executable itself (BENCHMARKS.md, "Start-up"). This store keys each executable by what its program
+executable itself (docs/benchmarks/, "Start-up"). This store keys each executable by what its program
 is made from, all known before any tracing:
 
 - the plan's program (model config, engine options, final graph: `Plan.program_hash`);

@@ -20,8 +20,8 @@ from ir import OPS
 from ir.blocks import round_q8
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.ops import kv_write_reference
-from passes.plan_memory import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
-                                XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
+from ir.tiling import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
+                       XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
 from runtime.worker import cpp_kernels
 
 
@@ -37,9 +37,9 @@ SELF_TILE = 128
 
 # int8-weight products of at most this many rows (decode steps) run in cpp/matmul.cc where it
 # has its vector paths; wider ones keep XLA's products. W8A8: XLA's int8 dot is as fast or faster
-# from 8 rows on (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel"). Weight-only: XLA's product
+# from 8 rows on (docs/benchmarks/, "W8A8 decode rows in our C++ kernel"). Weight-only: XLA's product
 # with the weights widened is 1.5-10x slower than the kernel up to 64 rows (a 64-sequence decode
-# step), and about even at 128 (BENCHMARKS.md, "Weight-only int8 decode rows in our C++ kernel").
+# step), and about even at 128 (docs/benchmarks/, "Weight-only int8 decode rows in our C++ kernel").
 CPP_INT8_MAX_ROWS = 4
 CPP_INT8_WEIGHT_ONLY_MAX_ROWS = 64
 # f32 products of at most this many rows run in cpp/matmul.cc too, where it has its vector paths.
@@ -132,7 +132,7 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     token's own chunk is in the pool already, so it walks its sequence's positions up to its own,
     and never scores the other sequences packed into the step, as the self-attention tiles do (64
     sequences x 64 tokens 1.16x faster under gguf_activations=q8, and a 512-token TTFT 1.11x;
-    BENCHMARKS.md, "Int8 products on GGUF blocks"); a prompt's consecutive tokens walk their blocks
+    docs/benchmarks/, "Int8 products on GGUF blocks"); a prompt's consecutive tokens walk their blocks
     together (cpp_kernels.GROUP_ROWS: a 2,048-token TTFT 1.38x)."""
     t = q.shape[0]
     s, m = block_tables.shape

@@ -110,6 +110,14 @@ def _budget_text(memory: MemoryPlan) -> str:
                if memory.tensor_parallel_size > 1 else "") + ")")
 
 
+def bar_label(desc: str, loaded: int, total: int) -> str:
+    """The start-up bar's label: "load buckets" when the executable store held every bucket (a
+    warm start compiles nothing), else `desc` with how many of them it held."""
+    if total and loaded == total:
+        return desc.replace("compile buckets", "load buckets", 1)
+    return f"{desc} ({loaded} of {total} loaded)" if loaded else desc
+
+
 def check_fit(memory: MemoryPlan, measured_peak: int | None = None) -> None:
     """Raises DoesNotFit (a MemoryError), with the numbers, when weights + KV pools + the activation
     peak exceed what the device (and its allocator) can give: better to stop at start than to sit
@@ -317,15 +325,17 @@ class ModelRunner:
             self.compiled[bucket] = self._compile("step", self._step, *self._step_args(bucket))
         return self.compiled[bucket]
 
-    def _load_stored_buckets(self, buckets) -> None:
+    def _load_stored_buckets(self, buckets) -> int:
         """The buckets' steps that the executable store holds, loaded on all cores at once (1.85x
-        faster than one at a time on 2 cores); the rest are left to compile_bucket."""
+        faster than one at a time on 2 cores); the rest are left to compile_bucket. Returns how
+        many it loaded."""
         if self.executables is None:
-            return
+            return 0
         todo = [b for b in buckets if b not in self.compiled]
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             found = list(pool.map(lambda b: self.executables.load("step", *self._step_args(b)), todo))
         self.compiled.update((b, c) for b, c in zip(todo, found) if c is not None)
+        return sum(c is not None for c in found)
 
     def compile_multi_step(self, bucket: tuple[int, int]):
         if bucket not in self.compiled_multi:
@@ -350,7 +360,7 @@ class ModelRunner:
         unrolled step's first run is 2-3x slower (XLA builds each of its per-layer YNNPACK fusions
         on first use); a scanned step has one layer's fusions, and its first runs took 1.09x the
         second ones, summed over SmolLM2's 20 buckets (4.5 against 4.1 s, the rest all compute).
-        Off CPU it has not been measured, so it counts as slow (BENCHMARKS.md, "Start-up")."""
+        Off CPU it has not been measured, so it counts as slow (docs/benchmarks/, "Start-up")."""
         return self.layout.layers is None or jax.default_backend() != "cpu"
 
     def warmup(self, progress: bool = False, execute: bool | str = False) -> float:
@@ -361,7 +371,7 @@ class ModelRunner:
 
         With `execute`, also runs each bucket once on all-padding inputs (nothing is written to
         the KV pools), so that a timed run or a first request does not pay an executable's first
-        run. One run is enough: the second already runs at the third's speed (BENCHMARKS.md,
+        run. One run is enough: the second already runs at the third's speed (docs/benchmarks/,
         "Start-up"). `execute="auto"` (the server's) runs them only where `first_runs_are_slow`:
         elsewhere they would add the buckets' compute to the start (4.5 s for SmolLM2 on 2 cores)
         to save 0.4 s spread over the first requests.
@@ -401,12 +411,12 @@ class ModelRunner:
 
     def _compile_all(self, progress: bool = False, desc: str = "compile buckets") -> None:
         buckets = self.plan.buckets.pairs()
-        self._load_stored_buckets(buckets)
+        loaded = self._load_stored_buckets(buckets)
         it = buckets
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(buckets, desc=desc, unit="bucket", file=sys.stderr)
+            it = tqdm(buckets, desc=bar_label(desc, loaded, len(buckets)), unit="bucket", file=sys.stderr)
         for b in it:
             self.xla_memory[b] = self._measure(self.compile_bucket(b))
         for b in sorted(self.multi_step_buckets):

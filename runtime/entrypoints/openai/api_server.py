@@ -399,11 +399,11 @@ SERVER_LIMIT_FLAGS = (
 
 
 def parse_args(argv=None):
-    from runtime.args import add_engine_args
+    from runtime.args import ArgumentParser, add_engine_args
     from runtime.distributed import add_distributed_args
     from runtime.replicas import add_replica_args
 
-    ap = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__,
+    ap = ArgumentParser(prog="python -m runtime.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default="smollm2-135m", help="preset name, GGUF file or HF directory")

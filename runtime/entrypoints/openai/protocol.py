@@ -236,12 +236,6 @@ class Detok:
         self.tok = tokenizer
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
-        try:
-            from models.tokenizer import _bytes_to_unicode
-
-            self._inv = {c: b for b, c in _bytes_to_unicode().items()}
-        except Exception:  # pragma: no cover - another tokenizer family
-            self._inv = {}
 
     def text(self, tid: int) -> str:
         s = self._text.get(tid)
@@ -252,12 +246,7 @@ class Detok:
     def bytes(self, tid: int) -> list[int]:
         b = self._bytes.get(tid)
         if b is None:
-            piece = self.tok.id_to_token(tid) or ""
-            try:
-                b = [self._inv[c] for c in piece]
-            except KeyError:
-                b = list(self.text(tid).encode("utf-8"))
-            self._bytes[tid] = b
+            b = self._bytes[tid] = list(self.tok.token_bytes(tid))
         return b
 
 

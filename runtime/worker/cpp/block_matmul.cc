@@ -48,7 +48,7 @@ constexpr int kMaxRows = 8;        // rows per pass over the weights
 constexpr int64_t kItemCols = 16;  // output columns per work item, at least
 // Output columns ahead whose block rows are requested while this pair is read: the hardware
 // prefetcher alone kept a cold 18 MB product at 9.7 GB/s, 8 columns ahead at 14.6 (2.3 KB ahead
-// for SmolLM2's K = 576; BENCHMARKS.md, "Decode steps from the GGUF's own blocks").
+// for SmolLM2's K = 576; docs/benchmarks/, "Decode steps from the GGUF's own blocks").
 constexpr int64_t kPrefetchCols = 8;
 
 int64_t BlockBytes(int format) {

@@ -6,14 +6,14 @@
 // The int8 products' per-column scales are applied by the caller (ir/int8.py). w may also be a
 // stack [L, K, N] of every layer's weight, with the layer to take given by a third operand, an
 // int32 scalar: a step scanned over layers calls the kernel on the stack where it lies, where a
-// slice of it would be a copy of the layer's weights on every step (BENCHMARKS.md, "Scan over
+// slice of it would be a copy of the layer's weights on every step (docs/benchmarks/, "Scan over
 // layers"). That is what the f32 product is for: XLA's own one-row f32 product streams the weights
 // about as fast, but only from a [K, N] buffer of their own.
 //
 // A decode step of a few rows reads every weight once and does little else, so its speed is the
 // speed at which the weights stream in from memory. XLA:CPU's int8 dot reaches about a third of
 // the machine's bandwidth there, and its weight-only product runs 1.5-10x slower than this one up
-// to 64 rows (BENCHMARKS.md, "W8A8 decode rows in our C++ kernel", "Weight-only int8 decode rows
+// to 64 rows (docs/benchmarks/, "W8A8 decode rows in our C++ kernel", "Weight-only int8 decode rows
 // in our C++ kernel"). These kernels walk the weight matrix [K, N] row by row, over wide column
 // chunks (or, where N is narrow, over shares of K), so that each thread reads long runs, and they
 // ask for the next pass's weight rows while computing this one's; the accumulators of a chunk stay
@@ -72,7 +72,7 @@ inline __m512i Dot(__m512i acc, __m512i w, __m512i x) {
 // The cache line at p in each of the next `rows` weight rows (stride N): the rows the next pass
 // reads, requested while this pass computes, since the hardware prefetcher may not follow these
 // short strided runs. One run measured a decode step's products 1.3-1.5x faster with it, a later
-// one within noise either way (BENCHMARKS.md, "Weight-only int8 decode rows in our C++ kernel").
+// one within noise either way (docs/benchmarks/, "Weight-only int8 decode rows in our C++ kernel").
 template <typename W>
 inline void Prefetch(const W* p, int64_t N, int rows) {
   for (int i = 0; i < rows; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + i * N), _MM_HINT_T0);
@@ -220,7 +220,7 @@ void Columns(const Part<X, W, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n
 // every f32 one: shares of K, each thread streaming its own contiguous rows of w, their partial
 // sums added at the end. An f32 weight row is 4x an int8 one, so whole rows are long runs already;
 // column chunks of f32 rows streamed at 15.5 GB/s where XLA's one-row product did 20.3, shares of K
-// at 18.8 (BENCHMARKS.md, "f32 decode rows in our C++ kernel").
+// at 18.8 (docs/benchmarks/, "f32 decode rows in our C++ kernel").
 template <typename X, typename W, typename Y>
 void Product(ffi::ThreadPool& pool, const X* xp, const W* wp, Y* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t threads = pool.num_threads() + 1;

@@ -6,7 +6,7 @@
 // row's block table and reads K/V from the pool in place, one block at a time, with an online
 // softmax in f32. A prompt's rows in a prefill step (one sequence, each row one position further)
 // walk its blocks together, as a flash-attention tile (GroupWalk): 512-token TTFT 1.10x, 2,048
-// tokens 1.38x (BENCHMARKS.md, "A prompt's rows walk together").
+// tokens 1.38x (docs/benchmarks/, "A prompt's rows walk together").
 //
 // Inputs (row-major):
 //   q       f32 [T, H, R, D]   queries, already scaled; H kv heads, R query heads per kv head

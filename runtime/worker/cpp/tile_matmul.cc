@@ -23,7 +23,7 @@
 // error of at most 1/254 of each block's largest value), not x @ w.
 //
 // Why: at 64 rows and more a step's products are bound by arithmetic, not by the bytes of the
-// weights (BENCHMARKS.md, "Decode steps from the GGUF's own blocks"); f32 multiply-adds do a
+// weights (docs/benchmarks/, "Decode steps from the GGUF's own blocks"); f32 multiply-adds do a
 // quarter of the work per instruction that int8 dot products do. The tiles put 16 columns in the
 // lanes of one vector, so that the per-block scaling (a conversion and two multiply-adds) is paid
 // once per 8 dot-product instructions, and a tile's records (7-19 KB for SmolLM2) stay in L1
@@ -347,7 +347,7 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
 //     takes per block; the block's sum is then scaled in f32 like the int8 path's. Three tile
 //     multiplies per block give what f32 multiply-adds give: against the f32 blocks' rows on
 //     SmolLM2's layers, 1.9x at 32 rows, 2.3x at 64 and 3.1x at 512 (2.2x XLA's f32 GEMM there;
-//     BENCHMARKS.md, "f32 products on AMX"). The tile unit's loads and stores (1 KB each), not
+//     docs/benchmarks/, "f32 products on AMX"). The tile unit's loads and stores (1 KB each), not
 //     its multiplies, bound it: the parts stay in tile registers while a work item's tiles pass.
 //   - otherwise, f32 multiply-adds: each block's 16 columns widened to f32 per input, once for up
 //     to 12 rows (the few rows of a decode step; 1.2-1.35x the f32 blocks' rows at 1-8 rows,

@@ -1,0 +1,109 @@
+"""The documents stay true: the configuration page is the flag table's, and every relative link in
+the README, the guides and the results pages points at a file (and heading) that exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_configuration_page_is_generated_from_the_flag_table():
+    from models.config_doc import markdown
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page == markdown(), "docs/configuration.md is stale: python -m models.config_doc > docs/configuration.md"
+
+
+def test_every_flag_and_field_is_on_the_configuration_page():
+    import dataclasses
+
+    from models.cli import _ENGINE_FLAGS
+    from models.engine_config import EngineConfig
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for field in dataclasses.fields(EngineConfig):
+        assert f"| `{field.name}` |" in page, field.name
+    for _, flags, _, vllm in _ENGINE_FLAGS:
+        assert all(f"`{f}`" in page for f in flags) and vllm
+
+
+DOCS = ["README.md", "BENCHMARKS.md", "benchmarks/README.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (but - and _), spaces to dashes,
+    a repeated one numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _prose(text).splitlines():
+        m = re.match(r"^#{1,6} (.*)$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_anchors_follow_githubs_rule():
+    text = "# A `flag`: here (x, y)\n## Same\n## Same\n```\n# not a heading\n```\n"
+    assert anchors(text) == {"a-flag-here-x-y", "same", "same-1"}
+
+
+def test_every_relative_link_resolves():
+    bad = []
+    for doc in DOCS:
+        path = ROOT / doc
+        text = path.read_text()
+        for m in LINK.finditer(_prose(text)):
+            target = m.group(1) or m.group(2)
+            if re.match(r"^[a-z]+:", target):  # http(s):, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                bad.append(f"{doc}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+                bad.append(f"{doc}: {target} (no such heading)")
+    assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+GUIDES = ("serving", "offline", "compiler", "models", "cpu", "gpu", "scaling", "vllm-compat", "configuration")
+
+
+def test_the_readme_is_a_first_visit():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    for guide in GUIDES:
+        assert f"(docs/{guide}.md)" in text, f"the README does not link docs/{guide}.md"
+    assert "../shared/golden" in text and ".venv/bin/jaxserve" in text and "source .venv/bin/activate" in text
+
+
+def test_every_guide_starts_with_what_the_reader_can_do():
+    for guide in (*GUIDES, "benchmarks/README"):
+        lines = (ROOT / "docs" / f"{guide}.md").read_text().splitlines()
+        assert lines[0].startswith("# ") and lines[2].startswith("After reading this "), guide
+    assert (ROOT / "docs" / "ARCHITECTURE.md").is_file()
+
+
+def test_benchmarks_rows_have_date_machine_command_baseline_and_entry():
+    """BENCHMARKS.md is current results only: every table has those columns (or says them in its
+    rows), and every row links to its dated entry in docs/benchmarks/."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    rows = [l for l in text.splitlines() if l.startswith("| 20")]
+    assert len(rows) >= 10
+    for row in rows:
+        assert re.match(r"^\| 20\d\d-\d\d-\d\d \|", row) and "](docs/benchmarks/" in row, row
+    for header in (l for l in text.splitlines() if l.startswith("| date |")):
+        assert {"machine", "command"} <= {c.strip() for c in header.split("|")}, header
+    assert len(text.splitlines()) < 200  # the history lives in docs/benchmarks/
