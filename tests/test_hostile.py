@@ -592,9 +592,9 @@ def _latency_during_burst(url: str, kind: str, seconds: float = 4.0):
 @pytest.mark.parametrize("kind,code", [("choice", "grammar_too_large"), ("messages", "too_many_messages")])
 def test_normal_requests_keep_their_latency_during_a_burst_of_slow_bad_ones(smol_llm, kind, code):
     """Four clients sending, one after another, choice lists of 100,000 strings (or chats of 125,000
-    empty messages): each is refused before any compile or rendering, and a normal 4-token completion
-    plus a /tokenize keep their latency (they took 12-15 s each during such a burst before the size
-    limits were checked first)."""
+    empty messages): each is refused by a body checker process before any compile or rendering,
+    without the server parsing it, and a normal 4-token completion plus a /tokenize keep their
+    latency (they took 12-15 s each during such a burst before the size limits were checked first)."""
     app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
     with ServerThread(app) as st:
         before, during, burst = _latency_during_burst(st.url, kind)
@@ -605,13 +605,20 @@ def test_normal_requests_keep_their_latency_during_a_burst_of_slow_bad_ones(smol
           f"p50 {p50(before) * 1e3:.0f} -> {p50(during) * 1e3:.0f} ms, max {before[-1] * 1e3:.0f} -> "
           f"{during[-1] * 1e3:.0f} ms over {len(during)} during the burst")
     assert {(b[0], b[1]) for b in burst} == {(400, code)} and len(burst) >= 8
+    checker = app.state.server.checker
+    assert checker.refused == len(burst) and checker.fallbacks == 0  # none parsed in the server
     assert len(during) >= 3
-    # The target is 100 ms (docs/results-issue48-api.md has the measured moves: +50 to +150 ms on two
-    # cores at load 4-5); the bound leaves room for a busier machine, far below the 12-15 s of before.
-    assert p50(during) - p50(before) < 0.4, (before, during)
+    # The target is 100 ms. This client shares the server's process (and GIL), so it sees more than
+    # an outside client would. Measured on 2 cores (docs/results-issue48-api.md, this flood as
+    # `bench_hostile.py --flood 4`): with the checker processes the median moved by -31 to +45 ms
+    # (load 1.4-8); parsing these bodies in the server (`--body-checkers 0`) moved it by +64 to +82
+    # ms at load 3 and +101 to +142 ms at load 8; before the checkers this test measured +343 and
+    # +346 ms at load < 1 and +430 and +650 ms on CI. The assert above guards the mechanism itself;
+    # 150 ms guards the latency with room for a loaded CI machine.
+    assert p50(during) - p50(before) < 0.15, (before, during)
 
 
-# Bodies over BULK_BODY_BYTES, as (path, request model, body, status, code); the status None: served.
+# Bad bodies over BULK_BODY_BYTES, as (path, request model, body, status, code).
 BULK_BAD = [
     ("/v1/completions", CompletionRequest, {"prompt": "Output:", "max_tokens": 16, "temperature": 0,
                                             "structured_outputs": {"choice": [f"option {i}" for i in range(100_000)]}},
