@@ -190,7 +190,7 @@ class BodyChecker:
     def _add(self) -> None:
         try:
             child = _Child()
-        except OSError as e:
+        except (OSError, ValueError, TypeError) as e:  # no executable, no pipes, no processes left
             self._give_up(f"a body checker process could not start: {e!r}")
             return
         with self._lock:
