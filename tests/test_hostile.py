@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,7 +28,9 @@ from test_serve import MODEL, assert_kv_idle, start_cli_server, wait_idle
 
 from runtime.core.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
 from runtime.core.structured_output import GrammarCompiler, GrammarLimits
-from runtime.serve import ServerThread, build_app
+from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from runtime.entrypoints.openai.serving import BULK_BODY_BYTES, ServerConfig
+from runtime.serve import APIError, ServerThread, build_app
 
 CHAT = [{"role": "user", "content": "Say hi."}]
 EOS = 2  # SmolLM2's <|im_end|>, and the tiny model's eos
@@ -589,9 +592,9 @@ def _latency_during_burst(url: str, kind: str, seconds: float = 4.0):
 @pytest.mark.parametrize("kind,code", [("choice", "grammar_too_large"), ("messages", "too_many_messages")])
 def test_normal_requests_keep_their_latency_during_a_burst_of_slow_bad_ones(smol_llm, kind, code):
     """Four clients sending, one after another, choice lists of 100,000 strings (or chats of 125,000
-    empty messages): each is refused before any compile or rendering, and a normal 4-token completion
-    plus a /tokenize keep their latency (they took 12-15 s each during such a burst before the size
-    limits were checked first)."""
+    empty messages): each is refused by a body checker process before any compile or rendering,
+    without the server parsing it, and a normal 4-token completion plus a /tokenize keep their
+    latency (they took 12-15 s each during such a burst before the size limits were checked first)."""
     app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
     with ServerThread(app) as st:
         before, during, burst = _latency_during_burst(st.url, kind)
@@ -602,10 +605,166 @@ def test_normal_requests_keep_their_latency_during_a_burst_of_slow_bad_ones(smol
           f"p50 {p50(before) * 1e3:.0f} -> {p50(during) * 1e3:.0f} ms, max {before[-1] * 1e3:.0f} -> "
           f"{during[-1] * 1e3:.0f} ms over {len(during)} during the burst")
     assert {(b[0], b[1]) for b in burst} == {(400, code)} and len(burst) >= 8
+    checker = app.state.server.checker
+    assert checker.refused == len(burst) and checker.fallbacks == 0  # none parsed in the server
     assert len(during) >= 3
-    # The target is 100 ms (docs/benchmarks/2026-12-06-issue48-api.md has the measured moves: +50 to +150 ms on two
-    # cores at load 4-5); the bound leaves room for a busier machine, far below the 12-15 s of before.
-    assert p50(during) - p50(before) < 0.4, (before, during)
+    # The target is 100 ms. This client shares the server's process (and GIL), so it sees more than
+    # an outside client would. Measured on 2 cores (docs/benchmarks/2026-12-06-issue48-api.md, this flood as
+    # `bench_hostile.py --flood 4`): with the checker processes the median moved by -31 to +45 ms
+    # (load 1.4-8); parsing these bodies in the server (`--body-checkers 0`) moved it by +64 to +82
+    # ms at load 3 and +101 to +142 ms at load 8; before the checkers this test measured +343 and
+    # +346 ms at load < 1 and +430 and +650 ms on CI. The assert above guards the mechanism itself;
+    # 300 ms guards the latency with room for a loaded CI machine (a timing bound that flakes
+    # would block every landing; the mechanism is what the assert above holds exactly).
+    assert p50(during) - p50(before) < 0.3, (before, during)
+
+
+# Bad bodies over BULK_BODY_BYTES, as (path, request model, body, status, code).
+BULK_BAD = [
+    ("/v1/completions", CompletionRequest, {"prompt": "Output:", "max_tokens": 16, "temperature": 0,
+                                            "structured_outputs": {"choice": [f"option {i}" for i in range(100_000)]}},
+     400, "grammar_too_large"),
+    ("/v1/chat/completions", ChatCompletionRequest, {"messages": [{"role": "user", "content": ""}] * 125_000,
+                                                     "max_tokens": 4}, 400, "too_many_messages"),
+    ("/v1/completions", CompletionRequest, {"prompt": "x" * 1_000_000, "max_tokens": 2}, 413, "prompt_too_long"),
+    ("/v1/chat/completions", ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}],
+                                                     "response_format": {"type": "json_schema", "json_schema": {
+                                                         "schema": {"enum": ["x" * 100] * 3000}}}},
+     400, "grammar_too_large"),
+    ("/tokenize", TokenizeRequest, {"prompt": "x" * 1_000_000}, 413, "prompt_too_long"),
+    ("/v1/completions", CompletionRequest, b'{"prompt": "hi", "max_tokens": 2' + b" " * 300_000, 400, "invalid_json"),
+    ("/v1/completions", CompletionRequest, _deep(200_000), 400, "invalid_json"),
+]
+BULK_OK = {"prompt": "hi", "max_tokens": 2, "user": "x" * 300_000}
+
+
+def _body(obj) -> bytes:
+    raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    assert len(raw) > BULK_BODY_BYTES
+    return raw
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_the_body_checker_imports_no_jax():
+    """A checker process starts in a fraction of a second and stays small: json, pydantic and the
+    protocol models, none of jax, numpy, llguidance or the tokenizer."""
+    heavy = ("jax", "numpy", "llguidance", "tokenizers", "uvicorn")
+    code = f"import sys; from runtime.entrypoints.openai import checker; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_checker_that_cannot_start_leaves_the_checks_to_the_server(monkeypatch):
+    """A broken environment (the child exits before it is ready) costs one log line per slot, not a
+    restart loop; with no checker left every body is checked in the server (`check` answers None)."""
+    from runtime.entrypoints.openai import checker
+
+    monkeypatch.setattr(checker, "CHILD", "import sys; sys.exit(3)")
+    limits = ServerConfig([])
+    body = _body(BULK_BAD[0][2])
+
+    async def main(bc):
+        return [await bc.check(body, CompletionRequest, limits) for _ in range(4)]
+
+    bc = checker.BodyChecker(2)
+    with _Lines() as lines:
+        bc.start()
+        try:
+            assert asyncio.run(main(bc)) == [None] * 4
+        finally:
+            bc.close()
+    assert bc.children == [] and bc.fallbacks == 2 and bc.checked == 0
+    assert len(lines.lines) == 2 and all("failed to start" in line and "exit status 3" in line
+                                         for line in lines.lines), lines.lines
+    assert "checked in the server from now on" in lines.lines[-1]
+
+
+def test_a_large_bad_body_is_refused_by_a_checker_process(smol_llm, monkeypatch):
+    """A body over BULK_BODY_BYTES goes to a body checker process first. One it refuses gets the 400
+    (or 413) the server's own parse gives, body for body, and the server never parses it: its parse
+    would hold the GIL that normal requests wait for (~60 ms for 4 MB of small objects). One it
+    passes is parsed and served as usual; a small body is parsed by the server alone."""
+    app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
+    server = app.state.server
+    parsed = []
+    own_parse = server.parse
+    monkeypatch.setattr(server, "parse", lambda raw, model_cls: parsed.append(len(raw)) or own_parse(raw, model_cls))
+    with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=60) as c:
+        assert len(server.checker.pids) == 2
+        for path, model_cls, obj, status, code in BULK_BAD:
+            raw = _body(obj)
+            r = c.post(path, content=raw, headers=J)
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text[:300]
+            with pytest.raises(APIError) as e:  # what the server's own parse answers
+                own_parse(raw, model_cls)
+            assert r.json() == e.value.body()
+        assert parsed == [] and server.checker.refused == len(BULK_BAD)
+
+        r = c.post("/v1/completions", content=_body(BULK_OK), headers=J)
+        assert r.status_code == 200, r.text
+        assert len(parsed) == 1 and server.checker.checked == len(BULK_BAD) + 1
+        small = {"prompt": "hi", "structured_outputs": {"choice": [str(i) for i in range(3000)]}}
+        r = c.post("/v1/completions", json=small)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "grammar_too_large")
+        assert len(parsed) == 2 and server.checker.checked == len(BULK_BAD) + 1 and server.checker.fallbacks == 0
+        pids = server.checker.pids
+    assert not any(_alive(p) for p in pids)  # stopped with the server
+
+
+def test_killing_a_body_checker_leaves_the_server_serving(smol_llm):
+    """A checker process that dies is started again, with one log line, and the body it was given is
+    checked by the server: large bodies keep their answers, bad and good, however often they die."""
+    app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
+    server = app.state.server
+    path, _, bad, _, code = BULK_BAD[0]
+    bad = _body(bad)
+    ok = _body(BULK_OK)
+
+    def answers(c, n: int) -> None:
+        for _ in range(n):
+            r = c.post(path, content=bad, headers=J)
+            assert (r.status_code, r.json()["error"]["code"]) == (400, code), r.text[:300]
+            assert c.post("/v1/completions", content=ok, headers=J).status_code == 200
+
+    with _Lines() as lines, ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=60) as c:
+        answers(c, 1)
+        first = server.checker.pids
+        os.kill(first[0], signal.SIGKILL)
+        answers(c, 3)
+        assert server.checker.fallbacks >= 1
+        died = [line for line in lines.lines if "body checker process" in line]
+        assert len(died) == 1 and f"process {first[0]} stopped" in died[0] and "exit status -9" in died[0], died
+        assert len(server.checker.pids) == 2 and first[0] not in server.checker.pids
+        before = server.checker.fallbacks
+        for pid in server.checker.pids:  # all of them
+            os.kill(pid, signal.SIGKILL)
+        answers(c, 3)
+        assert server.checker.fallbacks >= before + 1 and len(server.checker.pids) == 2
+        assert server.checker.refused >= 4  # the new ones answer
+        pids = server.checker.pids
+        assert c.get("/health").status_code == 200
+    assert not any(_alive(p) for p in first + pids)
 
 
 def _num_fds() -> int:
@@ -800,7 +959,7 @@ def test_pipelined_requests_are_answered_in_order(keyed):
 @pytest.mark.slow  # a `python -m runtime.serve` subprocess on the real SmolLM2
 def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
     """8 long streams and a short grace: each stream gets finish_reason "abort" and [DONE], and the
-    process exits within grace + 2 s."""
+    process exits within grace + 2 s, its body checker processes with it."""
     grace = 3.0
     proc, url, log_path = start_cli_server(tmp_path, "--shutdown-grace-s", str(grace), "--log-stats-interval", "0")
     try:
@@ -826,6 +985,8 @@ def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
         for t in threads:
             t.start()
         started.wait(120)
+        checkers = _children(proc.pid)
+        assert len(checkers) == 2  # the body checker processes
         proc.send_signal(signal.SIGTERM)
         t_sig = time.monotonic()
         code = proc.wait(timeout=grace + 30)
@@ -841,6 +1002,7 @@ def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
         assert code == 0, log_path.read_text()[-3000:]
         assert exit_s <= grace + 2, f"exited {exit_s:.2f}s after SIGTERM"
         assert "aborting 8 in-flight requests" in log_path.read_text()
+        assert not any(_alive(p) for p in checkers)  # stopped with the server
     finally:
         if proc.poll() is None:
             proc.kill()

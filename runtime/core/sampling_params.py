@@ -46,6 +46,16 @@ class RequestError(ValueError):
 STRUCTURED_PARAM = "structured_outputs"
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 ANY_OBJECT_SCHEMA = {"type": "object"}
+# llguidance's Earley parser refuses a row of more items than this (LLParserLimits.max_items_in_row)
+# at the first token; a choice list compiles to one such row.
+MAX_ALTERNATIVES = 2000
+
+
+def constraint_field(kind: str, source_param: str) -> str:
+    """The request field a constraint came from, e.g. structured_outputs.regex."""
+    if source_param == "response_format":
+        return "response_format" if kind == "json_object" else "response_format.json_schema"
+    return f"{source_param}.{kind}"
 
 
 def _is_set(value) -> bool:
@@ -114,6 +124,39 @@ class StructuredOutputsParams:
         whitespace = self.disable_any_whitespace if kind in ("json", "json_object") else False
         return kind, value, whitespace
 
+    def check_size(self, max_chars: int, key: tuple | None = None) -> None:
+        """Refuses (RequestError grammar_too_large) a constraint whose text (schema JSON, regex,
+        grammar, or all choices) is longer than `max_chars`, or a choice of more than MAX_ALTERNATIVES
+        options: checked before any compile. `key`: `cache_key()`, when the caller has it."""
+        value = (key or self.cache_key())[1]
+        kind, name = self.kind, constraint_field(self.kind, self.source_param)
+        if kind == "choice":
+            n = sum(len(c) + 1 for c in value)
+        else:
+            n = len(value) if isinstance(value, str) else 0  # json_object: no text
+        if n > max_chars:
+            raise RequestError(f"{name} has {n} characters; the limit is {max_chars}", param=self.source_param,
+                               code="grammar_too_large")
+        if kind == "choice" and len(value) > MAX_ALTERNATIVES:
+            raise RequestError(f"{name} has {len(value)} options; the limit is {MAX_ALTERNATIVES}",
+                               param=self.source_param, code="grammar_too_large")
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputsParams | None":
+        """`value` as StructuredOutputsParams: None, one already, or a dict of its fields (vLLM's
+        request field)."""
+        if value is None or isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, dict):
+            raise RequestError(f"structured_outputs must be a StructuredOutputsParams or a dict, got "
+                               f"{type(value).__name__}", STRUCTURED_PARAM)
+        known = {f for f in cls.__dataclass_fields__ if f != "source_param"}
+        unknown = sorted(set(value) - known, key=str)
+        if unknown:
+            raise RequestError(f"structured_outputs has no field {unknown[0]!r} (it takes "
+                               f"{', '.join(sorted(known))})", STRUCTURED_PARAM)
+        return cls(**value)
+
     @classmethod
     def from_response_format(cls, response_format: Any) -> "StructuredOutputsParams | None":
         """OpenAI's `response_format`: {"type": "text"} (or None) -> None; {"type": "json_object"};
@@ -181,7 +224,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self._check()
 
     def _check(self) -> None:
@@ -246,17 +289,3 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1.0)
-
-
-def _structured_outputs(value) -> StructuredOutputsParams | None:
-    if value is None or isinstance(value, StructuredOutputsParams):
-        return value
-    if not isinstance(value, dict):
-        raise RequestError(f"structured_outputs must be a StructuredOutputsParams or a dict, got "
-                           f"{type(value).__name__}", STRUCTURED_PARAM)
-    known = {f for f in StructuredOutputsParams.__dataclass_fields__ if f != "source_param"}
-    unknown = sorted(set(value) - known, key=str)
-    if unknown:
-        raise RequestError(f"structured_outputs has no field {unknown[0]!r} (it takes "
-                           f"{', '.join(sorted(known))})", STRUCTURED_PARAM)
-    return StructuredOutputsParams(**value)

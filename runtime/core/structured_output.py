@@ -28,7 +28,7 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from runtime.core.sampling_params import ANY_OBJECT_SCHEMA, RequestError, StructuredOutputsParams
+from runtime.core.sampling_params import ANY_OBJECT_SCHEMA, RequestError, StructuredOutputsParams, constraint_field
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,6 @@ DEFAULT_GRAMMAR_TIMEOUT_S = 5.0
 # The admission check walks this many tokens of the grammar's forced path (or its first allowed
 # token where nothing is forced), so a grammar that dead-ends early is refused before a step.
 PROBE_TOKENS = 8
-# llguidance's Earley parser refuses a row of more items than this (LLParserLimits.max_items_in_row)
-# at the first token; a choice list compiles to one such row.
-MAX_ALTERNATIVES = 2000
 # llguidance's budget for building a lexeme's regex (its default is 1,000,000): (a{1000}){1000} is
 # refused in 0.13 s rather than 1.5 s, while a 60,000-character literal still compiles.
 INITIAL_LEXER_FUEL = 200_000
@@ -160,7 +157,7 @@ class GrammarCompiler:
             future = self._inflight.get(key)
             if future is None:
                 try:
-                    self._check_size(params, key)
+                    params.check_size(self.limits.max_chars, key)
                 except RequestError as e:
                     return _done(error=e)
                 future = self._inflight[key] = self._pool.submit(self._run, params, key)
@@ -170,27 +167,14 @@ class GrammarCompiler:
     def retarget(error: RequestError, params: StructuredOutputsParams) -> RequestError:
         """A fresh copy of a refusal, naming the field `params` came from: the same constraint may
         arrive as structured_outputs or as response_format, and share one compile (or refusal)."""
-        old = _field(params.kind, error.param)
-        return RequestError(error.message.replace(old, _field(params.kind, params.source_param), 1),
+        old = constraint_field(params.kind, error.param)
+        return RequestError(error.message.replace(old, constraint_field(params.kind, params.source_param), 1),
                             params.source_param, error.code)
 
     def timeout_error(self, params: StructuredOutputsParams) -> RequestError:
-        name = _field(params.kind, params.source_param)
+        name = constraint_field(params.kind, params.source_param)
         return RequestError(f"{name}: the {_WHAT[params.kind]} did not compile within {self.limits.timeout_s:g}s "
                             "(the grammar compile budget)", param=params.source_param)
-
-    def _check_size(self, params: StructuredOutputsParams, key: tuple) -> None:
-        value, name = key[1], _field(params.kind, params.source_param)
-        if params.kind == "choice":
-            n = sum(len(c) + 1 for c in value)
-        else:
-            n = len(value) if isinstance(value, str) else 0  # json_object: no text
-        if n > self.limits.max_chars:
-            raise RequestError(f"{name} has {n} characters; the limit is {self.limits.max_chars}",
-                               param=params.source_param, code="grammar_too_large")
-        if params.kind == "choice" and len(value) > MAX_ALTERNATIVES:
-            raise RequestError(f"{name} has {len(value)} options; the limit is {MAX_ALTERNATIVES}",
-                               param=params.source_param, code="grammar_too_large")
 
     def _run(self, params: StructuredOutputsParams, key: tuple) -> CompiledGrammar:
         start = time.monotonic()
@@ -215,7 +199,8 @@ class GrammarCompiler:
         what, err = _WHAT[params.kind], params.source_param
 
         def refuse(message: str) -> RequestError:
-            return RequestError(f"invalid {what}: {_short(message)} (in {_field(params.kind, err)})", param=err)
+            where = constraint_field(params.kind, err)
+            return RequestError(f"invalid {what}: {_short(message)} (in {where})", param=err)
 
         try:
             grammar = self._serialize(params)
@@ -280,13 +265,6 @@ class GrammarCompiler:
         if kind == "choice":
             return llguidance.grammar_from("choice", params.choice)
         return llguidance.grammar_from(kind, getattr(params, kind))  # "regex", "grammar" (Lark or GBNF)
-
-
-def _field(kind: str, source_param: str) -> str:
-    """The request field a constraint came from, e.g. structured_outputs.regex."""
-    if source_param == "response_format":
-        return "response_format" if kind == "json_object" else "response_format.json_schema"
-    return f"{source_param}.{kind}"
 
 
 def _short(message: str) -> str:

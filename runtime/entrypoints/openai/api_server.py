@@ -29,8 +29,9 @@ from starlette.routing import Route
 
 from runtime.async_engine import DEFAULT_MAX_QUEUE
 from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_CHARS
+from runtime.entrypoints.openai.checker import DEFAULT_BODY_CHECKERS
 from runtime.entrypoints.openai.protocol import APIError
-from runtime.entrypoints.openai.serving import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+from runtime.entrypoints.openai.serving import (BULK_BODY_BYTES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                                 DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN,
                                                 PROTOCOL_ERROR_KEY, Server, ServerConfig, _version, peer)
@@ -102,10 +103,12 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
     async def lifespan(app):
         if start_engine:
             server.loop.start()
+        server.checker.start()
         try:
             yield
         finally:
             server.loop.stop()
+            server.checker.close()
             server.pool.shutdown(wait=False, cancel_futures=True)
             server.bulk_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -395,6 +398,9 @@ SERVER_LIMIT_FLAGS = (
      "before compiling"),
     ("--grammar-timeout-s", float, DEFAULT_GRAMMAR_TIMEOUT_S,
      "a structured-output constraint that takes longer to compile gets 400, and so does every repeat of it"),
+    ("--body-checkers", int, DEFAULT_BODY_CHECKERS,
+     f"processes that check request bodies over {BULK_BODY_BYTES >> 10} KiB before the server parses them, so "
+     "that a large bad body is refused without holding the server (0: the server checks them itself)"),
 )
 
 
@@ -484,7 +490,7 @@ def main(argv=None) -> int:
                     max_connections=args.max_connections,
                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     max_chat_messages=args.max_chat_messages, max_grammar_chars=args.max_grammar_chars,
-                    grammar_timeout_s=args.grammar_timeout_s)
+                    grammar_timeout_s=args.grammar_timeout_s, body_checkers=args.body_checkers)
     if group is not None:
         server = app.state.server
 

@@ -6,25 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from runtime.async_engine import ABORTED, DEFAULT_MAX_QUEUE, EngineLoop, QueueFull
-from runtime.core.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
+from runtime.core.sampling_params import RequestError, SamplingParams
 from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_CHARS, GrammarLimits
-from runtime.entrypoints.openai.protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, ChoiceState,
-                                                 CompletionRequest, Detok, DetokenizeRequest, Prepared,
-                                                 SamplingFields, TokenIdNames, TokenizeRequest, bad_request,
-                                                 check_json_text, clamp_logprob, dumps, json_response,
-                                                 may_hold_surrogates, validation_error)
+from runtime.entrypoints.openai import admission
+from runtime.entrypoints.openai.checker import DEFAULT_BODY_CHECKERS, BodyChecker
+from runtime.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, ChoiceState, CompletionRequest,
+                                                 Detok, DetokenizeRequest, Prepared, SamplingFields, TokenIdNames,
+                                                 TokenizeRequest, bad_request, clamp_logprob, dumps, json_response)
 from runtime.entrypoints.openai.serving_chat import ChatServing
 from runtime.entrypoints.openai.serving_completion import CompletionServing
 
@@ -39,8 +37,9 @@ PROMPT_CHARS_PER_TOKEN = 64  # default prompt cap: max_model_len x this many cha
 # In a request's scope, why the HTTP protocol refused the rest of it (a bad chunk): read_body logs it.
 PROTOCOL_ERROR_KEY = "jaxserve.protocol_error"
 PREPARE_THREADS = 2  # JSON parsing, tokenizing and chat templating run here, off the event loop
-# Larger bodies are prepared on a lane of their own (one thread): a burst of them never holds the
-# threads that ordinary requests wait for.
+# Larger bodies are first checked by a body checker process (checker.py: a bad one is refused
+# without the server parsing it), then prepared on a lane of their own (one thread): a burst of them
+# never holds the threads, or the GIL, that ordinary requests wait for.
 BULK_BODY_BYTES = 256 << 10
 
 
@@ -65,6 +64,7 @@ class ServerConfig:
     max_chat_messages: int | None = None  # None: max_model_len (each message renders to a token or more)
     max_grammar_chars: int = DEFAULT_MAX_GRAMMAR_CHARS  # a constraint's size, checked before compiling
     grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S  # a constraint's compile budget
+    body_checkers: int = DEFAULT_BODY_CHECKERS  # processes checking bodies over BULK_BODY_BYTES (0: the server)
 
 
 class Server(CompletionServing, ChatServing):
@@ -92,6 +92,7 @@ class Server(CompletionServing, ChatServing):
         engine.grammar_limits = GrammarLimits(config.max_grammar_chars, config.grammar_timeout_s)
         self.pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self.bulk_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare-bulk")
+        self.checker = BodyChecker(config.body_checkers)  # its processes start with the app (lifespan)
 
     # ------------------------------------------------------------ plumbing
 
@@ -132,31 +133,22 @@ class Server(CompletionServing, ChatServing):
             raise APIError(400, why, code="incomplete_body") from None
 
     def parse(self, raw: bytes, model_cls):
-        """JSON body -> request model (run off the event loop: parsing a big body takes a while)."""
-        try:
-            obj = json.loads(raw)
-        except ValueError as e:  # bad UTF-8, bad JSON, an integer past Python's 4300-digit limit
-            raise bad_request(f"could not parse the JSON body of the request: {e}", code="invalid_json") from None
-        except RecursionError:
-            raise bad_request(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", None,
-                              "invalid_json") from None
-        if not isinstance(obj, dict):
-            raise bad_request("the request body must be a JSON object", code="invalid_json")
-        self.check_num_messages(obj.get("messages"))  # before walking them all
-        check_json_text(obj, surrogates=may_hold_surrogates(raw))
-        for name, off in getattr(model_cls, "UNSUPPORTED", {}).items():
-            if name in obj and obj[name] is not None and obj[name] != off:
-                raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
-        try:
-            return model_cls.model_validate(obj)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        """JSON body -> request model, or the APIError refusing it (admission.admit: run off the event
+        loop, parsing a big body takes a while)."""
+        return admission.admit(raw, model_cls, self.cfg)
 
-    async def off_loop(self, fn, raw: bytes, *args):
-        """Runs CPU work on a request body (parsing, tokenizing, chat templates) in a prepare pool, not
-        on the event loop: a large body on the bulk lane, the others on the ordinary one."""
-        pool = self.bulk_pool if len(raw) > BULK_BODY_BYTES else self.pool
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, raw, *args)
+    async def off_loop(self, fn, raw: bytes, model_cls, *args):
+        """Runs fn(raw, model_cls, *args), CPU work on a request body (parsing, tokenizing, chat
+        templates), in a prepare pool, not on the event loop: a large body on the bulk lane, once a
+        body checker passed it (one that refuses it answers for the server), the others on the
+        ordinary one."""
+        pool = self.pool
+        if len(raw) > BULK_BODY_BYTES:
+            refusal = await self.checker.check(raw, model_cls, self.cfg)
+            if refusal is not None:
+                raise refusal
+            pool = self.bulk_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, raw, model_cls, *args)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # The batch call releases the GIL while it runs (a single `encode` holds it: a 4 MB prompt
@@ -164,10 +156,7 @@ class Server(CompletionServing, ChatServing):
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def check_prompt_chars(self, n: int, param: str) -> None:
-        limit = self.cfg.max_prompt_chars
-        if n > limit:
-            raise APIError(413, f"the prompt has {n} characters; the limit is {limit} characters", param=param,
-                           code="prompt_too_long")
+        admission.check_prompt_chars(n, self.cfg.max_prompt_chars, param)
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -189,10 +178,6 @@ class Server(CompletionServing, ChatServing):
                 except ValueError:
                     raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
         try:
-            so = StructuredOutputsParams.from_response_format(r.response_format)
-            if so is not None and r.structured_outputs is not None:
-                raise RequestError("response_format and structured_outputs cannot both constrain the output; "
-                                   "give one", "structured_outputs")
             return SamplingParams(
                 n=r.n, temperature=1.0 if r.temperature is None else r.temperature,
                 top_p=1.0 if r.top_p is None else r.top_p, top_k=0 if r.top_k is None else r.top_k,
@@ -202,7 +187,7 @@ class Server(CompletionServing, ChatServing):
                 ignore_eos=r.ignore_eos, include_stop_str_in_output=r.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
                 skip_special_tokens=r.skip_special_tokens, priority=r.priority, trace=r.trace,
-                structured_outputs=so if so is not None else r.structured_outputs)
+                structured_outputs=admission.request_constraint(r))
         except RequestError as e:
             raise bad_request(e.message, e.param, e.code) from None
 
@@ -483,7 +468,7 @@ class Server(CompletionServing, ChatServing):
         return Response(generate_latest(self.loop.metrics.registry), 200, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
-        return await self.off_loop(self._tokenize, await self.read_body(request))
+        return await self.off_loop(self._tokenize, await self.read_body(request), TokenizeRequest)
 
     async def openapi(self, request: Request) -> Response:
         if self._openapi is None:
@@ -501,25 +486,24 @@ class Server(CompletionServing, ChatServing):
                         media_type="text/html")
 
     async def detokenize(self, request: Request) -> Response:
-        return await self.off_loop(self._detokenize, await self.read_body(request))
+        return await self.off_loop(self._detokenize, await self.read_body(request), DetokenizeRequest)
 
-    def _tokenize(self, raw: bytes) -> Response:
-        r = self.parse(raw, TokenizeRequest)
+    def _tokenize(self, raw: bytes, model_cls=TokenizeRequest) -> Response:
+        r = self.parse(raw, model_cls)  # the prompt's characters are counted there
         self.check_model(r.model)
         if (r.prompt is None) == (r.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if r.prompt is not None:
-            self.check_prompt_chars(len(r.prompt), "prompt")
             ids = self.encode(r.prompt, add_special_tokens=r.add_special_tokens)
         else:
-            ids = self._chat_ids(self._messages(r.messages), r.add_generation_prompt, r.chat_template_kwargs,
-                                 r.continue_final_message)
+            ids = self._chat_ids(admission.chat_messages(r.messages, self.cfg), r.add_generation_prompt,
+                                 r.chat_template_kwargs, r.continue_final_message)
         strs = [self.tokenizer.id_to_token(t) for t in ids] if r.return_token_strs else None
         return json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                                "token_strs": strs})
 
-    def _detokenize(self, raw: bytes) -> Response:
-        r = self.parse(raw, DetokenizeRequest)
+    def _detokenize(self, raw: bytes, model_cls=DetokenizeRequest) -> Response:
+        r = self.parse(raw, model_cls)
         self.check_model(r.model)
         bad = [t for t in r.tokens if not 0 <= t < self.vocab_size]
         if bad:

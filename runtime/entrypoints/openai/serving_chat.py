@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from runtime.core.sampling_params import MAX_LOGPROBS
+from runtime.entrypoints.openai.admission import chat_messages
 from runtime.entrypoints.openai.protocol import (ChatCompletionRequest, ChoiceState, Prepared, bad_request,
                                                  chat_logprobs)
 
@@ -24,7 +25,7 @@ class ChatServing:
         model = self.check_model(r.model)
         if r.tools:
             raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-        messages = self._messages(r.messages)
+        messages = chat_messages(r.messages, self.cfg)
         ids = self.truncate(self._chat_ids(messages, r.add_generation_prompt, r.chat_template_kwargs,
                                            r.continue_final_message), r)
         # vLLM: the reply's role is the last message's when no generation prompt opens a new turn, and
@@ -50,45 +51,6 @@ class ChatServing:
                                                               "return_token_ids": r.return_token_ids,
                                                               "token_ids_as_names": r.return_tokens_as_token_ids,
                                                               "role": role, "echo": echo})
-
-    def check_num_messages(self, messages) -> None:
-        """Many messages cost time to walk and to render even when they are empty: counted first."""
-        limit = self.cfg.max_chat_messages
-        if isinstance(messages, list) and len(messages) > limit:
-            raise bad_request(f"the request has {len(messages)} messages; the limit is {limit}", "messages",
-                              "too_many_messages")
-
-    def _messages(self, messages) -> list[dict]:
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("messages must be a non-empty list", "messages",
-                              "missing_required_parameter" if messages is None else "invalid_value")
-        self.check_num_messages(messages)  # before the template renders them
-        out = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise bad_request(f"messages[{i}] must be an object", f"messages.{i}", "invalid_type")
-            role = m.get("role")
-            if not isinstance(role, str) or not role:  # any other role string goes to the template, as in vLLM
-                raise bad_request(f"messages[{i}].role must be a non-empty string; got {role!r}",
-                                  f"messages.{i}.role", "invalid_type")
-            content = m.get("content")
-            if isinstance(content, list):
-                parts = []
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                            part.get("text"), str):
-                        raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported",
-                                          f"messages.{i}.content.{j}", "unsupported_parameter")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            elif content is None and role == "assistant":
-                content = ""
-            elif not isinstance(content, str):
-                raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
-                                  f"messages.{i}.content", "invalid_type")
-            out.append({"role": "system" if role == "developer" else role, "content": content})
-        self.check_prompt_chars(sum(len(m["content"]) for m in out), "messages")
-        return out
 
     def _chat_ids(self, messages, add_generation_prompt=True, kwargs=None, continue_final=False) -> list[int]:
         """The templated prompt's ids. `continue_final`: the last message stays open (its end-of-turn and

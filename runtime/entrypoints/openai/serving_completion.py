@@ -45,7 +45,6 @@ class CompletionServing:
         if cap is not None and len(prompts) > cap:
             raise bad_request(f"the request has {len(prompts)} prompts; this server admits at most {cap} at once "
                               f"(max_num_seqs + max_queue)", "prompt", "too_many_prompts")
-        self.check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         encoded: list[list[int]] = []
         texts: list[str | None] = []
         for p in prompts:
