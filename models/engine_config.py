@@ -6,6 +6,7 @@ flags from them, and `ir.dump` uses that layer while DESIGN lets it import only 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,15 +21,39 @@ DTYPE_ALIASES = {"float32": "f32", "fp32": "f32", "f32": "f32", "bfloat16": "bf1
 AUTO_DTYPE = {"gpu": "bf16", "cuda": "bf16", "rocm": "bf16", "tpu": "bf16"}
 
 
+PLATFORMS = ("cpu", "gpu", "tpu")
+_planned_platform: str | None = None  # set by planning_for
+
+
+def target_platform() -> str:
+    """The platform whose lowerings a plan is made for: this machine's JAX backend, unless a dry
+    run plans for another one (`planning_for`)."""
+    if _planned_platform is not None:
+        return _planned_platform
+    import jax
+
+    return jax.default_backend()
+
+
+@contextlib.contextmanager
+def planning_for(platform: str | None):
+    """Within it, plans (dtype auto, scanned layers, kernel backend, the memory model) are made as
+    on `platform` (None: this machine): `jaxserve compile --dry-run --platform gpu` on a laptop."""
+    global _planned_platform
+    if platform is not None and platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    before, _planned_platform = _planned_platform, platform if platform is not None else _planned_platform
+    try:
+        yield
+    finally:
+        _planned_platform = before
+
+
 def resolve_dtype(dtype: str, platform: str | None = None) -> str:
     """An IR dtype name (f32/bf16/f16) for a user's dtype; `auto` depends on the platform."""
     name = str(dtype).lower()
     if name == "auto":
-        if platform is None:
-            import jax
-
-            platform = jax.default_backend()
-        return AUTO_DTYPE.get(platform, "f32")
+        return AUTO_DTYPE.get(platform or target_platform(), "f32")
     if name not in DTYPE_ALIASES:
         raise ValueError(f"dtype must be one of {['auto'] + sorted(DTYPE_ALIASES)}, got {dtype!r}")
     return DTYPE_ALIASES[name]
@@ -353,9 +378,6 @@ class EngineConfig:
         a layer's slice, where the product itself takes far longer than the copy."""
         if self.scan_layers is not None:
             return self.scan_layers
-        if platform is None:
-            import jax
-
-            platform = jax.default_backend()
+        platform = platform or target_platform()
         f32 = self.quantization is None and self.matmul_precision == "float32" and self.dtype == "f32"
         return platform != "cpu" or self.quantization == "int8" or (f32 and f32_in_place)

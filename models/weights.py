@@ -399,8 +399,14 @@ def load_orbax(directory: str | os.PathLike) -> dict[str, np.ndarray]:
     directory = Path(directory).absolute()
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: Orbax checkpoint directory not found")
+    import jax
+
+    # This process alone: each rank of a multi-process engine loads its plan on its own, and
+    # Orbax's default would wait in a barrier (a collective) for every process to restore too.
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     try:
-        restored = ocp.StandardCheckpointer().restore(directory)
+        restored = ocp.StandardCheckpointer(multiprocessing_options=alone).restore(directory)
     except Exception as e:
         raise ValueError(f"{directory}: cannot restore Orbax checkpoint: {type(e).__name__}: {e}") from None
     return {k: np.asarray(v) for k, v in restored.items()}

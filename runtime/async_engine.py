@@ -78,6 +78,15 @@ class EngineLoop:
         with contextlib.suppress(ValueError):
             self.engine.step_hooks.remove(self._on_step)
 
+    def fail(self, error: BaseException) -> None:
+        """Fails every request in flight with `error`, refuses new ones and stops the loop; from any
+        thread (a multi-process engine's watchdog, when a rank died or hung: the engine thread may
+        be stuck in that step's collective)."""
+        self.error = error
+        self._stop = True
+        self._wake.set()
+        self._fail_all()
+
     @property
     def alive(self) -> bool:
         return self.error is None

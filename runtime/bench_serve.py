@@ -21,7 +21,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from runtime.workload import WORKLOADS, make_workload
+from runtime.workload import WORKLOADS, make_workload, shared_prefix_workload
+
+SHARED_PREFIX = "shared-prefix"  # text prompts: 8 long system prompts x users (workload.shared_prefix_workload)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class BenchResult:
     itl_ms: dict
     e2e_ms: dict
     errors: list[str] = field(default_factory=list)
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found in the prefix caches (--metrics-url)
 
 
 def _stats_ms(xs) -> dict:
@@ -90,6 +93,7 @@ async def _one(client, url: str, payload: dict, headers: dict, prompt_len: int) 
                     last = now
                 if obj.get("usage"):
                     res.output_len = obj["usage"]["completion_tokens"]
+                    res.prompt_len = obj["usage"].get("prompt_tokens", res.prompt_len)
         res.latency = time.perf_counter() - t0
         res.ok = res.ttft > 0
         if not res.ok:
@@ -134,7 +138,7 @@ async def run_async(url: str, model: str, workload, request_rate: float, *, seed
                 await asyncio.sleep(gap)
             payload = {"model": model, "prompt": ids, "max_tokens": int(max_tokens), "temperature": temperature,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.create_task(limited(payload, len(ids))))
+            tasks.append(asyncio.create_task(limited(payload, len(ids) if not isinstance(ids, str) else 0)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_start
     if progress:
@@ -180,6 +184,8 @@ def format_result(r: BenchResult) -> str:
         lines.append(f" {title} ".center(w, "-"))
         lines += [f"{f'Mean {key} (ms):':<40}{d['mean']:>10.2f}", f"{f'Median {key} (ms):':<40}{d['median']:>10.2f}",
                   f"{f'P99 {key} (ms):':<40}{d['p99']:>10.2f}"]
+    if r.prefix_cache_hit_rate is not None:
+        lines.append(f"{'Prefix cache hit rate:':<40}{r.prefix_cache_hit_rate:>10.1%}")
     lines.append("=" * w)
     if r.errors:
         lines.append("errors: " + "; ".join(r.errors))
@@ -239,15 +245,37 @@ def _rate(s: str) -> float:
     return float("inf") if s.strip().lower() in ("inf", "infinity") else float(s)
 
 
+def prefix_cache_counts(urls: list[str]) -> tuple[float, float]:
+    """(hits, queries) of the prefix caches of the servers at `urls`, summed, from their /metrics."""
+    import httpx
+
+    hits = queries = 0.0
+    for u in urls:
+        for line in httpx.get(u.rstrip("/") + "/metrics", timeout=30).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(value)
+            elif name.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(value)
+    return hits, queries
+
+
 def run(url: str, *, request_rates: list[float], num_prompts: int, seed: int = 0, workload: str = "mixed",
         api_key: str | None = None, model: str | None = None, max_concurrency: int | None = None,
         max_input_len: int | None = None, max_output_len: int | None = None, temperature: float = 0.0,
-        num_warmups: int = 4, progress: bool = False) -> list[BenchResult]:
-    """One benchmark per request rate, each on the same seeded workload."""
+        num_warmups: int = 4, progress: bool = False, metrics_urls: list[str] | None = None,
+        num_prefixes: int = 8) -> list[BenchResult]:
+    """One benchmark per request rate, each on the same seeded workload. `metrics_urls`: servers
+    whose prefix-cache counters give each run's hit rate (the replicas behind a router; default:
+    `url` itself)."""
     info = server_info(url, api_key)
     model = model or info["id"]
-    work = make_workload(workload, num_prompts, seed, int(info.get("max_model_len") or 2048),
-                         int(info.get("vocab_size") or 32000), max_input_len, max_output_len)
+    if workload == SHARED_PREFIX:
+        work = shared_prefix_workload(num_prompts, num_prefixes, seed, output_len=max_output_len or 16)
+    else:
+        work = make_workload(workload, num_prompts, seed, int(info.get("max_model_len") or 2048),
+                             int(info.get("vocab_size") or 32000), max_input_len, max_output_len)
+    metrics_urls = metrics_urls or [url]
     # Untimed requests first (like `vllm bench serve`'s test prompt): fail fast on a bad URL or model,
     # and keep first-touch costs of the step shapes out of the first rate's numbers.
     if num_warmups > 0:
@@ -257,10 +285,21 @@ def run(url: str, *, request_rates: list[float], num_prompts: int, seed: int = 0
             raise RuntimeError(f"the warm-up requests failed: {first.errors}")
     out = []
     for rate in request_rates:
-        out.append(asyncio.run(run_async(url, model, work, rate, seed=seed, api_key=api_key,
-                                         max_concurrency=max_concurrency, temperature=temperature,
-                                         progress=progress)))
+        before = _counts_or_none(metrics_urls)
+        r = asyncio.run(run_async(url, model, work, rate, seed=seed, api_key=api_key,
+                                  max_concurrency=max_concurrency, temperature=temperature, progress=progress))
+        after = _counts_or_none(metrics_urls)
+        if before is not None and after is not None and after[1] > before[1]:
+            r.prefix_cache_hit_rate = (after[0] - before[0]) / (after[1] - before[1])
+        out.append(r)
     return out
+
+
+def _counts_or_none(urls: list[str]):
+    try:
+        return prefix_cache_counts(urls)
+    except Exception:  # a server without our /metrics (a router's own): no hit rate, the rest stands
+        return None
 
 
 def main(argv=None) -> int:
@@ -274,7 +313,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", default=None, help="comma list of request rates, e.g. 0.5,1,2,4,inf")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0, help="seeds both the workload and the arrival times")
-    ap.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS))
+    ap.add_argument("--workload", default="mixed", choices=sorted([*WORKLOADS, SHARED_PREFIX]),
+                    help=f"{SHARED_PREFIX}: text prompts, --num-prefixes long system prompts shared by the rest, "
+                         "interleaved (--max-output-len sets every output, default 16)")
+    ap.add_argument("--num-prefixes", type=int, default=8, help=f"system prompts of the {SHARED_PREFIX} workload")
+    ap.add_argument("--metrics-url", action="append", default=None,
+                    help="a server whose /metrics count prefix-cache hits (repeat for each replica behind a "
+                         "router; default: --url)")
     ap.add_argument("--max-input-len", type=int, default=None, help="truncate prompts (smoke tests)")
     ap.add_argument("--max-output-len", type=int, default=None, help="cap output lengths (smoke tests)")
     ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
@@ -290,7 +335,8 @@ def main(argv=None) -> int:
                   workload=args.workload, api_key=args.api_key, model=args.model,
                   max_concurrency=args.max_concurrency, max_input_len=args.max_input_len,
                   max_output_len=args.max_output_len, temperature=args.temperature,
-                  num_warmups=args.num_warmups, progress=args.progress)
+                  num_warmups=args.num_warmups, progress=args.progress, metrics_urls=args.metrics_url,
+                  num_prefixes=args.num_prefixes)
     for r in results:
         print(format_result(r))
     if len(results) > 1:

@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 from models.config import PRESETS
+from models.engine_config import PLATFORMS, planning_for
 from runtime.plan import Plan, compile_plan
 
 
 def main(argv=None) -> int:
-    from runtime.args import (ArgumentParser, add_engine_args, engine_config_from_args, fit_error,
-                              model_block_formats, plan_without_weights, preflight)
-    from runtime.errors import UserError
+    from runtime.args import ArgumentParser, add_engine_args
 
     ap = ArgumentParser(prog="python -m runtime.compile", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,12 +30,28 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="print the memory plan and bucket table without loading weights or compiling; "
                          "exits 2 with the changes that would fit when the plan does not fit")
+    ap.add_argument("--platform", choices=PLATFORMS,
+                    help="with --dry-run: plan as on this platform's lowerings (default: this machine's), for "
+                         "example a GPU's from a laptop; needs --device-memory")
     add_engine_args(ap)
     args = ap.parse_args(argv)
     if not args.dry_run and not args.out:
         ap.error("--out is required unless --dry-run")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         ap.error(f"--out {args.out} is a file; the plan is a directory")
+    if args.platform and not args.dry_run:
+        ap.error("--platform plans for another machine: it needs --dry-run")
+    if args.platform and args.device_memory is None:
+        ap.error(f"--platform {args.platform}: give that device's memory with --device-memory (e.g. 80 for an H100)")
+    with planning_for(args.platform):
+        return _main(args)
+
+
+def _main(args) -> int:
+    from runtime.args import (engine_config_from_args, fit_error, model_block_formats, plan_without_weights,
+                              preflight)
+    from runtime.errors import UserError
+
     # Every user mistake (model, engine args, fit) surfaces here, before weights load or anything compiles.
     config = preflight(args, dry_run=args.dry_run)
     if config is None:

@@ -10,4 +10,6 @@ from runtime.entrypoints.openai.protocol import VLLM_UNSUPPORTED, APIError
 __all__ = ["APIError", "ServerThread", "VLLM_UNSUPPORTED", "build_app", "main", "parse_args", "serve"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runtime.errors import run_main
+
+    sys.exit(run_main(main))

@@ -38,3 +38,30 @@ def make_workload(name: str, num_prompts: int, seed: int, max_model_len: int, vo
     if max_input_len or max_output_len:
         work = [(ids[:max_input_len or len(ids)], min(o, max_output_len or o)) for ids, o in work]
     return work
+
+
+# Words the shared-prefix workload's text is made of: common English, so any BPE tokenizer keeps
+# about one token per word.
+_WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had "
+          "by word but not what all were we when your can said there use an each which she do how their if will "
+          "up other about out many then them these so some her would make like him into time has look two more "
+          "write go see number no way could people my than first water been call who oil its now find long down "
+          "day did get come made may part").split()
+
+
+def shared_prefix_workload(num_prompts: int, num_prefixes: int = 8, seed: int = 0, *, prefix_words: int = 200,
+                           question_words: int = 12, output_len: int = 16) -> list[tuple[str, int]]:
+    """(text prompt, max_tokens) pairs: `num_prefixes` long system prompts, each shared by
+    num_prompts / num_prefixes users with a short question of their own, the users' arrivals
+    interleaved in a seeded random order (a fixed rotation would let round robin keep each prefix
+    on one replica by accident): the workload where a router that keeps a prefix on one replica
+    makes that replica's prefix cache hit."""
+    rng = np.random.default_rng(seed)
+    words = np.array(_WORDS)
+    systems = [f"System {k}: " + " ".join(rng.choice(words, prefix_words)) for k in range(num_prefixes)]
+    order = rng.permutation(np.arange(num_prompts) % num_prefixes)
+    out = []
+    for i, k in enumerate(order):
+        question = " ".join(rng.choice(words, question_words))
+        out.append((f"{systems[k]}\nUser {i}: {question}?\nAssistant:", output_len))
+    return out

@@ -318,6 +318,24 @@ def test_dry_run_that_fits_exits_0(capsys):
     assert rc == 0 and "tensor_parallel_size=2" in out
 
 
+def _kv_blocks(out: str) -> int:
+    return int(re.search(r"= KV cache .*?\((\d+) blocks", out).group(1))
+
+
+def test_a_dry_run_plans_for_a_gpu_from_this_cpu(capsys):
+    """`--platform gpu` plans with a GPU's lowerings: auto dtype bf16, no XLA:CPU f32 copies of bf16
+    weights beside their products (which a CPU plan counts: 70B's largest weight is 0.9 GiB in f32)."""
+    args = ("compile", "--model", "llama-2-70b", "--dry-run", "--device-memory", "80", "-tp", "2",
+            "--max-model-len", "4096")
+    rc, gpu, _ = _cli(capsys, *args, "--platform", "gpu")
+    assert rc == 0 and "dtype bf16" in gpu
+    rc, cpu, _ = _cli(capsys, *args, "--dtype", "bfloat16")
+    assert rc == 0 and _kv_blocks(gpu) > _kv_blocks(cpu)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compile", "--model", "llama-2-70b", "--dry-run", "--platform", "gpu"])
+    assert "--device-memory" in _one_line_error(e.value.code, capsys.readouterr().err)
+
+
 # ------------------------------------------------------------------------------ scripts
 
 def _fake_repo(tmp_path: Path) -> Path:

@@ -84,9 +84,33 @@ output v_pool.1 = %4
     assert plan.weight_bytes == 256
     # The matmul's result [4, 2, 8] f32 is the only temporary: 256 B.
     assert plan.buckets[0].activation_bytes == 256 and plan.buckets[0].io_bytes == 528
-    assert plan.peak_activation_bytes == 784
-    assert plan.num_kv_blocks == (50_000 - 256 - 784 - 1000) // 1024 == 46
-    assert plan.max_concurrent_seqs == 46 // 4 == 11
+    # The copy-on-write executable gathers up to 2 pairs' source blocks (both layers, k and v):
+    # 2 x 1024 B, more than the step's 784.
+    assert plan.peak_activation_bytes == 2048
+    assert plan.num_kv_blocks == (50_000 - 256 - 2048 - 1000) // 1024 == 45
+    assert plan.max_concurrent_seqs == 45 // 4 == 11
+
+
+def test_sampler_workspace_gains_the_gathered_logits_under_tensor_parallelism():
+    from passes.plan_memory import SAMPLER_WORKSPACE_ARRAYS, sampler_workspace_bytes
+
+    g = final_graph()
+    one = sampler_workspace_bytes(g, {"S": 4, "R": 4, "tp": 1})
+    assert one == SAMPLER_WORKSPACE_ARRAYS * 4 * 256 * 4
+    assert sampler_workspace_bytes(g, {"S": 4, "R": 4, "tp": 2}) == one // SAMPLER_WORKSPACE_ARRAYS * (SAMPLER_WORKSPACE_ARRAYS + 1)
+
+
+def test_sampler_io_matches_the_samplers_own_buffers():
+    """plan_memory mirrors runtime.worker.sampler's per-row arguments (it may not import it)."""
+    from passes.plan_memory import SAMPLER_TOP_LOGPROBS, sampler_io_bytes
+    from runtime.worker import sampler
+
+    rows, vocab, max_model_len = 16, 49152, 2048
+    ins = sum(math.prod(v.shape) * v.dtype.itemsize for v in sampler.input_specs(rows, max_model_len, vocab).values()
+              if v.shape)  # the bucket-wide flags are a few bytes
+    outs = rows * 4 * (2 + 2 * sampler.NUM_TOP_LOGPROBS)
+    assert SAMPLER_TOP_LOGPROBS == sampler.NUM_TOP_LOGPROBS
+    assert sampler_io_bytes(rows, vocab, max_model_len) == ins + outs
 
 
 def test_budget_edges():

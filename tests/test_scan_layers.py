@@ -72,10 +72,12 @@ def test_scanned_engine_equals_unrolled():
     the scanned step gives exactly the unrolled step's tokens and logprobs."""
     shared = list(range(10, 60))
     prompts = [shared + [3, 4], list(range(5, 9)), shared + [7], list(range(70, 120))]
+    # Prompt 2 hits prompt 0's cached block; prompt logprobs go on prompt 3, since a request that asks
+    # for them skips prefix-cache hits (as vLLM does).
     params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=3),
               SamplingParams(temperature=0.9, seed=4, n=2, max_tokens=9, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, prompt_logprobs=2),
-              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, prompt_logprobs=2)]
     got = []
     for scan in (False, True):
         llm = tiny_llm(scan)

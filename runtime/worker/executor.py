@@ -12,6 +12,7 @@ import numpy as np
 
 from ir import OPS, Graph
 from ir.layers import Layers, find_layers
+from models.engine_config import target_platform
 from runtime.config import KERNEL_BACKENDS
 from ir.attrs import ANNOTATION_ATTRS, NEW_KV_WRITTEN
 
@@ -30,8 +31,10 @@ def resolve_backend(backend: str, sharded: bool = False) -> str:
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        if jax.default_backend() == "gpu":
+        if target_platform() == "gpu":
             return "pallas"
+        if target_platform() != "cpu":
+            return "xla"
         return "cpp" if not sharded and cpp_kernels.available() else "xla"
     if backend == "cpp":
         if jax.default_backend() != "cpu":
@@ -58,7 +61,7 @@ def widens_half_weights(engine) -> bool:
     products, one weight at a time (XLA:CPU has no half-precision dot: kernels.matmul_xla), which
     the memory plan counts."""
     backend = resolve_backend(engine.kernel_backend, sharded=engine.tensor_parallel_size > 1)
-    return jax.default_backend() == "cpu" and backend in ("xla", "cpp")
+    return target_platform() == "cpu" and backend in ("xla", "cpp")
 
 
 def reads_gguf_blocks(engine, has_blocks: bool) -> bool:

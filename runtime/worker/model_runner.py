@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -77,6 +78,20 @@ def _advance_decode(inputs: dict, tokens, block_size: int) -> dict:
                 context_lens=context_lens)
 
 
+def on_every_rank(method):
+    """A call that runs a computation on the mesh: under multi-process tensor parallelism every
+    process must run it, in the same order on the same arrays. Rank 0's runner sends it to the
+    other ranks (`mirror`, runtime.distributed.Leader) before running it."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.mirror is not None:
+            self.mirror.call(method.__name__, args, kwargs)
+        return method(self, *args, **kwargs)
+
+    return run
+
+
 # A KV pool sized from the prediction is kept when XLA's measured peak leaves it at least this
 # many blocks and at most this fraction more: growing it means compiling every executable again
 # for the new pool shape, which a few percent of the pool is not worth.
@@ -129,6 +144,7 @@ class ModelRunner:
         would stay resident beside them (SmolLM2's f32 server: RSS 5,103 -> 4,712 MiB at /health)."""
         self.plan = plan
         self.graph = plan.graph
+        self.mirror = None  # rank 0 of a multi-process engine: sends each device call to the others
         engine = plan.engine
         self.backend = backend or engine.kernel_backend
         self.block_size = engine.block_size
@@ -318,6 +334,7 @@ class ModelRunner:
                 self.input_specs(*bucket), sampler.input_specs(bucket[1], self.max_model_len, self.vocab_size))
         return self.compiled_multi[bucket]
 
+    @on_every_rank
     def execute_multi_step(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray], sampling: dict):
         """num_scheduler_steps decode steps of an all-decode batch (one new token per sequence,
         token i of sequence i, blocks allocated for every step): the sampled rows, each [K, S, ...],
@@ -358,12 +375,16 @@ class ModelRunner:
             self._compile_all(progress, desc="compile buckets for the resized KV pool")
             self.fit_kv_pool(resize=False)
         if execute:
-            for b in self.plan.buckets.pairs():
-                args = {k: np.zeros(v.shape, v.dtype) for k, v in self.input_specs(*b).items()}
-                if "slot_mapping" in args:
-                    args["slot_mapping"][:] = -1  # padding tokens write nothing
-                jax.block_until_ready(self.execute(b, args))
+            self.run_each_bucket()
         return time.perf_counter() - t0
+
+    def run_each_bucket(self) -> None:
+        """Runs each bucket's step once on all-padding inputs (nothing is written to the KV pools)."""
+        for b in self.plan.buckets.pairs():
+            args = {k: np.zeros(v.shape, v.dtype) for k, v in self.input_specs(*b).items()}
+            if "slot_mapping" in args:
+                args["slot_mapping"][:] = -1  # padding tokens write nothing
+            jax.block_until_ready(self.execute(b, args))
 
     def _measure(self, compiled) -> tuple[int, int]:
         """(temporaries, own buffers) of a compiled executable on one device, from XLA's analysis:
@@ -451,12 +472,6 @@ class ModelRunner:
         self.state = self._alloc_state()
         return True
 
-    def check_measured_fit(self) -> None:
-        """Refuses to run a plan whose measured peak no longer fits beside the weights and the KV
-        pools (a runner whose pool was given, not sized by fit_kv_pool)."""
-        memory = self.memory_with_xla(self.plan.memory)
-        check_fit(memory, memory.measured_peak_bytes)
-
     @property
     def max_num_copy_pairs(self) -> int:
         return self.plan.engine.max_num_seqs
@@ -473,6 +488,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------ execution
 
+    @on_every_rank
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         n = self.max_num_copy_pairs
         for i in range(0, len(copies), n):
@@ -484,6 +500,7 @@ class ModelRunner:
             fn = self._copy_compiled or self._copy
             self.state = fn(self.state, src, dst)
 
+    @on_every_rank
     def execute(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray], sampling: dict | None = None,
                 feed=None, feed_index: np.ndarray | None = None):
         """Runs one step; returns the graph's outputs, the sampled rows (SAMPLED_OUTPUTS) and
@@ -514,12 +531,14 @@ class ModelRunner:
             outs = {k: self.mesh.local_copy(v) for k, v in outs.items()}
         return outs
 
+    @on_every_rank
     def lm_head(self, hidden_rows: np.ndarray) -> np.ndarray:
         """f32 logits [R, vocab] of final hidden states (the step's `hidden` output), through the
         graph's own head: what the step computes at `logits_indices`, for any rows."""
         return np.asarray(jax.device_get(self._head_logits(self._head_params,
                                                            np.asarray(hidden_rows).astype(self._head_dtype))))
 
+    @on_every_rank
     def prompt_logprobs(self, hidden_rows: np.ndarray, targets: np.ndarray):
         """Logprobs of `targets` given each row's hidden state, in fixed-size chunks, through the
         graph's own LM head."""

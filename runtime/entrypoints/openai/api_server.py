@@ -24,6 +24,7 @@ from http import HTTPStatus
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from runtime.async_engine import DEFAULT_MAX_QUEUE
@@ -32,7 +33,7 @@ from runtime.entrypoints.openai.protocol import APIError
 from runtime.entrypoints.openai.serving import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                                 DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN,
-                                                PROTOCOL_ERROR_KEY, Server, ServerConfig, peer)
+                                                PROTOCOL_ERROR_KEY, Server, ServerConfig, _version, peer)
 
 log = logging.getLogger("runtime.serve")
 
@@ -119,6 +120,17 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
         log.exception("unhandled error in %s", request.url.path)
         return APIError(500, f"internal server error: {exc!r}", code="internal_error").response()
 
+    async def model_info(request):
+        # What sglang-router asks a worker when it registers it (/model_info, then /get_model_info),
+        # as SGLang answers: the model its /v1/models then lists. No tokenizer_path: the router
+        # would load one to tokenize for its own use; it routes on the request's text.
+        return JSONResponse({"model_path": names[0], "tokenizer_path": None, "is_generation": True})
+
+    async def server_info(request):  # /server_info, then /get_server_info: the router's other probe
+        return JSONResponse({"model_path": names[0], "served_model_name": names[0],
+                             "max_model_len": engine.engine_config.max_model_len,
+                             "tp_size": engine.engine_config.tensor_parallel_size, "version": _version()})
+
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
@@ -130,6 +142,9 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
         Route("/docs", server.docs, methods=["GET"]),
+        *(Route(path, fn, methods=["GET"]) for path, fn in (
+            ("/model_info", model_info), ("/get_model_info", model_info), ("/server_info", server_info),
+            ("/get_server_info", server_info))),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
@@ -385,6 +400,8 @@ SERVER_LIMIT_FLAGS = (
 
 def parse_args(argv=None):
     from runtime.args import add_engine_args
+    from runtime.distributed import add_distributed_args
+    from runtime.replicas import add_replica_args
 
     ap = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -410,34 +427,52 @@ def parse_args(argv=None):
     ap.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_args(ap)
+    add_distributed_args(ap)
+    add_replica_args(ap)
     args = ap.parse_args(argv)
     return ap, args
 
 
 def main(argv=None) -> int:
     """The server's entry point (`python -m runtime.serve`, `jaxserve serve`). The model or plan,
-    the engine args and the port are checked first, so a mistake is one line before any compile."""
+    the engine args and the port are checked first, so a mistake is one line before any compile.
+    With --nnodes > 1 this process is one rank of a multi-process engine (runtime.distributed):
+    rank 0 serves, the others follow it."""
     ap, args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    from runtime.args import engine_kwargs_from_args, preflight
+    if args.data_parallel_size < 1:
+        from runtime.errors import UserError
+
+        raise UserError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:  # a router in front of replicas, each this command at dp 1
+        from runtime import replicas
+
+        return replicas.main(list(sys.argv[1:] if argv is None else argv), args)
+    from runtime import distributed
     from runtime.args import quiet_tpu_probe
-
-    quiet_tpu_probe()
-    preflight(args)
     from runtime.build import build_engine
-    from runtime.plan import load_plan
 
+    dist = distributed.DistributedConfig.from_args(args)
+    group = distributed.join(dist) if dist.enabled else None  # before anything touches a device
+    if group is not None and not group.is_leader:
+        args.port = None  # a follower serves no HTTP
+    quiet_tpu_probe()
     t0 = time.perf_counter()
-    if args.plan:
-        plan = load_plan(args.plan, _explicit_engine_kwargs(ap, args))
-        source = args.plan
-    else:
-        plan = load_plan(args.model, engine_kwargs_from_args(args), progress=True)
-        source = args.model
-    log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
-    engine = build_engine(plan, cache_dir=args.compilation_cache_dir, progress=True, warm_execute="auto",
-                          release_host_weights=True)
+    try:
+        plan, source = _load_plan(ap, args)
+        log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
+        if group is not None and not group.is_leader:
+            return _follow(group, plan, source, args)
+        if group is not None:
+            group.check_peers(distributed.plan_identity(plan, source))
+        # Several ranks: warm runs go to every rank at once, once all have compiled (Leader.start).
+        engine = build_engine(plan, cache_dir=args.compilation_cache_dir, progress=True,
+                              warm_execute="auto" if group is None else False, release_host_weights=True)
+    except BaseException as e:
+        if group is not None:  # no rank waits for one that stopped
+            group.abort(e) if group.is_leader else group.fail(e)
+        raise
     log.info("engine warm in %.1fs (%d buckets compiled or loaded); the KV pool sized from XLA's measured peak:\n%s",
              time.perf_counter() - t0, len(plan.buckets.pairs()), plan.memory.table().split("\n  peak activations =")[0])
     names = args.served_model_name or [args.model if not args.plan else plan.config.name]
@@ -450,17 +485,69 @@ def main(argv=None) -> int:
                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     max_chat_messages=args.max_chat_messages, max_grammar_chars=args.max_grammar_chars,
                     grammar_timeout_s=args.grammar_timeout_s)
+    if group is not None:
+        server = app.state.server
+
+        def on_fault(message: str) -> None:  # the watchdog's thread
+            server.draining = True
+            server.loop.fail(distributed.RankFailure(message))
+            distributed.exit_soon(distributed.FAULT_EXIT_STATUS, 1.0, message)  # the failed responses go out first
+
+        group.on_fault = on_fault
+        group.start(engine.runner, warm_execute="auto")
     log.info("serving %s on http://%s:%d (model name%s %s)", source, args.host, args.port,
              "s" if len(names) > 1 else "", ", ".join(names))
     asyncio.run(serve(app, args.host, args.port, shutdown_grace_s=args.shutdown_grace_s,
                       log_level=args.log_level, access_log=args.access_log))
+    status = 0
+    if group is not None:
+        if group.fault is not None:
+            status = distributed.FAULT_EXIT_STATUS
+        elif not group.stop():
+            status = distributed.FAULT_EXIT_STATUS
     log.info("server stopped")
+    _exit_now(status)
+
+
+def _load_plan(ap, args):
+    """(plan, its source) from --plan or --model, after the pre-flight checks."""
+    from runtime.args import engine_kwargs_from_args, preflight
+    from runtime.plan import load_plan
+
+    preflight(args)
+    if args.plan:
+        return load_plan(args.plan, _explicit_engine_kwargs(ap, args)), args.plan
+    return load_plan(args.model, engine_kwargs_from_args(args), progress=True), args.model
+
+
+def _follow(group, plan, source, args) -> int:
+    """A follower rank: the plan's runner, compiled as rank 0 compiles its own, running rank 0's
+    calls until rank 0 says stop (exit 0) or disappears (RankFailure: exit 1)."""
+    from runtime import distributed
+    from runtime.build import build_runner
+
+    group.introduce(distributed.plan_identity(plan, source))
+    runner = build_runner(plan, args.compilation_cache_dir, release_host_weights=True)
+    runner.warmup(progress=True)
+    group.ready(runner)
+    log.info("rank %d: following rank 0", group.cfg.node_rank)
+    try:
+        group.serve(runner)
+    except distributed.RankFailure as e:
+        log.error("%s", e)
+        _exit_now(distributed.FAULT_EXIT_STATUS)
+    _exit_now(0)
+
+
+def _exit_now(status: int):
     # Interpreter teardown (the XLA client, device buffers, module globals) takes seconds and would
-    # push the exit past the grace period; the server is drained and has nothing left to write.
+    # push the exit past the grace period; the server is drained and has nothing left to write. A
+    # rank of a multi-process engine must not run jax.distributed's exit barrier either: a rank that
+    # died would hold it for the heartbeat timeout and then abort.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":
