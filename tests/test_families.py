@@ -238,3 +238,33 @@ def test_gemma3_preset_without_its_package_names_the_package(monkeypatch):
 def test_unsupported_hf_architecture_is_refused():
     with pytest.raises(ValueError, match="unsupported architecture 'PhiForCausalLM'"):
         config_from_hf({"architectures": ["PhiForCausalLM"]})
+
+
+def test_dump_shows_the_families_ops_and_attributes(capsys):
+    """`jaxserve dump` prints what the new architectures add: windows on Gemma 3's sliding layers
+    only (five of each six, local RoPE base 10k, global 1M), qk-norm and (1 + w) norms as rms_norm
+    with offset=1.0, gelu_tanh, Gemma 2's attention softcap and final softcap; Qwen3's qk-norm with
+    no offset and no window."""
+    import re
+
+    from ir import dump
+
+    def final_ir(name):
+        assert dump.main(["--model", name]) == 0
+        return capsys.readouterr().out
+
+    g3 = final_ir("gemma-3-270m")
+    attn = [l for l in g3.splitlines() if "= paged_attention(" in l]
+    ropes = [l for l in g3.splitlines() if "= rope(" in l][::2]  # q's rope of each layer
+    assert len(attn) == len(ropes) == 18
+    assert ["window=512" in l for l in attn] == [(i + 1) % 6 != 0 for i in range(18)]
+    assert [re.search(r"theta=([0-9.e+]+)", l).group(1) for l in ropes] == \
+        ["1000000.0" if (i + 1) % 6 == 0 else "10000.0" for i in range(18)]
+    assert g3.count("= gelu_tanh(") == 18 and "role=q_norm" in g3 and "role=post_mlp_norm" in g3
+    assert g3.count("offset=1.0") == 18 * 6 + 1  # 4 sandwich norms + q/k norms per layer, final norm
+    g2 = final_ir("gemma-2-9b")
+    attn = [l for l in g2.splitlines() if "= paged_attention(" in l]
+    assert all("softcap=50.0" in l for l in attn) and sum("window=4096" in l for l in attn) == len(attn) // 2
+    assert re.search(r"= softcap\(.*\{cap=30\.0\}", g2)
+    q3 = final_ir("qwen3-0.6b")
+    assert "role=q_norm" in q3 and "offset" not in q3 and "window=" not in q3 and "softcap" not in q3
