@@ -29,7 +29,7 @@ NEXT = [11, 58]
 FAMILIES = ("qwen3", "gemma2", "gemma3")
 
 
-def hf_tiny(kind: str, seed: int = 0, vocab: int = 96):
+def hf_tiny(kind: str, seed: int = 0, vocab: int = 96, gemma2_scalar: float = 20):
     """A tiny random HF model of family `kind`, re-randomized as the module docstring says."""
     import torch
     from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Qwen3Config
@@ -40,7 +40,7 @@ def hf_tiny(kind: str, seed: int = 0, vocab: int = 96):
         cfg = Qwen3Config(**common, num_hidden_layers=2, tie_word_embeddings=True,
                           rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
     elif kind == "gemma2":
-        cfg = Gemma2Config(**common, num_hidden_layers=3, query_pre_attn_scalar=20, sliding_window=WINDOW,
+        cfg = Gemma2Config(**common, num_hidden_layers=3, query_pre_attn_scalar=gemma2_scalar, sliding_window=WINDOW,
                            attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
                            rope_parameters={"rope_type": "default", "rope_theta": 100.0})
     else:
@@ -268,3 +268,97 @@ def test_dump_shows_the_families_ops_and_attributes(capsys):
     assert re.search(r"= softcap\(.*\{cap=30\.0\}", g2)
     q3 = final_ir("qwen3-0.6b")
     assert "role=q_norm" in q3 and "offset" not in q3 and "window=" not in q3 and "softcap" not in q3
+
+
+# ------------------------------------------------------------------------------ GGUF files of the families
+
+def _write_llamacpp_gguf(model, kind: str, path) -> None:
+    """The tiny HF model as llama.cpp's converter writes it: its tensor names, no q/k permutation
+    (qwen3, gemma2, gemma3 use NEOX RoPE), Gemma's norms stored as 1 + w, tied embeddings (no
+    output.weight), and the metadata llama.cpp reads (softcaps, window); f32 tensors."""
+    import gguf
+
+    from models.weight_names import WEIGHT_MAP, SANDWICH_HF_NAMES, pattern_of
+
+    cfg = model.config
+    arch = kind
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+                       "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+                       "attention.head_count": cfg.num_attention_heads,
+                       "attention.head_count_kv": cfg.num_key_value_heads,
+                       "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+                       "vocab_size": cfg.vocab_size}.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    w.add_float32(f"{arch}.rope.freq_base", (rope.get("full_attention", rope))["rope_theta"])
+    if kind != "qwen3":
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    if kind == "gemma2":
+        w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    hf_to_gguf = {}
+    for pattern, (hf, gg, _) in WEIGHT_MAP.items():
+        if kind != "qwen3":
+            hf = SANDWICH_HF_NAMES.get(pattern, hf)
+        hf_to_gguf[hf] = gg
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        layer = None
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            layer = int(parts[2])
+            name = ".".join(parts[:2] + ["{}"] + parts[3:])
+        dst = hf_to_gguf[name] if layer is None else hf_to_gguf[name].format(layer)
+        arr = tensor.float().numpy()
+        if kind != "qwen3" and name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)
+        w.add_tensor(dst, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+def test_gguf_file_loads_like_the_safetensors(kind, tmp_path_factory):
+    """A GGUF written the way llama.cpp's converter writes the model (HF's own GGUF loader reads it
+    back to the same tensors, so the file is right) gives the config and weights of the safetensors
+    directory, and so HF's logits. (Not Gemma 3 here: its GGUF implies the 10k local RoPE base, which
+    the tiny model does not have; tests/test_gemma3.py reads the real file.)"""
+    import torch
+
+    from models.weight_names import source_names
+    from models.weights import load_gguf
+
+    if kind == "gemma2":
+        # llama.cpp's gemma2 GGUF has no query_pre_attn_scalar: it scales by head_dim (9B's own).
+        model = hf_tiny(kind, gemma2_scalar=32)
+        config = config_from_hf(model.config.to_dict() | {"architectures": ["Gemma2ForCausalLM"]})
+        weights = {name: model.state_dict()[src].numpy().T if transposed else model.state_dict()[src].numpy()
+                   for name, (src, transposed) in source_names(config, "hf").items()}
+        expected = [hf_logits(model, p + [n]) for p, n in zip(PROMPTS, NEXT)]
+    else:
+        _, model, _, config, weights, expected = saved_family(kind, tmp_path_factory)
+    path = tmp_path_factory.mktemp(f"{kind}-gguf") / f"{kind}.gguf"
+    _write_llamacpp_gguf(model, kind, path)
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=model.config,
+                                                  dtype=torch.float32).state_dict()
+    # Gemma's norms went through (w + 1) - 1 in f32: within an ulp of 1.0 of w.
+    ulp = dict(rtol=0, atol=float(np.spacing(np.float32(1.0))))
+    for name, tensor in model.state_dict().items():
+        np.testing.assert_allclose(theirs[name].numpy(), tensor.numpy(), **ulp, err_msg=f"HF read back {name}")
+    gconfig, gweights, _ = load_gguf(path)
+    for field in ("num_layers", "hidden_size", "head_dim", "num_q_heads", "num_kv_heads", "qk_norm", "norm_offset",
+                  "sandwich_norms", "hidden_act", "embed_scale", "attn_logit_softcap", "final_logit_softcap",
+                  "sliding_window", "layer_types", "rope_theta", "query_pre_attn_scalar"):
+        assert getattr(gconfig, field) == getattr(config, field), field
+    assert set(gweights) == set(weights)
+    for name in weights:
+        np.testing.assert_allclose(gweights[name], weights[name], **(ulp if name.endswith("norm") else {}),
+                                   err_msg=name)
+    _check(run_steps(lower(gconfig), gweights, _steps(), cache_len=16), expected)
