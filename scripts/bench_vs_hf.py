@@ -1,7 +1,7 @@
 """Our engine against HF transformers on SmolLM2-135M or Gemma 3 270M (f32, greedy, CPU), in one
 process: the ratios issues 13 and 50 ask for, each a median over interleaved rounds.
 
-    .venv/bin/python scripts/bench_vs_hf.py [--model gemma-3-270m] [--num-seqs 16] [--hf-batch 16]
+    .venv/bin/python scripts/bench_vs_hf.py [--model gemma-3-270m] [--num-seqs 16] [--hf-batch 16] [--hf-threads 1]
                                             [--rounds 3] [--skip-batch] [--matmul-precision bfloat16]
                                             [--quantization w8a8] [--kv-cache-dtype bfloat16]
                                             [--gguf-activations q8]
@@ -64,6 +64,10 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "gemma-3-270m"])
     ap.add_argument("--num-seqs", type=int, default=64, help="sequences of the batch case")
     ap.add_argument("--hf-batch", type=int, default=16, help="HF generate()'s batch in the batch case")
+    ap.add_argument("--hf-threads", type=int, default=None,
+                    help="torch.set_num_threads for HF (default: torch's own, one per core). Under load, "
+                         "torch's thread team waits at every op for a descheduled thread: Gemma 3 270M's "
+                         "batch-1 decode ran 13x slower with 2 threads than with 1 at load 5.6")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-batch", action="store_true", help="skip the 64-sequence case (the slowest)")
     ap.add_argument("--matmul-precision", default="float32", choices=MATMUL_PRECISIONS,
@@ -76,6 +80,8 @@ def main() -> int:
     ap.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                     help="our engine's kernel_backend (auto: cpp on CPU where g++ builds it)")
     args = ap.parse_args()
+    if args.hf_threads is not None:
+        torch.set_num_threads(args.hf_threads)
     cfg, weights, tok = load_model(args.model)
     plan = compile_plan(None, EngineConfig(max_model_len=1024, max_num_seqs=args.num_seqs, max_num_batched_tokens=512,
                                            num_kv_blocks=2000, matmul_precision=args.matmul_precision,
@@ -99,7 +105,8 @@ def main() -> int:
     def report(name, ours, theirs, unit, higher_is_better):
         o, h = statistics.median(ours), statistics.median(theirs)
         ratio = h / o if not higher_is_better else o / h
-        print(json.dumps({"case": name, "ours": round(o, 3), "hf": round(h, 3), "unit": unit,
+        print(json.dumps({"case": name, "model": args.model, "hf_threads": torch.get_num_threads(),
+                          "ours": round(o, 3), "hf": round(h, 3), "unit": unit,
                           "ours_vs_hf": round(ratio, 2), "rounds_ours": [round(x, 3) for x in ours],
                           "rounds_hf": [round(x, 3) for x in theirs], "load_avg_1m": round(os.getloadavg()[0], 2)}),
               flush=True)

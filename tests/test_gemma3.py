@@ -66,14 +66,11 @@ def reference(hf, prompts):
 
 
 @pytest.fixture(scope="module")
-def llm(gemma):
-    from runtime.config import EngineConfig
-    from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
+def llm():
+    """The preset by name, as the README runs it: the packaged file."""
+    from runtime import LLM
 
-    config, weights, tok = gemma
-    engine = EngineConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256)
-    return LLM.from_plan(compile_plan(None, engine, weights=weights, config=config, tokenizer=tok), progress=False)
+    return LLM("gemma-3-270m", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, progress=False)
 
 
 def _check(prompt, ref, last_top, prompt_top1, where):
