@@ -362,3 +362,36 @@ def test_gguf_file_loads_like_the_safetensors(kind, tmp_path_factory):
         np.testing.assert_allclose(gweights[name], weights[name], **(ulp if name.endswith("norm") else {}),
                                    err_msg=name)
     _check(run_steps(lower(gconfig), gweights, _steps(), cache_len=16), expected)
+
+
+def _hf_greedy(model, prompt, n):
+    import torch
+
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def test_prefix_cache_hits_and_preemption_keep_hfs_tokens_past_the_window(tmp_path_factory):
+    """Gemma 2 (window 6 over 4-token blocks, softcaps): a prompt whose first 12 tokens (3 blocks,
+    past the window) come from the prefix cache, and sequences preempted for want of blocks and
+    recomputed, still continue as HF's generate does."""
+    from runtime import LLM, SamplingParams
+
+    _, model, path, _, _, _ = saved_family("gemma2", tmp_path_factory)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(path), kernel_backend="cpp", max_model_len=48, max_num_seqs=2, max_num_batched_tokens=8,
+              block_size=BLOCK_SIZE, num_kv_blocks=40)
+    first = PROMPTS[0]
+    llm.generate([first], greedy)
+    longer = first[:13] + [40, 3, 66, 21]
+    out = llm.generate([longer], greedy)[0]
+    assert out.num_cached_tokens == 12
+    assert out.outputs[0].token_ids == _hf_greedy(model, longer, 12)
+    # Two sequences of up to 26 tokens need 7 blocks each; 9 blocks make one wait, preempted.
+    small = LLM(str(path), kernel_backend="cpp", max_model_len=28, max_num_seqs=2, max_num_batched_tokens=8,
+                block_size=BLOCK_SIZE, num_kv_blocks=9, enable_prefix_caching=False)
+    outs = small.generate(PROMPTS, greedy)
+    assert small.engine.scheduler.num_preemptions > 0
+    for prompt, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == _hf_greedy(model, prompt, 12)
