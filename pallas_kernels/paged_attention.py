@@ -16,6 +16,11 @@ kernel needs no scalar prefetch):
   KV page is read once per kv head, not once per q head.
 * Optionally the kv length is split into ``num_splits`` parts (flash decoding);
   the partial (out, max, sum) triples are merged by a small jnp reduction.
+* With a sliding ``window``, a query at position p sees keys p - window < k <= p.
+  A work item's loop starts at the compute block holding its first query's
+  first visible key: pages wholly behind every window of the tile are never
+  read, and their table entries are never followed (a window-aware cache may
+  have given those blocks to another sequence). ``softcap`` caps the scores.
 """
 
 from __future__ import annotations
@@ -83,7 +88,8 @@ class BlockSizes:
 
 def _paged_kernel(work_seq_ref, work_pos_ref, work_kv_len_ref, block_tables_ref,
                   q_ref, k_ref, v_ref, *out_refs, scale_log2: float, heads_pad: int,
-                  page_size: int, pages_per_compute_block: int, num_splits: int):
+                  page_size: int, pages_per_compute_block: int, num_splits: int,
+                  window: int | None, softcap: float | None):
   # work_seq_ref:     [num_work] int32  sequence of each work item
   # work_pos_ref:     [num_work] int32  position of the tile's first query token
   # work_kv_len_ref:  [num_work] int32  keys the tile needs (last position + 1)
@@ -109,11 +115,20 @@ def _paged_kernel(work_seq_ref, work_pos_ref, work_kv_len_ref, block_tables_ref,
   # Causal limit of every row. Rows past the tile's last token (and padded
   # heads) are clamped to kv_len: finite garbage, never read back.
   row_limit = jnp.minimum(first_pos + token_in_tile + 1, kv_len)  # [rows]
+  # First key each row sees (its window's start), and the tile's earliest one.
+  if window is None:
+    row_first = jnp.zeros_like(row_limit)
+    tile_first = jnp.int32(0)
+  else:
+    row_first = jnp.maximum(first_pos + token_in_tile + 1 - window, 0)
+    tile_first = jnp.maximum(first_pos + 1 - window, 0)
+  first_page = lax.div(tile_first, page_size)
 
   num_pages = cdiv(kv_len, page_size)
   num_steps = cdiv(num_pages, pages_per_compute_block)
-  steps_per_split = cdiv(num_steps, num_splits)
-  step_lo = jnp.minimum(split * steps_per_split, num_steps)
+  first_step = jnp.minimum(lax.div(first_page, pages_per_compute_block), num_steps)
+  steps_per_split = cdiv(num_steps - first_step, num_splits)
+  step_lo = jnp.minimum(first_step + split * steps_per_split, num_steps)
   step_hi = jnp.minimum(step_lo + steps_per_split, num_steps)
 
   q = q_ref[...]
@@ -122,17 +137,19 @@ def _paged_kernel(work_seq_ref, work_pos_ref, work_kv_len_ref, block_tables_ref,
     page_lo = step * pages_per_compute_block
     page_ids = page_lo + lax.broadcasted_iota(jnp.int32, (pages_per_compute_block,), 0)
     block_ids = block_tables_ref[seq, pl.ds(page_lo, pages_per_compute_block)]
-    # Table slots past the sequence's last page hold garbage; never follow them.
-    block_ids = jnp.where(page_ids < num_pages, block_ids, 0)
+    # Table slots past the sequence's last page hold garbage, and so may those of pages
+    # behind the tile's windows; never follow them.
+    block_ids = jnp.where((page_ids < num_pages) & (page_ids >= first_page), block_ids, 0)
     block_ids = jnp.clip(block_ids, 0, num_blocks - 1)
     k = k_ref[block_ids, :, kv_head, :].reshape(keys_per_step, head_dim)  # [keys_per_step, head_dim]
     v = v_ref[block_ids, :, kv_head, :].reshape(keys_per_step, head_dim)  # [keys_per_step, head_dim]
     key_pos = page_lo * page_size + lax.broadcasted_iota(jnp.int32, (keys_per_step,), 0)
     # Slots past kv_len in the last page may hold nan; 0 * nan would leak into
     # the p @ v product, so v is zeroed there, not only p.
-    v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))
-    mask = key_pos[None, :] < row_limit[:, None]  # [rows, keys_per_step]
-    return online_softmax_step(carry, q, k, v, mask, scale_log2)
+    v = jnp.where(((key_pos < kv_len) & (key_pos >= first_page * page_size))[:, None], v,
+                  jnp.zeros_like(v))
+    mask = (key_pos[None, :] < row_limit[:, None]) & (key_pos[None, :] >= row_first[:, None])
+    return online_softmax_step(carry, q, k, v, mask, scale_log2, softcap)
 
   carry = (jnp.full((rows,), MASK_VALUE, jnp.float32),
            jnp.zeros((rows,), jnp.float32),
@@ -247,10 +264,17 @@ def _work_items(cu_q, context_lens, num_work: int, block_q: int):
               tile_start=tile_start)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+def _check_window_softcap(window, softcap):
+  if window is not None and (not is_int(window) or window < 1):
+    raise ValueError(f"window must be None or a positive int, got {window!r}")
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "window", "softcap"))
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens=None, *,
                     sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
-                    interpret: bool = False):
+                    interpret: bool = False, window: int | None = None, softcap: float | None = None):
   """Causal attention of new query tokens over a paged KV cache.
 
   Args:
@@ -266,6 +290,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens=N
     sm_scale: softmax scale, default 1/sqrt(head_dim).
     block_sizes: `BlockSizes` tiling.
     interpret: run the Pallas interpreter (CPU tests).
+    window: a sliding window: each query sees itself and the window - 1 keys before it;
+      table entries of blocks behind every window of a work item are never followed.
+    softcap: scores s (after the scale) become softcap * tanh(s / softcap).
 
   Returns:
     [tokens, num_q_heads, head_dim] in q's dtype. Sequences with
@@ -273,6 +300,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens=N
     padding) and rows of zero-context sequences come out as zeros.
   """
   _check_inputs(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens)
+  _check_window_softcap(window, softcap)
   num_tokens, num_q_heads, head_dim = q.shape
   num_blocks, page_size, num_kv_heads, _ = k_cache.shape
   num_seqs, max_blocks_per_seq = block_tables.shape
@@ -317,7 +345,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens=N
 
   kernel = functools.partial(
       _paged_kernel, scale_log2=float(sm_scale) * LOG2_E, heads_pad=heads_pad,
-      page_size=page_size, pages_per_compute_block=pages_per_step, num_splits=num_splits)
+      page_size=page_size, pages_per_compute_block=pages_per_step, num_splits=num_splits,
+      window=window, softcap=softcap)
   # The pools are passed whole (memory space ANY): a per-head block would be staged as a copy of
   # a quarter of the pool per program in interpret mode, and the kernel needs no staging anyway.
   cache_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -381,11 +410,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens=N
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "window", "softcap"))
 def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens=None,
-                              *, sm_scale: float | None = None):
+                              *, sm_scale: float | None = None, window: int | None = None,
+                              softcap: float | None = None):
   """Gathers each sequence's blocks and runs masked softmax attention in f32."""
   _check_inputs(q, k_cache, v_cache, block_tables, context_lens, cu_q_lens)
+  _check_window_softcap(window, softcap)
   num_tokens, num_q_heads, head_dim = q.shape
   num_blocks, page_size, num_kv_heads, _ = k_cache.shape
   num_seqs, max_blocks_per_seq = block_tables.shape
@@ -407,10 +438,11 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, c
   q_len = cu_q[tok_seq + 1] - cu_q[tok_seq]
   pos = context_lens[tok_seq] - q_len + (t - cu_q[tok_seq])  # [T]
   mask = (key_pos[None, :] <= pos[:, None]) & valid[:, None]  # [T, max_len]
+  if window is not None:
+    mask &= key_pos[None, :] > pos[:, None] - window
   # Indices of keys that are masked out are replaced by block 0 so that garbage
   # table slots are never followed, and the gathered values are zeroed too.
-  blocks = jnp.where(page_of_key[None, :] * page_size < context_lens[tok_seq][:, None],
-                     block_tables[tok_seq][:, page_of_key], 0)
+  blocks = jnp.where(mask, block_tables[tok_seq][:, page_of_key], 0)
   blocks = jnp.clip(blocks, 0, num_blocks - 1)
   slots = key_pos % page_size
   k = k_cache[blocks, slots[None, :]].astype(jnp.float32)  # [T, max_len, Hkv, D]
@@ -420,6 +452,8 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, c
   qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
   hi = lax.Precision.HIGHEST
   s = jnp.einsum("thgd,tkhd->thgk", qg, k, precision=hi) * sm_scale
+  if softcap is not None:
+    s = jnp.tanh(s / softcap) * softcap
   s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   p = jnp.where(mask[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)

@@ -1,4 +1,4 @@
-"""Fuses matmul(q, kᵀ) · scale · causal mask · softmax · matmul(·, v) into one `attention` op."""
+"""Fuses matmul(q, kᵀ) · scale · softcap? · causal mask · softmax · matmul(·, v) into one `attention` op."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def _match(pv: Node):
         return None
     masked = probs.inputs[0]
     causal = masked.op == "causal_mask"
-    scaled = masked.inputs[0] if causal else masked
+    capped = masked.inputs[0] if causal else masked
+    softcap = capped.attr("cap") if capped.op == "softcap" else None
+    scaled = capped.inputs[0] if softcap is not None else capped
     if scaled.op != "scale":
         return None
     qk = scaled.inputs[0]
@@ -37,7 +39,8 @@ def _match(pv: Node):
     if k_seq is not v_seq or k_rep != v_rep:
         return None
     positions = masked.inputs[1] if causal else None
-    return q, k_cache, v_cache, k_seq, positions, scaled.attr("value"), causal
+    extra = {"window": masked.attr("window") if causal else None, "softcap": softcap}
+    return q, k_cache, v_cache, k_seq, positions, scaled.attr("value"), causal, extra
 
 
 def fuse_attention(graph: Graph) -> Graph:
@@ -47,11 +50,11 @@ def fuse_attention(graph: Graph) -> Graph:
         m = _match(Node(node.op, ins, node.attrs, node.shape, node.dtype))
         if m is None:
             return None
-        q, k_cache, v_cache, seq_ids, positions, scale, causal = m
+        q, k_cache, v_cache, seq_ids, positions, scale, causal, extra = m
         if positions is None:
             return None  # the attention op always carries positions; non-causal stays unfused
         attrs = {"scale": scale, "causal": causal, "num_kv_heads": k_cache.shape[2],
-                 "head_dim": q.shape[2]}
+                 "head_dim": q.shape[2]} | {k: v for k, v in extra.items() if v is not None}
         return make_node("attention", (q, k_cache, v_cache, seq_ids, positions), attrs)
 
     return rewrite(graph, fn)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ir import Graph, Node, input_node, make_node, rewrite
+from ir.attention_ops import SOFTCAP, WINDOW
 from ir.attrs import NEW_KV_WRITTEN
 
 # Bucket-bound dims of the paged step: tokens, sequences, KV blocks, blocks per sequence.
@@ -49,6 +50,8 @@ def insert_paged_kv(graph: Graph, block_size: int = 16, kv_dtype: str | None = N
             attrs = {"scale": node.attr("scale"), "num_kv_heads": node.attr("num_kv_heads"),
                      "block_size": block_size, "head_dim": node.attr("head_dim"),
                      NEW_KV_WRITTEN: id(node.inputs[1]) in written and id(node.inputs[2]) in written}
+            # A sliding window and a softcap carry over as they are (ir.attention_ops).
+            attrs |= {k: node.attr(k) for k in (WINDOW, SOFTCAP) if node.attr(k) is not None}
             return make_node("paged_attention",
                              (ins[0], ins[1], ins[2], block_tables, context_lens, cu_q_lens), attrs)
         return None

@@ -34,7 +34,7 @@ def _attention_rows():
     import jax.numpy as jnp
     import numpy as np
 
-    from ir.ops import paged_attention_reference
+    from ir.attention_ops import paged_attention_reference
     from pallas_kernels.testing import random_paged_cache
     from runtime.worker.kernels import paged_attention_xla
 

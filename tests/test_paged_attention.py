@@ -164,3 +164,64 @@ def test_input_validation():
       paged_attention(*args, interpret=INTERPRET)
   with pytest.raises(ValueError, match="block_sizes"):
     paged_attention(q, k, v, tables, ctx, cu, block_sizes=(4, 1, 1), interpret=INTERPRET)
+
+
+def _poison_behind_windows(args, q_lens, window, num_poisoned):
+  """The args with each sequence's table entries for pages wholly behind the window of its first
+  new token pointed at poisoned blocks (nan K, 1e30 V): a window-aware cache may have given those
+  blocks to another sequence, so the kernel must never follow them."""
+  q, k, v, tables, ctx, cu = args
+  tables = np.asarray(tables).copy()
+  page = k.shape[1]
+  spare = np.arange(k.shape[0] - num_poisoned, k.shape[0])  # random_paged_cache: unused, poisoned
+  for s, (c, n) in enumerate(zip(np.asarray(ctx), q_lens)):
+    first = max(int(c) - n + 1 - window, 0) // page
+    tables[s, :first] = spare[0]
+  return q, k, v, jnp.asarray(tables), ctx, cu
+
+
+@pytest.mark.parametrize("window", [1, 13, 16, 40])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_sliding_window_skips_pages_behind_it(window, softcap):
+  """Windows shorter than a page, off page boundaries, and over several compute blocks, on
+  decode rows, chunked prefills over cached context and a fresh prompt that crosses its window,
+  with bucket padding; pages behind every window point at poisoned blocks."""
+  context_lens, q_lens = [70, 1, 45, 100, 33], [9, 1, 20, 1, 33]
+  args = _batch(7, context_lens, q_lens, pad_tokens=3)
+  tables = np.asarray(args[3])
+  used = set(tables[s, j] for s, c in enumerate(context_lens) for j in range(-(-c // 16)))
+  poisoned = [b for b in range(args[1].shape[0]) if b not in used]
+  assert poisoned and max(poisoned) == args[1].shape[0] - 1
+  clean_ref = paged_attention_reference(*args, window=window, softcap=softcap)
+  args = _poison_behind_windows(args, q_lens, window, len(poisoned))
+  out = paged_attention(*args, window=window, softcap=softcap, interpret=INTERPRET,
+                        block_sizes=BlockSizes(block_q=4, pages_per_compute_block=2))
+  out = np.asarray(out)
+  n = sum(q_lens)
+  assert not np.isnan(out).any()
+  np.testing.assert_allclose(out[:n], np.asarray(clean_ref)[:n], **tolerance(jnp.float32))
+  np.testing.assert_array_equal(out[n:], 0.0)
+
+
+def test_sliding_window_with_split_kv_and_decode():
+  """Flash decoding (num_splits > 1) splits only the steps inside each window."""
+  context_lens = [3, 129, 300, 517]
+  args = _batch(8, context_lens, None, decode=True)
+  ref = paged_attention_reference(*args, window=100, softcap=5.0)
+  for splits in (1, 3):
+    out = paged_attention(*args, window=100, softcap=5.0, interpret=INTERPRET,
+                          block_sizes=BlockSizes(num_splits=splits, pages_per_compute_block=1))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **tolerance(jnp.float32))
+
+
+def test_window_reference_matches_numpy():
+  """The reference's window: the query at p sees p - window < k <= p (numpy, one sequence)."""
+  args = _batch(9, [50], [50])
+  q, k, v, tables, ctx, cu = args
+  kk = np.asarray(k)[np.asarray(tables)[0]].reshape(-1, *k.shape[2:])[:50]
+  vv = np.asarray(v)[np.asarray(tables)[0]].reshape(-1, *v.shape[2:])[:50]
+  ref = np.asarray(paged_attention_reference(*args, window=7))
+  for t in (0, 6, 7, 30, 49):
+    lo = max(t - 6, 0)
+    want = dense_attention_numpy(q[t:t + 1], kk[lo:t + 1], vv[lo:t + 1], q_positions=[t - lo])
+    np.testing.assert_allclose(ref[t], want[0], **tolerance(jnp.float32))

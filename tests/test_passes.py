@@ -90,6 +90,26 @@ def test_fuse_attention_text_without_gqa_broadcast():
            "num_kv_heads=2, scale=0.35355339059327373} : f32[T, 2, 8]" in out
 
 
+def test_fuse_attention_text_carries_softcap_and_window():
+    # Gemma 2: scale, then softcap, then a sliding-window causal mask.
+    text = ATTENTION_TEXT.replace(
+        "%4 = causal_mask(%3, %positions) : f32[T, 4, L]\n",
+        "%4 = softcap(%3) {cap=50.0} : f32[T, 4, L]\n%5 = causal_mask(%4, %positions) {window=4096} : f32[T, 4, L]\n")
+    text = text.replace("%5 = softmax(%4)", "%6 = softmax(%5)").replace("%6 = gather_rows(%v_cache.0", "%7 = gather_rows(%v_cache.0")
+    text = text.replace("%7 = repeat_kv(%6)", "%8 = repeat_kv(%7)").replace("%8 = einsum(%5, %7)", "%9 = einsum(%6, %8)")
+    text = text.replace("output o = %8", "output o = %9")
+    assert run_pass(text, fuse_attention).splitlines()[5] == (
+        "%0 = attention(%q, %k_cache.0, %v_cache.0, %seq_ids, %positions) {causal=true, head_dim=8, num_kv_heads=2, "
+        "scale=0.35355339059327373, softcap=50.0, window=4096} : f32[T, 4, 8]")
+
+
+def test_insert_paged_kv_text_carries_softcap_and_window():
+    text = PAGED_INPUT_TEXT.replace("scale=0.35355339059327373}", "scale=0.35355339059327373, softcap=50.0, window=8}")
+    out = run_pass(text, partial(insert_paged_kv, block_size=4))
+    assert ("%2 = paged_attention(%q, %0, %1, %block_tables, %context_lens, %cu_q_lens) {block_size=4, head_dim=8, "
+            "new_kv_written=true, num_kv_heads=2, scale=0.35355339059327373, softcap=50.0, window=8} : f32[T, 4, 8]") in out
+
+
 PAGED_INPUT_TEXT = """\
 input %positions : i32[T]
 input %seq_ids : i32[T]

@@ -112,8 +112,8 @@ def test_split_digits_option(gguf_fields, tok):
 
 
 def test_unsupported_gguf_tokenizer(gguf_fields):
-    with pytest.raises(ValueError, match="'llama' is not supported"):
-        Tokenizer.from_gguf_fields(dict(gguf_fields, **{"tokenizer.ggml.model": "llama"}))
+    with pytest.raises(ValueError, match="'rwkv' is not supported"):
+        Tokenizer.from_gguf_fields(dict(gguf_fields, **{"tokenizer.ggml.model": "rwkv"}))
 
 
 def test_matches_transformers_and_tokenizer_json(tok, hf_tokenizer_dir):
@@ -153,3 +153,38 @@ def test_token_bytes_maps_byte_level_pieces_back():
     from runtime.entrypoints.openai.protocol import Detok  # the logprobs' "bytes" ask the tokenizer
 
     assert Detok(t).bytes(ids[0]) == list(e_acute[:1]) and Detok(t).text(ids[0]) == "\ufffd"
+
+
+def _tiny_spm_fields():
+    """GGUF metadata of a tiny SentencePiece BPE vocabulary in Gemma's layout: control tokens, pieces
+    with U+2581 for a space, a run-of-spaces token stored as real spaces, and the 256 byte tokens."""
+    pieces = ["\u2581", "a", "b", "c", "ab", "\u2581ab", "abc", "\u2581c", "  "]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n"] + pieces
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types = [3, 3, 3, 2, 3, 3, 4] + [1] * len(pieces) + [6] * 256
+    return {"general.architecture": "gemma3", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0] * len(tokens), "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False}
+
+
+def test_gguf_sentencepiece_tokenizer():
+    """SentencePiece BPE from GGUF metadata (Gemma): merges by file order, spaces as U+2581, bytes
+    for what the vocabulary lacks, bos added, <end_of_turn> a stop token, Gemma's chat format."""
+    from models.tokenizer import Tokenizer
+
+    fields = _tiny_spm_fields()
+    tok = Tokenizer.from_gguf_fields(fields)
+    ids = tok.encode("ab abc  é\n", add_special_tokens=True)
+    spelled = [tok.id_to_token(i) for i in ids]
+    assert spelled == ["<bos>", "ab", "\u2581ab", "c", "\u2581\u2581", "<0xC3>", "<0xA9>", "\n"]
+    assert tok.decode(ids, skip_special_tokens=True) == "ab abc  é\n"
+    assert tok.stop_token_ids == {1, 5}
+    chat = tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": " hi "},
+                                    {"role": "assistant", "content": "yo"}])
+    assert chat == ("<bos><start_of_turn>user\nS\n\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n"
+                    "<start_of_turn>model\n")
+    assert tok.encode(chat)[:2] == [2, 4]  # the template writes <bos>; encoding adds none
+    # The logprobs' bytes: a byte token is its byte, a piece its text with U+2581 as a space.
+    assert [tok.token_bytes(i) for i in ids[1:]] == [b"ab", b" ab", b"c", b"  ", b"\xc3", b"\xa9", b"\n"]
+    assert b"".join(tok.token_bytes(i) for i in ids[1:]) == "ab abc  é\n".encode()

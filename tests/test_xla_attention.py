@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ir.ops import paged_attention_reference
+from ir.attention_ops import paged_attention_reference
 from pallas_kernels.testing import cu_from_lens, random_paged_cache
 from ir.tiling import XLA_POOL_TILE, XLA_ROW_GROUP, uses_new_kv
 from runtime.worker.kernels import SELF_TILE, paged_attention_xla
@@ -148,3 +148,58 @@ def test_pool_walk_stops_at_the_last_token_with_context(row_kernel):
     ref = paged_attention_reference(q, kp, vp, tables, ctx, cu, scale=D ** -0.5, num_kv_heads=KVH,
                                     block_size=BS, head_dim=D)
     np.testing.assert_allclose(np.asarray(clean)[:n], np.asarray(ref)[:n], **KERNEL[jnp.dtype(jnp.float32)])
+
+
+# Sliding windows (and Gemma 2's softcap): windows off block boundaries, shorter and longer than a
+# chunk of the walk (XLA_CHUNK_BLOCKS blocks), on mixed prefill and decode, a continuation over 600
+# tokens, three context chunks, and decode rows in groups.
+WINDOW_CASES = [([9, 1, 1, 12, 7, 1], [0, 233, 470, 16, 300, 5], 40, 8)] + [CASES[i] for i in (8, 11, 12)]
+
+
+def _behind_every_window(tables, ctx, cu, window):
+    """(sequence, table column) of the blocks wholly before every window of the sequence's tokens
+    in this step: a window-aware cache may have handed them to another sequence."""
+    out = []
+    for s in range(len(ctx)):
+        q_len = int(cu[s + 1] - cu[s])
+        if q_len == 0:
+            continue
+        first = max(int(ctx[s]) - q_len + 1 - window, 0)  # the first token's first visible position
+        out += [(s, b) for b in range(first // BS)]
+    return out
+
+
+@pytest.mark.parametrize("q_lens,prior,t,s", WINDOW_CASES)
+@pytest.mark.parametrize("window,softcap", [(40, None), (200, 3.0)])
+@pytest.mark.parametrize("with_new_kv", [False, True])
+@pytest.mark.parametrize("row_kernel", [False, True], ids=["xla", "cpp"])
+def test_sliding_window_matches_the_reference(q_lens, prior, t, s, window, softcap, with_new_kv, row_kernel):
+    """Each token sees its last `window` positions, scores capped by `softcap`: the lowering equals
+    the reference, and the table entries of blocks behind every window of a sequence may name any
+    block (the C++ kernel never reads them, even as NaN: it starts at each row's window)."""
+    rng = np.random.default_rng(sum(q_lens) * 17 + window)
+    q, kp, vp, tables, ctx, cu, k_new, v_new, n = _case(rng, q_lens, prior, t, s)
+    q = q * 3.0  # larger scores, so that the softcap bends them
+    attrs = dict(scale=D ** -0.5, num_kv_heads=KVH, block_size=BS, head_dim=D, window=window, softcap=softcap)
+    ref = paged_attention_reference(q, kp, vp, tables, ctx, cu, **attrs)
+    extra = dict(k_new=k_new, v_new=v_new) if with_new_kv else {}
+    f = jax.jit(lambda *a: paged_attention_xla(*a, **attrs, **extra, row_kernel=row_kernel))
+    out = f(q, kp, vp, tables, ctx, cu)
+    np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(ref)[:n], **KERNEL[jnp.dtype(jnp.float32)])
+    behind = _behind_every_window(np.asarray(tables), np.asarray(ctx), np.asarray(cu), window)
+    if not behind:
+        return
+    moved = np.asarray(tables).copy()
+    seqs, cols = np.asarray(behind).T
+    moved[seqs, cols] = rng.integers(0, kp.shape[0], len(behind))
+    np.testing.assert_array_equal(np.asarray(f(q, kp, vp, jnp.asarray(moved), ctx, cu))[:n], np.asarray(out)[:n])
+    if row_kernel and not (with_new_kv and uses_new_kv(t, s)):
+        blocks = np.asarray(tables)[seqs, cols]
+        kp_nan, vp_nan = (x.at[blocks].set(jnp.nan) for x in (kp, vp))
+        np.testing.assert_array_equal(np.asarray(f(q, kp_nan, vp_nan, tables, ctx, cu))[:n], np.asarray(out)[:n])
+
+
+def test_window_cases_cross_their_windows():
+    """Every window case has tokens that see past both windows (else the window is not tested)."""
+    for q_lens, prior, _, _ in WINDOW_CASES:
+        assert max(p + q for p, q in zip(prior, q_lens)) > 200

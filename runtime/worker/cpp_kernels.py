@@ -167,10 +167,12 @@ PART_TOKENS = 256
 GROUP_ROWS = 16
 
 
-def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS, group_rows=GROUP_ROWS):
+def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS, group_rows=GROUP_ROWS,
+                 start=None, softcap=None):
     """The online-softmax state (max, denominator, accumulator) of rows `qf` [T, kvh, rep, d] (f32,
-    scaled) over the pool positions below `limit` [T] of their sequences `seq` [T]; see
-    cpp/paged_decode.cc. The pools are read where they lie. A step of few rows splits each row's
+    scaled) over the pool positions in [start, limit) (each [T]; start None: 0) of their sequences
+    `seq` [T], their scores capped by `softcap` (ir.attention_ops; None: not); see
+    cpp/paged_decode.cc. Blocks wholly before a row's start are never read. The pools are read where they lie. A step of few rows splits each row's
     positions into parts of at least `part_tokens` over the threads (0: one row per thread); up to
     `group_rows` consecutive rows of one sequence, each seeing one more position than the one
     before (a prompt's tokens), walk its blocks together (1: each row alone)."""
@@ -179,10 +181,12 @@ def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((t, kvh, rep), f32), jax.ShapeDtypeStruct((t, kvh, rep), f32),
            jax.ShapeDtypeStruct((t, kvh, rep, d), f32))
+    start = jnp.zeros_like(limit) if start is None else start
     return jax.ffi.ffi_call(PAGED_DECODE_TARGET, out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
                                                       seq.astype(jnp.int32), limit.astype(jnp.int32),
-                                                      part_tokens=np.int64(part_tokens),
-                                                      group_rows=np.int64(group_rows))
+                                                      start.astype(jnp.int32), part_tokens=np.int64(part_tokens),
+                                                      group_rows=np.int64(group_rows),
+                                                      softcap=np.float32(softcap or 0.0))
 
 
 @functools.cache

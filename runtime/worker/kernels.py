@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from ir import OPS
 from ir.blocks import round_q8
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
-from ir.ops import kv_write_reference
+from ir.attention_ops import kv_write_reference, softcap_scores
+from ir.attention_ops import visible as visible_pos
 from ir.tiling import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
                        XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
 from runtime.worker import cpp_kernels
@@ -117,8 +118,12 @@ def _token_layout(cu_q_lens, context_lens, num_tokens):
 
 def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale,
                         num_kv_heads, block_size, head_dim, chunk_blocks: int = XLA_CHUNK_BLOCKS,
-                        k_new=None, v_new=None, row_kernel: bool = False):
+                        k_new=None, v_new=None, row_kernel: bool = False, window=None, softcap=None):
     """Ragged paged attention as an XLA while-loop over context chunks (online softmax, f32).
+
+    With a sliding `window`, each token sees its last `window` positions (ir.attention_ops): the
+    walks start at the chunk holding a token's first visible position, so a chunk wholly behind
+    every window is never gathered, and mask the rest; `softcap` caps the scores before the mask.
 
     With `k_new`/`v_new` (this step's K/V [T, kv_heads, d], already written to the pools) in a
     prefill-shaped bucket: the step's tokens first attend over each other (block-diagonal causal),
@@ -141,32 +146,41 @@ def paged_attention_xla(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens
     tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
     n_rep = q.shape[1] // num_kv_heads
     seq, pos = _token_layout(cu_q_lens, context_lens, t)
+    lo = jnp.zeros_like(pos) if window is None else jnp.maximum(pos + 1 - window, 0)  # first visible
     qf = q.astype(jnp.float32).reshape(t, num_kv_heads, n_rep, head_dim) * scale
-    pool = dict(tables=tables, k_pool=k_pool, v_pool=v_pool, chunk_blocks=c, block_size=block_size)
+    pool = dict(tables=tables, k_pool=k_pool, v_pool=v_pool, chunk_blocks=c, block_size=block_size,
+                softcap=softcap)
     # The kernel reads f32 pools and bf16 ones stored as their bits; an f16 pool walks in XLA.
     row_kernel = (row_kernel and cpp_kernels.fits(num_kv_heads, n_rep, block_size, head_dim)
                   and k_pool.dtype in (jnp.float32, BF16_BITS))
     if k_new is not None and uses_new_kv(t, s) and not row_kernel:
-        mx, den, acc = _self_attention(qf, k_new, v_new, seq, pos)
+        mx, den, acc = _self_attention(qf, k_new, v_new, seq, pos, window, softcap)
         start = context_lens - (cu_q_lens[1:] - cu_q_lens[:-1])  # [S] this step's first position
         limit = jnp.where(pos >= 0, start[seq], 0)  # pool context visible to each token: < limit
-        den, acc = _split_walk(qf, limit, (mx, den, acc), cu_q_lens, **pool)
+        den, acc = _split_walk(qf, lo, limit, (mx, den, acc), cu_q_lens, **pool)
     elif row_kernel:  # the kernel's state covers the whole walk: nothing to merge it into
-        _, den, acc = cpp_kernels.paged_decode(qf, k_pool, v_pool, tables, seq, pos + 1)
+        _, den, acc = cpp_kernels.paged_decode(qf, k_pool, v_pool, tables, seq, pos + 1, start=lo,
+                                               softcap=softcap)
     else:
         init = (jnp.full((t, num_kv_heads, n_rep), -1e30, jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep), jnp.float32),
                 jnp.zeros((t, num_kv_heads, n_rep, head_dim), jnp.float32))
         dense = s <= XLA_DENSE_MAX_SEQS and t > s
-        den, acc = _pool_walk(qf, seq, pos + 1, init, **pool, dense=dense)
+        den, acc = _pool_walk(qf, seq, lo, pos + 1, init, **pool, dense=dense)
     out = jnp.where(den[..., None] > 0, acc / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     return out.reshape(q.shape).astype(q.dtype)
 
 
-def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense):
+def _first_chunk(lo, limit, chunk_tokens):
+    """The first chunk any of these rows sees (rows with nothing to see count as seeing no chunk)."""
+    return jnp.min(jnp.where(limit > 0, lo // chunk_tokens, jnp.iinfo(jnp.int32).max), initial=jnp.iinfo(jnp.int32).max,
+                   axis=-1)
+
+
+def _pool_walk(qf, seq, lo, limit, init, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense, softcap):
     """Online softmax of tokens `qf` [T, kvh, rep, d] (of sequences `seq`) over the pool positions
-    below `limit` [T], merged into `init` (max, denominator, accumulator). Returns (denominator,
-    accumulator).
+    in [lo, limit) (each [T]), merged into `init` (max, denominator, accumulator). Returns
+    (denominator, accumulator). Chunks wholly below every row's `lo` are skipped.
 
     The per-token form walks tokens in groups of XLA_ROW_GROUP, longest context first, each group
     only as far as its own longest context: one fori_loop over (group, chunk of `chunk_blocks`
@@ -175,34 +189,39 @@ def _pool_walk(qf, seq, limit, init, *, tables, k_pool, v_pool, chunk_blocks, bl
     largest limit. (With `row_kernel`, paged_attention_xla calls our C++ kernel instead.)
     """
     chunk = functools.partial(_chunk_update, tables=tables, k_pool=k_pool, v_pool=v_pool,
-                              chunk_blocks=chunk_blocks, block_size=block_size, dense=dense)
+                              chunk_blocks=chunk_blocks, block_size=block_size, dense=dense, softcap=softcap)
     chunk_tokens = chunk_blocks * block_size
     t = qf.shape[0]
     if dense or t <= XLA_ROW_GROUP:
         num_chunks = (jnp.max(limit) + chunk_tokens - 1) // chunk_tokens
-        return jax.lax.fori_loop(0, num_chunks, lambda i, carry: chunk(i, qf, seq, limit, carry), init)[1:]
+        first = jnp.minimum(_first_chunk(lo, limit, chunk_tokens), num_chunks)
+        return jax.lax.fori_loop(first, num_chunks, lambda i, carry: chunk(i, qf, seq, lo, limit, carry), init)[1:]
     g = XLA_ROW_GROUP
     n_groups = -(-t // g)
     order = jnp.argsort(-limit)  # longest first, so a group's rows need about as many chunks
     rows = jnp.pad(order, (0, n_groups * g - t), constant_values=t).reshape(n_groups, g)  # t: padding
     row_limit = jnp.where(rows < t, limit[jnp.clip(rows, 0, t - 1)], 0)
-    group_chunks = (jnp.max(row_limit, axis=1) + chunk_tokens - 1) // chunk_tokens
+    row_lo = lo[jnp.clip(rows, 0, t - 1)]
+    group_end = (jnp.max(row_limit, axis=1) + chunk_tokens - 1) // chunk_tokens
+    group_first = jnp.minimum(_first_chunk(row_lo, row_limit, chunk_tokens), group_end)
+    group_chunks = group_end - group_first
     ends = jnp.cumsum(group_chunks)
 
     def body(k, state):
         grp = jnp.minimum(jnp.searchsorted(ends, k, side="right"), n_groups - 1)
-        i = k - (ends[grp] - group_chunks[grp])
+        i = group_first[grp] + k - (ends[grp] - group_chunks[grp])
         r = rows[grp]
         rc = jnp.clip(r, 0, t - 1)
-        new = chunk(i, qf[rc], seq[rc], row_limit[grp], tuple(x[rc] for x in state))
+        new = chunk(i, qf[rc], seq[rc], row_lo[grp], row_limit[grp], tuple(x[rc] for x in state))
         return tuple(x.at[r].set(y, mode="drop") for x, y in zip(state, new))
 
     return jax.lax.fori_loop(0, ends[-1], body, init)[1:]
 
 
-def _chunk_update(i, qf, seq, limit, carry, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense):
+def _chunk_update(i, qf, seq, lo, limit, carry, *, tables, k_pool, v_pool, chunk_blocks, block_size, dense,
+                  softcap):
     """The online-softmax state `carry` (max, denominator, accumulator) of tokens `qf`, after chunk
-    `i` of their sequences' pool context (positions below `limit`)."""
+    `i` of their sequences' pool context (positions in [lo, limit))."""
     t, num_kv_heads, _, head_dim = qf.shape
     s = tables.shape[0]
     c = chunk_blocks
@@ -215,14 +234,15 @@ def _chunk_update(i, qf, seq, limit, carry, *, tables, k_pool, v_pool, chunk_blo
         v = jnp.take(v_pool, cols, axis=0, mode="clip").reshape(s * chunk_tokens, num_kv_heads, head_dim)
         sc = jnp.einsum("tgrd,mgd->tgrm", qf, _f32(k))
         same_seq = jnp.repeat(jnp.arange(s), chunk_tokens)[None, :] == seq[:, None]
-        visible = (same_seq & (jnp.tile(kpos, s)[None, :] < limit[:, None]))[:, None, None, :]
+        kpos_all = jnp.tile(kpos, s)[None, :]
+        visible = (same_seq & (kpos_all < limit[:, None]) & (kpos_all >= lo[:, None]))[:, None, None, :]
     else:
         blocks = jnp.take(cols, seq, axis=0)  # [T, C]
         k = jnp.take(k_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
         v = jnp.take(v_pool, blocks, axis=0, mode="clip").reshape(t, chunk_tokens, num_kv_heads, head_dim)
         sc = jnp.einsum("tgrd,tlgd->tgrl", qf, _f32(k))
-        visible = (kpos[None, :] < limit[:, None])[:, None, None, :]
-    return _merge(carry, sc, visible, v, "tgrl,lgd->tgrd" if dense else "tgrl,tlgd->tgrd")
+        visible = ((kpos[None, :] < limit[:, None]) & (kpos[None, :] >= lo[:, None]))[:, None, None, :]
+    return _merge(carry, softcap_scores(sc, softcap), visible, v, "tgrl,lgd->tgrd" if dense else "tgrl,tlgd->tgrd")
 
 
 def _merge(carry, sc, visible, v, pv_spec):
@@ -238,7 +258,7 @@ def _merge(carry, sc, visible, v, pv_spec):
     return new_mx, den * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
 
-def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size):
+def _split_walk(qf, first_visible, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blocks, block_size, softcap):
     """The pool walk of a prefill-shaped step, in two parts that each gather a sequence's earlier
     context once, never once per token:
 
@@ -249,7 +269,9 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
        blocks of its context) triples. Each iteration gathers that one chunk of K/V and scores the
        tile against it with a plain matmul.
 
-    Fresh prompts and padding tokens take neither part. Returns (denominator, accumulator)."""
+    Fresh prompts and padding tokens take neither part. Each token sees the pool positions in
+    [first_visible, limit); a sequence's walk starts at the chunk of its first token's first visible
+    position (a sliding window's start). Returns (denominator, accumulator)."""
     t = qf.shape[0]
     s = tables.shape[0]
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
@@ -259,9 +281,9 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
     # 1. Decode rows: the per-row walk of a decode bucket, over one row per sequence slot. Their
     # running max is not written back: nothing after this reads it for those tokens.
     row = (q_len == 1) & (seq_limit > 0)
-    row_out = _pool_walk(qf[first_tok], jnp.arange(s), jnp.where(row, seq_limit, 0),
+    row_out = _pool_walk(qf[first_tok], jnp.arange(s), first_visible[first_tok], jnp.where(row, seq_limit, 0),
                          tuple(x[first_tok] for x in init), tables=tables, k_pool=k_pool, v_pool=v_pool,
-                         chunk_blocks=chunk_blocks, block_size=block_size, dense=False)
+                         chunk_blocks=chunk_blocks, block_size=block_size, dense=False, softcap=softcap)
     dest = jnp.where(row, first_tok, t)  # other slots write nothing (dropped out of bounds)
     state = (init[0],) + tuple(x.at[dest].set(r, mode="drop") for x, r in zip(init[1:], row_out))
 
@@ -271,7 +293,8 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
     tables2 = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % c2)))
     c2_tokens = c2 * block_size
     multi = (q_len >= 2) & (seq_limit > 0)
-    n_chunks = (seq_limit + c2_tokens - 1) // c2_tokens
+    c0 = jnp.minimum(first_visible[first_tok] // c2_tokens, (seq_limit + c2_tokens - 1) // c2_tokens)  # [S] first chunk
+    n_chunks = (seq_limit + c2_tokens - 1) // c2_tokens - c0
     iters = jnp.where(multi, ((q_len + tile - 1) // tile) * n_chunks, 0)
     ends = jnp.cumsum(iters)
     num_kv_heads, n_rep, head_dim = qf.shape[1:]
@@ -286,7 +309,7 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
         sq = jnp.minimum(jnp.searchsorted(ends, k, side="right"), s - 1)
         local = k - (ends[sq] - iters[sq])
         nc = jnp.maximum(n_chunks[sq], 1)
-        j, i = local // nc, local % nc
+        j, i = local // nc, c0[sq] + local % nc
         lo = cu_q_lens[sq] + j * tile  # the tile's first token
         win = jnp.clip(lo, 0, t - tile)
         tok = win + jnp.arange(tile)
@@ -295,11 +318,12 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
         kc = jnp.take(k_pool, cols, axis=0, mode="clip").reshape(c2_tokens, num_kv_heads, head_dim)
         vc = jnp.take(v_pool, cols, axis=0, mode="clip").reshape(c2_tokens, num_kv_heads, head_dim)
         kpos = i * c2_tokens + jnp.arange(c2_tokens)
-        visible = mine[:, None] & (kpos[None, :] < seq_limit[sq])  # [tile, chunk]
+        visible = (mine[:, None] & (kpos[None, :] < seq_limit[sq])
+                   & (kpos[None, :] >= first_visible[tok][:, None]))  # [tile, chunk]
         q = jax.lax.dynamic_slice_in_dim(qg, win, tile, axis=1).reshape(num_kv_heads, tile * n_rep, head_dim)
         old = tuple(jax.lax.dynamic_slice_in_dim(x, win, tile, axis=1) for x in state)
         sc = jnp.einsum("gqd,gld->gql", q, _f32(head_major(kc)))
-        sc = sc.reshape(num_kv_heads, tile, n_rep, c2_tokens)
+        sc = softcap_scores(sc.reshape(num_kv_heads, tile, n_rep, c2_tokens), softcap)
         new = _merge(old, sc, visible[None, :, None, :], head_major(vc), "gtrl,gld->gtrd")
         keep = lambda a, b: jnp.where(mine.reshape((1, tile) + (1,) * (a.ndim - 2)), a, b)  # noqa: E731
         return tuple(jax.lax.dynamic_update_slice_in_dim(x, keep(a, b), win, axis=1)
@@ -309,7 +333,7 @@ def _split_walk(qf, limit, init, cu_q_lens, *, tables, k_pool, v_pool, chunk_blo
     return tuple(head_major(x) for x in state[1:])
 
 
-def _self_attention(qf, k_new, v_new, seq, pos):
+def _self_attention(qf, k_new, v_new, seq, pos, window=None, softcap=None):
     """The online-softmax state (max, denominator, accumulator) of every token attending over this
     step's tokens of its own sequence up to itself: [T * rep, T] score blocks per kv head, the head
     the leading batch axis (as in _split_walk).
@@ -327,7 +351,8 @@ def _self_attention(qf, k_new, v_new, seq, pos):
         hi = min(lo + SELF_TILE, t)  # queries [lo, hi) against keys [0, hi)
         q = qg[:, lo:hi].reshape(num_kv_heads, (hi - lo) * n_rep, head_dim)
         sc = jnp.einsum("gqd,gud->gqu", q, kg[:, :hi]).reshape(num_kv_heads, hi - lo, n_rep, hi)
-        visible = ((seq[lo:hi, None] == seq[None, :hi]) & (pos[None, :hi] <= pos[lo:hi, None])
+        sc = softcap_scores(sc, softcap)
+        visible = ((seq[lo:hi, None] == seq[None, :hi]) & visible_pos(pos[None, :hi], pos[lo:hi, None], window)
                    & valid[None, :hi] & valid[lo:hi, None])
         sc = jnp.where(visible[None, :, None, :], sc, -jnp.inf)
         mx = jnp.maximum(jnp.max(sc, axis=-1), -1e30)
@@ -437,7 +462,7 @@ def lowerings(backend: str) -> dict:
     interpret = backend == "interpret"
 
     def paged(q, k_pool, v_pool, block_tables, context_lens, cu_q_lens, *, scale, num_kv_heads,
-              block_size, head_dim):
+              block_size, head_dim, window=None, softcap=None):
         # One kernel call, tiled per bucket at trace time; no run-time branch. A conditional
         # would take the pools as operands, and XLA may copy a conditional's operands; the pools
         # must reach the kernel as the donated buffers themselves.
@@ -450,13 +475,16 @@ def lowerings(backend: str) -> dict:
         t, s = q.shape[0], context_lens.shape[0]
         blocks = pk.PagedAttentionBlockSizes(block_q=1) if t <= s else None
         out = pk.paged_attention(q.astype(k_pool.dtype), k_pool, v_pool, block_tables, context_lens, cu_q_lens,
-                                 sm_scale=scale, block_sizes=blocks, interpret=interpret)
+                                 sm_scale=scale, block_sizes=blocks, interpret=interpret, window=window,
+                                 softcap=softcap)
         return out.astype(q.dtype)
 
-    def attention(q, k_cache, v_cache, seq_ids, positions, *, scale, causal, num_kv_heads, head_dim):
+    def attention(q, k_cache, v_cache, seq_ids, positions, *, scale, causal, num_kv_heads, head_dim,
+                  window=None, softcap=None):
         if not causal:
             raise ValueError("the Pallas attention lowering supports causal attention only")
         kp, vp, tables, ctx, cu, _ = _contiguous_as_paged(k_cache, v_cache, seq_ids, positions, 16)
-        return pk.paged_attention(q, kp, vp, tables, ctx, cu, sm_scale=scale, interpret=interpret)
+        return pk.paged_attention(q, kp, vp, tables, ctx, cu, sm_scale=scale, interpret=interpret,
+                                  window=window, softcap=softcap)
 
     return {"paged_attention": paged, "attention": attention}

@@ -14,12 +14,17 @@
 //   v_pool  same as k_pool
 //   tables  s32 [S, M]          block tables
 //   seq     s32 [T]             each row's sequence (a row of `tables`)
-//   limit   s32 [T]             each row sees pool positions [0, limit)
+//   limit   s32 [T]             each row sees pool positions [start, limit)
+//   start   s32 [T]             0, or a sliding window's first position: blocks wholly before it
+//                               are never read (a window-aware cache may have handed them to
+//                               another sequence), and its first block's earlier positions are
+//                               masked
 // Outputs: the online-softmax state of each row over those positions, for the caller to merge:
 //   mx [T, H, R] (the running max; -1e30 where limit is 0), den [T, H, R], acc [T, H, R, D].
 // Attributes: part_tokens, the shortest piece a row's positions are split into when there are too
 //   few rows to keep the threads busy (see Run); 0 never splits. group_rows, how many consecutive
 //   rows of one sequence (a prompt's tokens) walk its blocks together (see GroupWalk); 1 never groups.
+//   softcap, Gemma 2's logit softcapping: scores s become softcap * tanh(s / softcap); 0 leaves them.
 
 #include <algorithm>
 #include <cmath>
@@ -71,10 +76,22 @@ inline float Softmax(float* pi, int64_t n, float new_max, float& m, float& l) {
 
 struct Shape {
   int64_t H, R, D, N, BS, M;
+  float softcap;  // 0: none
 };
 
-// One piece of a call's work: row `row`'s pool positions [begin, end), `begin` on a block boundary,
-// and where its online-softmax state goes (the outputs, or scratch that Merge folds into them).
+// The live scores [a, n) of one query head's block: capped (softcap), and their max folded into
+// `max`.
+inline void CapAndMax(float* pi, int64_t a, int64_t n, float softcap, float& max) {
+  if (softcap > 0.f) {
+    const float inv = 1.f / softcap;
+    for (int64_t j = a; j < n; ++j) pi[j] = softcap * std::tanh(pi[j] * inv);
+  }
+  for (int64_t j = a; j < n; ++j) max = std::max(max, pi[j]);
+}
+
+// One piece of a call's work: row `row`'s pool positions [begin, end), `begin` on a block boundary
+// (positions of its first block before the row's start are masked), and where its online-softmax
+// state goes (the outputs, or scratch that Merge folds into them).
 struct Part {
   int64_t row, begin, end;
   float *mx, *den, *acc;  // [HR], [HR], [HR, D]; a group's: [rows * HR], ...
@@ -107,7 +124,7 @@ struct RowState {
 // this part's last block.
 template <typename KV, typename Body>
 void Walk(const Part& part, const Part* next, const Shape& s, const KV* k_pool, const KV* v_pool,
-          const int32_t* tables, const int32_t* seq, const Body& body) {
+          const int32_t* tables, const int32_t* seq, int64_t start, const Body& body) {
   RowState st;
   st.HR = s.H * s.R;
   st.D = s.D;
@@ -140,18 +157,19 @@ void Walk(const Part& part, const Part* next, const Shape& s, const KV* k_pool, 
       st.ahead_step[0] = (lines + score_steps - 1) / score_steps;
       st.ahead_step[1] = (lines + st.HR - 1) / st.HR;
     }
-    body(st, k_pool + block * block_stride, v_pool + block * block_stride, n);
+    body(st, k_pool + block * block_stride, v_pool + block * block_stride, std::clamp<int64_t>(start - p0, 0, n), n);
   }
   std::copy(st.m, st.m + st.HR, part.mx);
   std::copy(st.l, st.l + st.HR, part.den);
 }
 
 // The scalar block body, for any head_dim and block size.
+// Positions [0, a) of the block are before the row's start (a sliding window): never scored.
 template <typename KV>
-void ScalarBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, const KV* vb, int64_t n) {
+void ScalarBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, const KV* vb, int64_t a, int64_t n) {
   const int64_t D = s.D;
   alignas(64) float x[kMaxDim];  // one K or V row in f32
-  for (int64_t j = 0; j < n; ++j) {  // scores: each K row is read once for its R query heads
+  for (int64_t j = a; j < n; ++j) {  // scores: each K row is read once for its R query heads
     for (int64_t h = 0; h < s.H; ++h) {
       WidenRow(kb + (j * s.H + h) * D, x, D);
       for (int64_t r = 0; r < s.R; ++r) {
@@ -161,17 +179,17 @@ void ScalarBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, co
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qr[d] * x[d];
         st.p[i][j] = dot;
-        st.block_max[i] = std::max(st.block_max[i], dot);
       }
     }
   }
   for (int64_t i = 0; i < st.HR; ++i) {  // online softmax: rescale what came before
-    const float corr = Softmax(st.p[i], n, st.block_max[i], st.m[i], st.l[i]);
+    CapAndMax(st.p[i], a, n, s.softcap, st.block_max[i]);
+    const float corr = Softmax(st.p[i] + a, n - a, st.block_max[i], st.m[i], st.l[i]);
     float* ai = st.a + i * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
   }
-  for (int64_t j = 0; j < n; ++j) {  // values
+  for (int64_t j = a; j < n; ++j) {  // values
     for (int64_t h = 0; h < s.H; ++h) {
       WidenRow(vb + (j * s.H + h) * D, x, D);
       for (int64_t r = 0; r < s.R; ++r) {
@@ -242,7 +260,7 @@ inline F16 Sum16(F16* v) {
 }
 
 template <int ND, typename KV>
-void VectorBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, const KV* vb, int64_t n) {
+void VectorBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, const KV* vb, int64_t a, int64_t n) {
   constexpr int64_t D = ND * 16;
   const int64_t H = s.H, R = s.R;
   F16 part[16];
@@ -260,18 +278,17 @@ void VectorBlock(RowState& st, const Shape& s, const float* qt, const KV* kb, co
       }
       const F16 scores = Sum16(part);
       std::memcpy(&st.p[i][j0], &scores, sizeof scores);
-      const int64_t live = std::min<int64_t>(16, n - j0);
-      for (int64_t jj = 0; jj < live; ++jj) st.block_max[i] = std::max(st.block_max[i], st.p[i][j0 + jj]);
     }
+    CapAndMax(st.p[i], a, n, s.softcap, st.block_max[i]);
   }
   for (int64_t i = 0; i < st.HR; ++i) {  // online softmax, then values into registers
     const float* pi = st.p[i];
-    const float corr = Softmax(st.p[i], n, st.block_max[i], st.m[i], st.l[i]);
+    const float corr = Softmax(st.p[i] + a, n - a, st.block_max[i], st.m[i], st.l[i]);
     F16 av[ND];
     for (int c = 0; c < ND; ++c) av[c] = Load16(st.a + i * D + 16 * c) * corr;
     const int64_t h = i / R;
     st.Ahead(1);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = a; j < n; ++j) {
       const KV* vr = vb + (j * H + h) * D;
       for (int c = 0; c < ND; ++c) av[c] += pi[j] * Load16(vr + 16 * c);
     }
@@ -312,7 +329,7 @@ constexpr int kScoreQueries = 8;  // queries per pass over kt
 
 template <int ND, typename KV>
 void GroupWalk(const Part& part, const Shape& s, const float* q, const KV* k_pool, const KV* v_pool,
-               const int32_t* tables, const int32_t* seq, const int32_t* limit) {
+               const int32_t* tables, const int32_t* seq, const int32_t* limit, const int32_t* start) {
   constexpr int64_t D = ND * 16;
   constexpr int MB = 24 / ND;  // queries per pass over V: MB x ND accumulators in registers
   const int64_t H = s.H, R = s.R, HR = H * R, G = part.rows, M = G * HR;
@@ -325,17 +342,19 @@ void GroupWalk(const Part& part, const Shape& s, const float* q, const KV* k_poo
   std::fill(st.m, st.m + M, -1e30f);
   std::fill(st.l, st.l + M, 0.f);
   std::fill(st.a, st.a + M * D, 0.f);
-  int64_t lim[kMaxGroupRows];
-  for (int64_t g = 0; g < G; ++g) lim[g] = limit[part.row + g];
+  int64_t lim[kMaxGroupRows], lo_pos[kMaxGroupRows];
+  for (int64_t g = 0; g < G; ++g) lim[g] = limit[part.row + g], lo_pos[g] = start[part.row + g];
   const int64_t block_stride = s.BS * H * D;
   const int32_t* table = tables + static_cast<int64_t>(seq[part.row]) * s.M;
-  for (int64_t p0 = 0; p0 < part.end; p0 += s.BS) {
+  for (int64_t p0 = part.begin; p0 < part.end; p0 += s.BS) {
     const int64_t block = std::clamp<int64_t>(table[p0 / s.BS], 0, s.N - 1);
     const KV* kb = k_pool + block * block_stride;
     const KV* vb = v_pool + block * block_stride;
-    int64_t n[kMaxGroupRows], g0 = G;  // each row's live positions in this block; rows from g0 have some
+    // Each row's live positions in this block are [a, n); rows from g0 have some ahead of them.
+    int64_t n[kMaxGroupRows], a[kMaxGroupRows], g0 = G;
     for (int64_t g = G - 1; g >= 0; --g) {
       n[g] = std::clamp<int64_t>(lim[g] - p0, 0, s.BS);
+      a[g] = std::clamp<int64_t>(lo_pos[g] - p0, 0, n[g]);
       if (n[g] > 0) g0 = g;
     }
     const int64_t live = std::min<int64_t>(s.BS, part.end - p0);
@@ -369,13 +388,18 @@ void GroupWalk(const Part& part, const Shape& s, const float* q, const KV* k_poo
       }
     }
     // Online softmax per query over its row's live positions; the rest of the block's lanes are 0.
+    // A row whose window starts past this block has none here (corr 1 keeps its state).
     float corr[kMaxHeads];
     for (int64_t g = g0; g < G; ++g) {
       for (int64_t i = 0; i < HR; ++i) {
         const int64_t m = g * HR + i;
-        float mx = st.m[m];
-        for (int64_t j = 0; j < n[g]; ++j) mx = std::max(mx, st.p[m][j]);
-        corr[m] = Softmax(st.p[m], n[g], mx, st.m[m], st.l[m]);
+        corr[m] = 1.f;
+        if (a[g] < n[g]) {
+          float mx = st.m[m];
+          CapAndMax(st.p[m], a[g], n[g], s.softcap, mx);
+          corr[m] = Softmax(st.p[m] + a[g], n[g] - a[g], mx, st.m[m], st.l[m]);
+        }
+        std::fill(st.p[m], st.p[m] + a[g], 0.f);
         std::fill(st.p[m] + n[g], st.p[m] + live, 0.f);
       }
     }
@@ -415,23 +439,24 @@ bool Groupable(const Shape& s) { return s.BS % 16 == 0 && (s.D == 32 || s.D == 6
 
 template <typename KV>
 void WalkPart(const Part& part, const Part* next, const Shape& s, const float* q, const KV* k_pool,
-              const KV* v_pool, const int32_t* tables, const int32_t* seq, const int32_t* limit) {
+              const KV* v_pool, const int32_t* tables, const int32_t* seq, const int32_t* limit,
+              const int32_t* start) {
   if (part.rows > 1) {
-    if (s.D == 32) return GroupWalk<2>(part, s, q, k_pool, v_pool, tables, seq, limit);
-    if (s.D == 64) return GroupWalk<4>(part, s, q, k_pool, v_pool, tables, seq, limit);
-    return GroupWalk<8>(part, s, q, k_pool, v_pool, tables, seq, limit);
+    if (s.D == 32) return GroupWalk<2>(part, s, q, k_pool, v_pool, tables, seq, limit, start);
+    if (s.D == 64) return GroupWalk<4>(part, s, q, k_pool, v_pool, tables, seq, limit, start);
+    return GroupWalk<8>(part, s, q, k_pool, v_pool, tables, seq, limit, start);
   }
   const float* qt = q + part.row * s.H * s.R * s.D;
-  auto walk = [&](auto block) { Walk(part, next, s, k_pool, v_pool, tables, seq, block); };
+  auto walk = [&](auto block) { Walk(part, next, s, k_pool, v_pool, tables, seq, start[part.row], block); };
   auto vector = [&](auto nd) {
-    walk([&](RowState& st, const KV* kb, const KV* vb, int64_t n) {
-      VectorBlock<decltype(nd)::value>(st, s, qt, kb, vb, n);
+    walk([&](RowState& st, const KV* kb, const KV* vb, int64_t a, int64_t n) {
+      VectorBlock<decltype(nd)::value>(st, s, qt, kb, vb, a, n);
     });
   };
   if (s.BS % 16 == 0 && s.D == 32) return vector(std::integral_constant<int, 2>());
   if (s.BS % 16 == 0 && s.D == 64) return vector(std::integral_constant<int, 4>());
   if (s.BS % 16 == 0 && s.D == 128) return vector(std::integral_constant<int, 8>());
-  walk([&](RowState& st, const KV* kb, const KV* vb, int64_t n) { ScalarBlock(st, s, qt, kb, vb, n); });
+  walk([&](RowState& st, const KV* kb, const KV* vb, int64_t a, int64_t n) { ScalarBlock(st, s, qt, kb, vb, a, n); });
 }
 
 // Folds a row's parts (scratch states, in position order) into the row's output state: the
@@ -468,11 +493,13 @@ constexpr int64_t kItemsPerThread = 4;
 template <typename KV>
 void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_tokens, int64_t group_rows, const float* q,
          const KV* k_pool, const KV* v_pool, const int32_t* tables, const int32_t* seq, const int32_t* limit,
-         float* mx, float* den, float* acc) {
+         const int32_t* start, float* mx, float* den, float* acc) {
   const int64_t HR = s.H * s.R, items_wanted = kItemsPerThread * (pool.num_threads() + 1);
   const int64_t min_blocks = std::max<int64_t>(1, (part_tokens + s.BS - 1) / s.BS);  // of a part
   int64_t positions = 0;
-  for (int64_t t = 0; t < rows; ++t) positions += std::max<int32_t>(limit[t], 0);
+  // A row walks from the block of its start (0, or its sliding window's first position).
+  auto first_block = [&](int64_t t) { return std::clamp<int64_t>(start[t], 0, std::max(limit[t], 0)) / s.BS; };
+  for (int64_t t = 0; t < rows; ++t) positions += std::max<int64_t>(limit[t] - first_block(t) * s.BS, 0);
   // Blocks per part, about: an even share of the step's blocks over items_wanted items.
   const int64_t share_blocks =
       std::max(min_blocks, ((positions + items_wanted - 1) / items_wanted + s.BS - 1) / s.BS);
@@ -489,13 +516,13 @@ void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_token
     if (g > 1) {  // rows t + 1 .. t + g - 1 have no parts of their own
       first[t] = static_cast<int64_t>(parts.size());
       for (int64_t u = t + 1; u < t + g; ++u) first[u] = first[t] + 1;
-      Part group{t, 0, limit[t + g - 1], nullptr, nullptr, nullptr};
+      Part group{t, first_block(t) * s.BS, limit[t + g - 1], nullptr, nullptr, nullptr};
       group.rows = g;
       parts.push_back(group);
       t += g - 1;
       continue;
     }
-    const int64_t lim = limit[t], blocks = (lim + s.BS - 1) / s.BS;
+    const int64_t lim = limit[t], b0 = first_block(t), blocks = std::max<int64_t>((lim + s.BS - 1) / s.BS - b0, 0);
     const int64_t wanted = part_tokens > 0 ? std::clamp<int64_t>((blocks + share_blocks - 1) / share_blocks, 1,
                                                                  std::max<int64_t>(1, blocks / min_blocks))
                                            : 1;
@@ -504,7 +531,8 @@ void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_token
     const int64_t span = span_blocks * s.BS;  // positions per part
     first[t] = static_cast<int64_t>(parts.size());
     for (int64_t b = 0; b < count; ++b) {
-      parts.push_back({t, std::min(lim, b * span), std::min(lim, (b + 1) * span), nullptr, nullptr, nullptr});
+      parts.push_back({t, std::min(lim, b0 * s.BS + b * span), std::min(lim, b0 * s.BS + (b + 1) * span), nullptr,
+                       nullptr, nullptr});
     }
     if (count > 1) scratch_parts += count;
   }
@@ -531,7 +559,7 @@ void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_token
     const int64_t c1 = std::min(count, (item + 1) * chunk);
     for (int64_t c = item * chunk; c < c1; ++c) {
       const Part* next = c + 1 < c1 && all[c + 1].rows == 1 ? &all[c + 1] : nullptr;
-      WalkPart(all[c], next, s, q, k_pool, v_pool, tables, seq, limit);
+      WalkPart(all[c], next, s, q, k_pool, v_pool, tables, seq, limit, start);
     }
   });
   for (int64_t t = 0; t < rows; ++t) {
@@ -542,32 +570,32 @@ void Run(ffi::ThreadPool& pool, int64_t rows, const Shape& s, int64_t part_token
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,
                            ffi::AnyBuffer v_pool, ffi::AnyBuffer tables, ffi::AnyBuffer seq,
-                           ffi::AnyBuffer limit, ffi::Result<ffi::AnyBuffer> mx,
+                           ffi::AnyBuffer limit, ffi::AnyBuffer start, ffi::Result<ffi::AnyBuffer> mx,
                            ffi::Result<ffi::AnyBuffer> den, ffi::Result<ffi::AnyBuffer> acc,
-                           int64_t part_tokens, int64_t group_rows) {
+                           int64_t part_tokens, int64_t group_rows, float softcap) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged_decode: q, pools and tables must be rank 4, 4 and 2");
   }
   const int64_t rows = qd[0];
-  const Shape s{qd[1], qd[2], qd[3], kd[0], kd[1], td[1]};
+  const Shape s{qd[1], qd[2], qd[3], kd[0], kd[1], td[1], softcap};
   if (kd[2] != s.H || kd[3] != s.D || s.H * s.R > kMaxHeads || s.BS > kMaxBlock || s.D > kMaxDim) {
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
   }
   if (q.element_type() != ffi::F32 || tables.element_type() != ffi::S32 ||
-      seq.element_type() != ffi::S32 || limit.element_type() != ffi::S32 ||
+      seq.element_type() != ffi::S32 || limit.element_type() != ffi::S32 || start.element_type() != ffi::S32 ||
       v_pool.element_type() != k_pool.element_type()) {
     return ffi::Error::InvalidArgument("paged_decode: unsupported dtypes");
   }
   if (rows == 0) return ffi::Error::Success();
   const float* qp = q.typed_data<float>();
   const int32_t *tp = tables.typed_data<int32_t>(), *sp = seq.typed_data<int32_t>(),
-                *lp = limit.typed_data<int32_t>();
+                *lp = limit.typed_data<int32_t>(), *st = start.typed_data<int32_t>();
   float *mp = mx->typed_data<float>(), *dp = den->typed_data<float>(), *ap = acc->typed_data<float>();
   if (k_pool.element_type() == ffi::F32) {
-    Run(pool, rows, s, part_tokens, group_rows, qp, k_pool.typed_data<float>(), v_pool.typed_data<float>(), tp, sp, lp, mp, dp, ap);
+    Run(pool, rows, s, part_tokens, group_rows, qp, k_pool.typed_data<float>(), v_pool.typed_data<float>(), tp, sp, lp, st, mp, dp, ap);
   } else if (k_pool.element_type() == ffi::U16) {
-    Run(pool, rows, s, part_tokens, group_rows, qp, k_pool.typed_data<uint16_t>(), v_pool.typed_data<uint16_t>(), tp, sp, lp, mp, dp, ap);
+    Run(pool, rows, s, part_tokens, group_rows, qp, k_pool.typed_data<uint16_t>(), v_pool.typed_data<uint16_t>(), tp, sp, lp, st, mp, dp, ap);
   } else {
     return ffi::Error::InvalidArgument("paged_decode: pools must be f32 or u16 (bf16 bits)");
   }
@@ -585,8 +613,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::AnyBuffer>()  // tables
                                   .Arg<ffi::AnyBuffer>()  // seq
                                   .Arg<ffi::AnyBuffer>()  // limit
+                                  .Arg<ffi::AnyBuffer>()  // start
                                   .Ret<ffi::AnyBuffer>()  // mx
                                   .Ret<ffi::AnyBuffer>()  // den
                                   .Ret<ffi::AnyBuffer>()  // acc
                                   .Attr<int64_t>("part_tokens")
-                                  .Attr<int64_t>("group_rows"));
+                                  .Attr<int64_t>("group_rows")
+                                  .Attr<float>("softcap"));

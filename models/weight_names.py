@@ -1,0 +1,97 @@
+"""What every weight is called in each file format, and the check that a set of weights fits a
+config: one declarative table (`WEIGHT_MAP`), as gpt-fast keeps it."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ir.blocks import BLOCK_FORMATS, split_blocks_name
+from models.config import ModelConfig
+from models.llama import weight_shapes
+
+# canonical name -> (HF safetensors name, GGUF name, transposed?). `{}` is the layer index.
+# "transposed" means the file stores nn.Linear's [out, in] and we keep [in, out].
+WEIGHT_MAP: dict[str, tuple[str, str, bool]] = {
+    "embed": ("model.embed_tokens.weight", "token_embd.weight", False),
+    "layers.{}.attn_norm": ("model.layers.{}.input_layernorm.weight", "blk.{}.attn_norm.weight", False),
+    "layers.{}.wq": ("model.layers.{}.self_attn.q_proj.weight", "blk.{}.attn_q.weight", True),
+    "layers.{}.wk": ("model.layers.{}.self_attn.k_proj.weight", "blk.{}.attn_k.weight", True),
+    "layers.{}.wv": ("model.layers.{}.self_attn.v_proj.weight", "blk.{}.attn_v.weight", True),
+    "layers.{}.bq": ("model.layers.{}.self_attn.q_proj.bias", "blk.{}.attn_q.bias", False),
+    "layers.{}.bk": ("model.layers.{}.self_attn.k_proj.bias", "blk.{}.attn_k.bias", False),
+    "layers.{}.bv": ("model.layers.{}.self_attn.v_proj.bias", "blk.{}.attn_v.bias", False),
+    "layers.{}.q_norm": ("model.layers.{}.self_attn.q_norm.weight", "blk.{}.attn_q_norm.weight", False),
+    "layers.{}.k_norm": ("model.layers.{}.self_attn.k_norm.weight", "blk.{}.attn_k_norm.weight", False),
+    "layers.{}.wo": ("model.layers.{}.self_attn.o_proj.weight", "blk.{}.attn_output.weight", True),
+    "layers.{}.post_attn_norm": ("model.layers.{}.post_attention_layernorm.weight",
+                                 "blk.{}.post_attention_norm.weight", False),
+    "layers.{}.mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", "blk.{}.ffn_norm.weight", False),
+    "layers.{}.w_gate": ("model.layers.{}.mlp.gate_proj.weight", "blk.{}.ffn_gate.weight", True),
+    "layers.{}.w_up": ("model.layers.{}.mlp.up_proj.weight", "blk.{}.ffn_up.weight", True),
+    "layers.{}.w_down": ("model.layers.{}.mlp.down_proj.weight", "blk.{}.ffn_down.weight", True),
+    "layers.{}.post_mlp_norm": ("model.layers.{}.post_feedforward_layernorm.weight", "blk.{}.post_ffw_norm.weight",
+                                False),
+    "final_norm": ("model.norm.weight", "output_norm.weight", False),
+    "lm_head": ("lm_head.weight", "output.weight", True),
+}
+# With sandwich norms (Gemma), HF's `post_attention_layernorm` is the norm on the attention's
+# output, and the MLP's input norm is `pre_feedforward_layernorm`.
+SANDWICH_HF_NAMES = {"layers.{}.mlp_norm": "model.layers.{}.pre_feedforward_layernorm.weight"}
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape for every tensor `config` needs: the lowering's own table."""
+    return weight_shapes(config)
+
+
+def pattern_of(name: str) -> tuple[str, int | None]:
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) == 3:
+        return f"layers.{{}}.{parts[2]}", int(parts[1])
+    return name, None
+
+
+def file_name(canon: str, fmt: str, sandwich_norms: bool = False) -> tuple[str, bool]:
+    """(name in a file of format 'hf' or 'gguf', transposed?) of canonical weight `canon`."""
+    pattern, layer = pattern_of(canon)
+    hf, gguf, transposed = WEIGHT_MAP[pattern]
+    if fmt == "hf" and sandwich_norms:
+        hf = SANDWICH_HF_NAMES.get(pattern, hf)
+    src = {"hf": hf, "gguf": gguf}[fmt]
+    return (src if layer is None else src.format(layer)), transposed
+
+
+def source_names(config: ModelConfig, fmt: str) -> dict[str, tuple[str, bool]]:
+    """Canonical name -> (name in the file, transposed?) for fmt 'hf' or 'gguf'."""
+    return {name: file_name(name, fmt, config.sandwich_norms) for name in expected_shapes(config)}
+
+
+def validate_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source: str = "weights",
+                     names: Mapping[str, str] | None = None) -> None:
+    """Raises ValueError naming the tensor if one is missing, unexpected, or has the wrong shape."""
+    shapes = expected_shapes(config)
+    for name, shape in shapes.items():
+        src = f" ({names[name]})" if names and name in names else ""
+        if name not in weights:
+            raise ValueError(f"{source}: missing tensor {name!r}{src}")
+        actual = tuple(weights[name].shape)
+        if actual != shape:
+            raise ValueError(f"{source}: tensor {name!r}{src} has shape {actual}, expected {shape} "
+                             f"for config {config.name!r}")
+    for key in weights:  # GGUF blocks: [rows of the file's matrix, row bytes]
+        split = split_blocks_name(key)
+        if split is None:
+            continue
+        name, fmt = split
+        want = None
+        if name in shapes and len(shapes[name]) == 2:
+            rows, k = shapes[name] if name == "embed" else shapes[name][::-1]  # the file's [out, in]
+            want = (rows, BLOCK_FORMATS[fmt].row_bytes(k))
+        if want is None or tuple(weights[key].shape) != want or weights[key].dtype != np.uint8:
+            raise ValueError(f"{source}: {fmt} blocks {key!r} are {weights[key].dtype}{tuple(weights[key].shape)}, "
+                             f"expected uint8{want} for config {config.name!r}")
+    extra = sorted(k for k in set(weights) - set(shapes) if split_blocks_name(k) is None)
+    if extra:
+        raise ValueError(f"{source}: unexpected tensors for config {config.name!r}: {extra[:8]}")
