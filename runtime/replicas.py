@@ -314,12 +314,13 @@ def main(argv: list[str], args) -> int:
                     policy=args.router_policy, tp=args.tensor_parallel_size, log_dir=log_dir,
                     shutdown_grace_s=args.shutdown_grace_s)
     signals = {"n": 0}
+    stopper = threading.Thread(target=rs.stop, daemon=True)
 
     def on_signal(signum, frame):
         signals["n"] += 1
         if signals["n"] == 1:
             log.info("%s: draining %d replicas", signal.Signals(signum).name, rs.n)
-            threading.Thread(target=rs.stop, daemon=True).start()
+            stopper.start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -333,10 +334,10 @@ def main(argv: list[str], args) -> int:
         if stopped_by_signal:
             return 0
         raise
-    # stop() runs on the signal's thread; wait for it to finish.
-    while any(r.proc is not None and r.proc.poll() is None for r in rs.replicas) or (
-            rs.router is not None and rs.router.poll() is None):
-        time.sleep(0.1)
+    # stop() runs on the signal's thread; wait for it to finish (its last log line included: the
+    # processes can all be gone a moment before it returns).
+    while stopper.ident is not None and stopper.is_alive():
+        stopper.join(0.1)
     return 0
 
 
