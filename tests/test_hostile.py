@@ -1015,10 +1015,18 @@ def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
 def test_soak_measures_the_server_process(smol_llm):
     from runtime.bench_soak import SoakRow, growth_checks, proc_stats, soak_async
 
+    import faulthandler
+
     app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
-    with ServerThread(app) as st:
-        rows = asyncio.run(soak_async(st.url, model=MODEL, rate=2.0, duration_s=3.0, pid=os.getpid(), max_tokens=4,
-                                      log=lambda line: None))
+    # One of these six requests hung for the client's 300 s twice on loaded machines (not reproduced
+    # alone): if a run takes over 60 s, every thread's stack goes to stderr, to show where it waits.
+    faulthandler.dump_traceback_later(60, exit=False)
+    try:
+        with ServerThread(app) as st:
+            rows = asyncio.run(soak_async(st.url, model=MODEL, rate=2.0, duration_s=3.0, pid=os.getpid(),
+                                          max_tokens=4, log=lambda line: None))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     assert len(rows) == 1
     r = rows[0]
     assert r.sent == r.ok == 6 and r.failed == 0
