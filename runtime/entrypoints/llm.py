@@ -37,11 +37,9 @@ class LLM:
             self.plan = load_plan(model, engine_args, progress=progress)
             if self.group is not None and not self.group.is_leader:
                 self.group.introduce(distributed.plan_identity(self.plan, model))
-            elif self.group is not None:
-                self.group.check_peers(distributed.plan_identity(self.plan, model))
-                self.engine = build_engine(self.plan, check_invariants=check_invariants, progress=progress,
-                                           release_host_weights=True)
             else:
+                if self.group is not None:
+                    self.group.check_peers(distributed.plan_identity(self.plan, model))
                 self.engine = build_engine(self.plan, check_invariants=check_invariants, progress=progress,
                                            release_host_weights=True)
         except BaseException as e:
