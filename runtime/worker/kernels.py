@@ -441,6 +441,30 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
 
 
+def grouped_matmul(lhs, rhs, group_sizes, *, backend: str):
+    """The grouped (mixture-of-experts) product under `backend`: jax.lax.ragged_dot's contract.
+
+    lhs [M, K] holds rows sorted by group; rhs [G, K, N] one matrix per group (expert), of lhs's
+    dtype (float32, bfloat16 or float16; anything else is a ValueError); group_sizes int [G], the
+    rows of each group, empty groups allowed. Group g's rows are [sum(sizes[:g]),
+    sum(sizes[:g+1])); rows past sum(group_sizes) come out as zeros, and a sum past M is clipped
+    to M. Returns [M, N] in lhs's dtype, the products accumulated in f32 on every backend.
+
+    Backends: "pallas" runs our Pallas kernel (pallas_kernels.grouped_matmul, GPU), "interpret"
+    the same kernel in the Pallas interpreter (tests), "xla" and "cpp" XLA's ragged_dot (on CPU
+    the fastest exact form measured by benchmarks/moe_layer.py)."""
+    import pallas_kernels as pk
+
+    pk.grouped_matmul_check_inputs(lhs, rhs, group_sizes)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if backend in ("pallas", "interpret"):
+        return pk.grouped_matmul(lhs, rhs, group_sizes, interpret=backend == "interpret")
+    if backend not in ("xla", "cpp"):
+        raise ValueError(f"grouped_matmul: unknown kernel backend {backend!r}")
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
+
+
 def layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
     """op name -> the inputs that `backend`'s lowering of the op can take as a whole layer stack
     [L, ...] plus a `layer` attr, in a step scanned over layers (runtime/worker/executor.py): the
