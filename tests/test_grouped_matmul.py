@@ -125,10 +125,25 @@ def test_bad_inputs_are_clear_errors():
     grouped_matmul(lhs, rhs, gs.astype(jnp.float32), interpret=True)
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_cpu_tile_loop(name):
+  # The XLA:CPU form the xla and cpp backends run, on every kernel case.
+  sizes, rows, k, n = CASES[name]
+  lhs, rhs, gs = _inputs(list(CASES).index(name), sizes, rows, k, n, jnp.float32,
+                         poison_tail=sum(sizes) < rows)
+  _check(jax.jit(kernels.grouped_matmul_tiles)(lhs, rhs, gs), lhs, rhs, gs)
+
+
+def test_cpu_tile_loop_wide_tiles():
+  # 300 rows in 3 groups: 128-row tiles (GMM_MAX_TILE), each group's last tile short of its end.
+  lhs, rhs, gs = _inputs(9, [130, 0, 101, 60], 300, 16, 16, jnp.float32)
+  _check(jax.jit(kernels.grouped_matmul_tiles)(lhs, rhs, gs), lhs, rhs, gs)
+
+
 @pytest.mark.parametrize("backend", ["xla", "cpp", "interpret"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_backend_entry_point(backend, dtype):
-  # The expert op's entry: ragged_dot under xla/cpp, our kernel under interpret; one contract.
+  # The expert op's entry: the tile loop under xla/cpp on CPU, our kernel under interpret.
   lhs, rhs, gs = _inputs(7, [0, 9, 0, 14, 2], 32, 32, 16, dtype)
   out = jax.jit(lambda a, b, c: kernels.grouped_matmul(a, b, c, backend=backend))(lhs, rhs, gs)
   assert out.dtype == dtype
