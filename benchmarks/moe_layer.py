@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     for name in names:
         if name not in PRODUCTS:
             ap.error(f"unknown product {name!r}; choose from {', '.join(PRODUCTS)}")
+    if "pallas" in names and jax.default_backend() != "gpu":
+        ap.error(f"the pallas product needs a GPU (JAX's backend here: {jax.default_backend()})")
     dtype = DTYPES[args.dtype]
     e, h, i = args.experts, args.hidden, args.intermediate
     rng = np.random.default_rng(0)

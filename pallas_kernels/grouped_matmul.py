@@ -38,8 +38,10 @@ _MIN_BLOCK = 16
 class BlockSizes:
   """Tile sizes for `grouped_matmul`.
 
-  block_m: rows of lhs per program (power of two >= 16). None picks from M: the next power of
-    two of M, between 16 and 64, so a decode step's few rows do not pay for a tall tile.
+  block_m: rows of lhs per program (power of two >= 16). None picks the next power of two of the
+    average rows per group, between 16 and 64: a tile then holds about one group's rows, and a
+    decode step's few rows per expert (64 tokens x top-4 over 64 experts: 4) get short tiles and
+    many programs rather than a few tall tiles that each loop over a dozen groups.
   block_n: output columns per program; block_k: the contraction step. Powers of two >= 16. If
     N (or K) is not a multiple of the requested size, the largest power of two >= 16 that
     divides it is used instead, so expert weights are never copied to pad them; only a dim that
@@ -167,7 +169,8 @@ def _fit_block(dim: int, requested: int) -> tuple[int, int]:
   return block, padded
 
 
-def resolve_block_sizes(block_sizes: BlockSizes | None, num_rows: int, k: int, n: int):
+def resolve_block_sizes(block_sizes: BlockSizes | None, num_rows: int, num_groups: int, k: int,
+                        n: int):
   """(block_m, block_n, block_k, padded_k, padded_n) used for these shapes."""
   if block_sizes is None:
     block_sizes = BlockSizes()
@@ -175,7 +178,8 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, num_rows: int, k: int, n
     raise ValueError(f"block_sizes must be a grouped_matmul.BlockSizes, got {block_sizes!r}")
   block_m = block_sizes.block_m
   if block_m is None:
-    block_m = min(64, max(_MIN_BLOCK, 1 << max(0, (num_rows - 1).bit_length())))
+    rows_per_group = -(-num_rows // max(1, num_groups))
+    block_m = min(64, max(_MIN_BLOCK, 1 << max(0, (rows_per_group - 1).bit_length())))
   block_n, padded_n = _fit_block(n, block_sizes.block_n)
   block_k, padded_k = _fit_block(k, block_sizes.block_k)
   return block_m, block_n, block_k, padded_k, padded_n
@@ -205,7 +209,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, block_sizes: BlockSizes | None = No
   num_groups, _, n = rhs.shape
   if num_rows == 0 or n == 0 or num_groups == 0:
     return jnp.zeros((num_rows, n), out_dtype)
-  block_m, block_n, block_k, padded_k, padded_n = resolve_block_sizes(block_sizes, num_rows, k, n)
+  block_m, block_n, block_k, padded_k, padded_n = resolve_block_sizes(
+      block_sizes, num_rows, num_groups, k, n)
   num_m_tiles = -(-num_rows // block_m)
   padded_m = num_m_tiles * block_m
   # Padding keeps every pl.ds load in bounds (Triton does no bounds checks). Zero K columns add

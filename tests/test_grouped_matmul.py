@@ -2,6 +2,9 @@
 its one-hot jnp reference and against jax.lax.ragged_dot; and the backend entry point the expert
 op calls (runtime.worker.kernels.grouped_matmul)."""
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -103,11 +106,14 @@ def test_reference_is_a_loop_over_groups():
 
 
 def test_block_sizes_fit_the_weights_without_copies():
-  # Qwen3-MoE's expert shapes divide the tiles: nothing padded. A tiny model's 40 pads.
-  assert resolve_block_sizes(None, 64, 2048, 768) == (64, 128, 64, 2048, 768)
-  assert resolve_block_sizes(None, 3, 768, 2048) == (16, 128, 64, 768, 2048)
-  assert resolve_block_sizes(BlockSizes(block_n=256), 200, 96, 48) == (64, 16, 32, 96, 48)
-  assert resolve_block_sizes(None, 8, 40, 8) == (16, 16, 16, 48, 16)
+  # Qwen3-MoE's expert shapes divide the tiles: nothing padded. A tiny model's 40 pads. The rows
+  # per tile follow the rows per expert: 16 at a 64-token top-4 decode step over 64 experts, 64 at
+  # a 512-token prefill.
+  assert resolve_block_sizes(None, 256, 64, 2048, 768) == (16, 128, 64, 2048, 768)
+  assert resolve_block_sizes(None, 2048, 64, 768, 2048) == (32, 128, 64, 768, 2048)
+  assert resolve_block_sizes(None, 4096, 8, 768, 2048) == (64, 128, 64, 768, 2048)
+  assert resolve_block_sizes(BlockSizes(block_m=128, block_n=256), 200, 2, 96, 48) == (128, 16, 32, 96, 48)
+  assert resolve_block_sizes(None, 8, 4, 40, 8) == (16, 16, 16, 48, 16)
   for bad in (dict(block_m=8), dict(block_n=48), dict(block_k=0), dict(num_warps=3)):
     with pytest.raises(ValueError, match="BlockSizes"):
       BlockSizes(**bad)
@@ -140,6 +146,20 @@ def test_cpu_tile_loop_wide_tiles():
   _check(jax.jit(kernels.grouped_matmul_tiles)(lhs, rhs, gs), lhs, rhs, gs)
 
 
+def test_kernel_lowers_for_cuda_through_triton_without_copying_the_weights():
+  # No GPU here, but the kernel lowers for one: a Triton custom call (not Mosaic GPU), at Qwen3-MoE's
+  # expert shapes (a 64-token top-4 decode step's gate/up product), and nothing is padded: the
+  # expert weights reach the kernel as they are.
+  lhs = jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((64, 2048, 1536), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+  fn = jax.jit(lambda a, b, c: kernels.grouped_matmul(a, b, c, backend="pallas"))
+  text = fn.trace(lhs, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
+  assert "mosaic" not in text.lower() and "stablehlo.pad" not in text
+  assert "grid_x = 16 : i32, grid_y = 12 : i32" in text  # 16-row tiles x 128-column tiles
+
+
 @pytest.mark.parametrize("backend", ["xla", "cpp", "interpret"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_backend_entry_point(backend, dtype):
@@ -156,3 +176,21 @@ def test_backend_entry_point_errors():
     kernels.grouped_matmul(lhs, rhs, gs, backend="tpu")
   with pytest.raises(ValueError, match="one dtype"):
     kernels.grouped_matmul(lhs, rhs.astype(jnp.bfloat16), gs, backend="xla")
+
+
+def test_moe_layer_harness_checks_grouped_against_dense(capsys):
+  # benchmarks/moe_layer.py at a tiny shape: the grouped layer (route, sort, two grouped products,
+  # unsort, combine) must equal every expert run densely before anything is timed.
+  path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_layer.py"
+  spec = importlib.util.spec_from_file_location("moe_layer", path)
+  harness = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(harness)
+  args = ["--experts", "8", "--top-k", "2", "--rows", "12", "--hidden", "32", "--intermediate", "16",
+          "--repeats", "1", "--rounds", "1"]
+  assert harness.main(args) == 0
+  out = capsys.readouterr().out
+  for form in ("grouped[ragged_dot]", "grouped[tile_loop]"):
+    assert f'"form": "{form}", "max_abs_diff_vs_dense"' in out and f'"form": "{form}", "ms"' in out
+  assert '"ratio_vs_dense"' in out
+  with pytest.raises(SystemExit):
+    harness.main(args + ["--products", "pallas"])  # off a GPU: refused, not a Triton crash

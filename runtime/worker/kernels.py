@@ -451,8 +451,9 @@ def grouped_matmul_tiles(lhs, rhs, group_sizes):
     """The grouped matmul on XLA:CPU (grouped_matmul's contract): a loop over (group, tile of rows)
     work items, each a dynamic slice of the sorted rows times its group's matrix, written back
     where its rows are. The work is about M / tile + G products of one tile, growing with the rows,
-    not with the groups. XLA:CPU's ragged_dot runs every group on every row instead (1.9x the time
-    of all 64 experts densely on a 64-expert top-4 layer; benchmarks/moe_layer.py)."""
+    not with the groups. XLA:CPU's ragged_dot runs every group on every row instead: on a 64-expert
+    top-4 layer at 64 rows (hidden 1024, f32) it took 1.9x the time of all 64 experts run densely,
+    this loop 0.18-0.34x (benchmarks/moe_layer.py on a loaded 2-core machine)."""
     m, n = lhs.shape[0], rhs.shape[2]
     tile = min(GMM_MAX_TILE, max(GMM_MIN_TILE, 1 << max(0, (-(-m // rhs.shape[0]) - 1).bit_length())))
     ends = jnp.minimum(jnp.cumsum(group_sizes), m)
