@@ -19,7 +19,10 @@ the dense layer's output before it is timed:
 - `ragged_dot`: XLA's jax.lax.ragged_dot (kernel backends xla and cpp off the CPU);
 - `tile_loop`: runtime.worker.kernels.grouped_matmul_tiles, a loop over (expert, tile of rows)
   work items, each a dynamic slice of the sorted rows times its expert's matrix (exact; the
-  kernel backends xla and cpp on XLA:CPU);
+  kernel backend xla on XLA:CPU), which XLA takes as a copy;
+- `tile_loop_cpp`: the same loop with each product in our C++ row kernel, which reads the
+  expert's matrix where it lies (kernel backend cpp on a CPU with AVX-512BW, f32, tiles of at
+  most 8 rows);
 - `pallas`: our Pallas kernel (kernel backend pallas; on a GPU only).
 
 Times are medians of --repeats calls, rounds interleaved (--rounds); the ratio of each grouped
@@ -30,6 +33,7 @@ layer to the dense one is printed per round and for the medians. Run it on a qui
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -42,10 +46,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.worker import kernels  # noqa: E402
+from runtime.worker import cpp_kernels, kernels  # noqa: E402
 
 TARGET_RATIO = 0.3
-PRODUCTS = ("ragged_dot", "tile_loop", "pallas")
+PRODUCTS = ("ragged_dot", "tile_loop", "tile_loop_cpp", "pallas")
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # Grouped against dense: the same math in another order (f32) or with bf16 roundings of the
 # intermediate activations.
@@ -66,6 +70,8 @@ def product_fn(name: str):
                                                        ).astype(lhs.dtype)
     if name == "tile_loop":
         return kernels.grouped_matmul_tiles
+    if name == "tile_loop_cpp":
+        return functools.partial(kernels.grouped_matmul_tiles, cpp=True)
     if name == "pallas":
         return lambda lhs, rhs, gs: kernels.grouped_matmul(lhs, rhs, gs, backend="pallas")
     raise ValueError(name)
@@ -120,15 +126,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every form")
     ap.add_argument("--products", default=None,
                     help=f"comma-separated grouped products from {','.join(PRODUCTS)} (default: "
-                         "ragged_dot,tile_loop, and pallas on a GPU)")
+                         "ragged_dot,tile_loop, and pallas on a GPU, tile_loop_cpp where it runs)")
     args = ap.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    cpp = not on_gpu and args.dtype == "f32" and cpp_kernels.matmul_vectorized()
     names = (args.products.split(",") if args.products else
-             ["ragged_dot", "tile_loop"] + (["pallas"] if jax.default_backend() == "gpu" else []))
+             ["ragged_dot", "tile_loop"] + (["pallas"] if on_gpu else []) + (["tile_loop_cpp"] if cpp else []))
     for name in names:
         if name not in PRODUCTS:
             ap.error(f"unknown product {name!r}; choose from {', '.join(PRODUCTS)}")
-    if "pallas" in names and jax.default_backend() != "gpu":
+    if "pallas" in names and not on_gpu:
         ap.error(f"the pallas product needs a GPU (JAX's backend here: {jax.default_backend()})")
+    if "tile_loop_cpp" in names and not cpp:
+        ap.error("the tile_loop_cpp product needs f32 and our C++ kernels' vector path (AVX-512BW) on a CPU")
     dtype = DTYPES[args.dtype]
     e, h, i = args.experts, args.hidden, args.intermediate
     rng = np.random.default_rng(0)

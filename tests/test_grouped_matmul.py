@@ -2,6 +2,7 @@
 its one-hot jnp reference and against jax.lax.ragged_dot; and the backend entry point the expert
 op calls (runtime.worker.kernels.grouped_matmul)."""
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.grouped_matmul import BlockSizes, resolve_block_sizes
 from pallas_kernels.testing import tolerance
-from runtime.worker import kernels
+from runtime.worker import cpp_kernels, kernels
 
 INTERPRET = True
 SMALL = BlockSizes(block_m=16, block_n=16, block_k=16)
@@ -131,13 +132,18 @@ def test_bad_inputs_are_clear_errors():
     grouped_matmul(lhs, rhs, gs.astype(jnp.float32), interpret=True)
 
 
+@pytest.mark.parametrize("cpp", [False, True], ids=["xla", "cpp"])
 @pytest.mark.parametrize("name", CASES)
-def test_cpu_tile_loop(name):
-  # The XLA:CPU form the xla and cpp backends run, on every kernel case.
+def test_cpu_tile_loop(name, cpp):
+  # The XLA:CPU form the xla and cpp backends run, on every kernel case; under cpp each tile's
+  # product in our C++ row kernel, reading the group's matrix in place.
+  if cpp and not cpp_kernels.matmul_vectorized():
+    pytest.skip("the C++ row kernels' vector path (AVX-512BW) is not on this CPU")
   sizes, rows, k, n = CASES[name]
   lhs, rhs, gs = _inputs(list(CASES).index(name), sizes, rows, k, n, jnp.float32,
                          poison_tail=sum(sizes) < rows)
-  _check(jax.jit(kernels.grouped_matmul_tiles)(lhs, rhs, gs), lhs, rhs, gs)
+  tiles = jax.jit(functools.partial(kernels.grouped_matmul_tiles, cpp=cpp))
+  _check(tiles(lhs, rhs, gs), lhs, rhs, gs)
 
 
 def test_cpu_tile_loop_wide_tiles():
@@ -189,7 +195,9 @@ def test_moe_layer_harness_checks_grouped_against_dense(capsys):
           "--repeats", "1", "--rounds", "1"]
   assert harness.main(args) == 0
   out = capsys.readouterr().out
-  for form in ("grouped[ragged_dot]", "grouped[tile_loop]"):
+  forms = ["grouped[ragged_dot]", "grouped[tile_loop]"]
+  forms += ["grouped[tile_loop_cpp]"] if cpp_kernels.matmul_vectorized() else []
+  for form in forms:
     assert f'"form": "{form}", "max_abs_diff_vs_dense"' in out and f'"form": "{form}", "ms"' in out
   assert '"ratio_vs_dense"' in out
   with pytest.raises(SystemExit):

@@ -447,15 +447,25 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
 GMM_MIN_TILE, GMM_MAX_TILE = 8, 128
 
 
-def grouped_matmul_tiles(lhs, rhs, group_sizes):
+def grouped_matmul_tile_rows(num_rows: int, num_groups: int) -> int:
+    """Rows per work item of grouped_matmul_tiles for these static shapes."""
+    per_group = -(-num_rows // max(1, num_groups))
+    return min(GMM_MAX_TILE, max(GMM_MIN_TILE, 1 << max(0, (per_group - 1).bit_length())))
+
+
+def grouped_matmul_tiles(lhs, rhs, group_sizes, *, cpp: bool = False):
     """The grouped matmul on XLA:CPU (grouped_matmul's contract): a loop over (group, tile of rows)
     work items, each a dynamic slice of the sorted rows times its group's matrix, written back
     where its rows are. The work is about M / tile + G products of one tile, growing with the rows,
     not with the groups. XLA:CPU's ragged_dot runs every group on every row instead: on a 64-expert
     top-4 layer at 64 rows (hidden 1024, f32) it took 1.9x the time of all 64 experts run densely,
-    this loop 0.18-0.34x (benchmarks/moe_layer.py on a loaded 2-core machine)."""
+    this loop 0.18-0.34x (benchmarks/moe_layer.py on a loaded 2-core machine).
+
+    XLA takes each group's matrix as a copy (a dynamic slice) before its product; with `cpp` (f32
+    only), our C++ row kernel reads it where it lies in rhs instead (cpp_kernels.f32_matmul with
+    the group as its layer)."""
     m, n = lhs.shape[0], rhs.shape[2]
-    tile = min(GMM_MAX_TILE, max(GMM_MIN_TILE, 1 << max(0, (-(-m // rhs.shape[0]) - 1).bit_length())))
+    tile = grouped_matmul_tile_rows(m, rhs.shape[0])
     ends = jnp.minimum(jnp.cumsum(group_sizes), m)
     offsets = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends])
     tiles = (offsets[1:] - offsets[:-1] + tile - 1) // tile  # work items per group
@@ -467,10 +477,13 @@ def grouped_matmul_tiles(lhs, rhs, group_sizes):
         g = jnp.searchsorted(item_ends, item, side="right")
         row0 = offsets[g] + (item - (item_ends[g] - tiles[g])) * tile
         x = jax.lax.dynamic_slice_in_dim(lhs, row0, tile)
-        w = jax.lax.dynamic_index_in_dim(rhs, g, keepdims=False)
-        if half:
-            x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-        y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        if cpp:
+            y = cpp_kernels.f32_matmul(x, rhs, layer=g.astype(jnp.int32))
+        else:
+            w = jax.lax.dynamic_index_in_dim(rhs, g, keepdims=False)
+            if half:
+                x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+            y = jnp.dot(x, w, preferred_element_type=jnp.float32)
         mine = (row0 + jnp.arange(tile) < offsets[g + 1])[:, None]  # the next group's rows: kept
         old = jax.lax.dynamic_slice_in_dim(out, row0, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), row0, axis=0)
@@ -490,8 +503,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, backend: str):
 
     Backends: "pallas" runs our Pallas kernel (pallas_kernels.grouped_matmul, GPU), "interpret"
     the same kernel in the Pallas interpreter (tests); "xla" and "cpp" run grouped_matmul_tiles on
-    XLA:CPU (the fastest exact form benchmarks/moe_layer.py found there) and XLA's ragged_dot on
-    other platforms."""
+    XLA:CPU (the fastest exact form benchmarks/moe_layer.py found there; under "cpp", f32 tiles of
+    at most CPP_F32_MAX_ROWS rows in our C++ row kernel) and XLA's ragged_dot on other platforms."""
     import pallas_kernels as pk
 
     pk.grouped_matmul_check_inputs(lhs, rhs, group_sizes)
@@ -501,7 +514,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, backend: str):
     if backend not in ("xla", "cpp"):
         raise ValueError(f"grouped_matmul: unknown kernel backend {backend!r}")
     if jax.default_backend() == "cpu":
-        return grouped_matmul_tiles(lhs, rhs, group_sizes)
+        cpp = (backend == "cpp" and lhs.dtype == jnp.float32 and cpp_kernels.matmul_vectorized()
+               and grouped_matmul_tile_rows(lhs.shape[0], rhs.shape[0]) <= CPP_F32_MAX_ROWS)
+        return grouped_matmul_tiles(lhs, rhs, group_sizes, cpp=cpp)
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
 
