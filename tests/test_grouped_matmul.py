@@ -176,12 +176,26 @@ def test_backend_entry_point(backend, dtype):
   _check(out, lhs, rhs, gs)
 
 
+@pytest.mark.parametrize("backend", ["xla", "cpp", "interpret"])
+def test_backend_entry_point_reads_a_layer_of_a_stack(backend):
+  # A scanned step passes every layer's experts [L, G, K, N] and a traced layer index: the same
+  # result as that layer's own [G, K, N].
+  lhs, rhs, gs = _inputs(10, [5, 0, 11, 3], 24, 16, 32, jnp.float32)
+  stack = jnp.stack([rhs * 0.5, rhs, -rhs])
+  fn = jax.jit(lambda a, b, c, i: kernels.grouped_matmul(a, b, c, backend=backend, layer=i))
+  for i in (1, 2):
+    out = fn(lhs, stack, gs, jnp.int32(i))
+    _check(out, lhs, stack[i], gs)
+
+
 def test_backend_entry_point_errors():
   lhs, rhs, gs = _inputs(8, [2, 2], 4, 16, 16, jnp.float32, poison_tail=False)
   with pytest.raises(ValueError, match="unknown kernel backend"):
     kernels.grouped_matmul(lhs, rhs, gs, backend="tpu")
   with pytest.raises(ValueError, match="one dtype"):
     kernels.grouped_matmul(lhs, rhs.astype(jnp.bfloat16), gs, backend="xla")
+  with pytest.raises(ValueError, match="needs rhs"):
+    kernels.grouped_matmul(lhs, rhs, gs, backend="cpp", layer=0)
 
 
 def test_moe_layer_harness_checks_grouped_against_dense(capsys):
