@@ -43,11 +43,8 @@ class LLMEngine:
         self.runner = runner
         if warmup:
             self.warmup_s = self.runner.warmup(progress=progress, execute=warm_execute)
-        # The graph's KV cache groups (ir.kv_groups): a window group beside the full one when it
-        # mixes sliding-window layers with full ones.
-        self.block_manager = BlockManager(plan.num_kv_blocks, e.block_size, e.enable_prefix_caching,
-                                          window=self.runner.kv_window,
-                                          num_window_blocks=self.runner.num_window_blocks)
+        self.block_manager = BlockManager(plan.num_kv_blocks, e.block_size, e.enable_prefix_caching,  # ir.kv_groups
+                                          window=self.runner.kv_window, num_window_blocks=self.runner.num_window_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                             max_model_len=e.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
