@@ -87,9 +87,13 @@ def test_copy_on_write_for_forked_tail():
 # ------------------------------------------------------------------ the window group (ir.kv_groups)
 
 def _step(bm, seq, n):
-    """One scheduled step of `n` tokens: room for them, then they count computed."""
+    """One scheduled step of `n` tokens: room for them, then they count computed. Before it, the
+    window group has released exactly the blocks its first token cannot see (keys <= p - window)."""
     assert bm.can_append(seq, n)
     bm.may_append(seq, n)
+    if bm.window is not None:
+        dead = max(seq.num_computed_tokens - bm.window + 1, 0) // bm.block_size
+        assert seq.num_released_blocks == min(dead, len(seq.window_block_table))
     seq.num_computed_tokens += n
     bm.mark_computed(seq)
 

@@ -466,7 +466,8 @@ class BlockManager:
             t, r = s.window_block_table, s.num_released_blocks
             if any(b != NULL_BLOCK for b in t[:r]) or NULL_BLOCK in t[r:]:
                 raise AssertionError(f"{s}: window table {t} with {r} released entries")
-            if t and r > self.first_live_block(s.num_computed_tokens):
+            # The next token, at position p, sees keys > p - window: a released block's last key must not be one.
+            if r and r * self.block_size - 1 > s.num_computed_tokens - self.window:
                 raise AssertionError(f"{s}: window block {r - 1} released but still visible")
             if len(t) > len(s.block_table):
                 raise AssertionError(f"{s}: window table longer than its full table")
