@@ -449,3 +449,30 @@ def test_window_group_holds_only_the_window_with_every_engine_feature(tmp_path_f
     assert out.num_cached_tokens > 2 * WINDOW
     assert out.outputs[0].token_ids == _hf_greedy(model, longer, 6)
     assert bm.num_used == 0 and bm.window_pool.num_used == 0
+
+
+def test_both_kv_groups_are_sized_from_the_measured_peak(tmp_path_factory, monkeypatch):
+    """Gemma 2 with the pool left to the memory plan, its prediction far too low (no activations):
+    the measured peak resizes both groups, in the plan's proportion, on the device and in the
+    block manager alike; the engine still continues as HF's generate does."""
+    import passes.plan_memory as pm
+    from ir.kv_groups import window_blocks_per_seq
+    from runtime import LLM, SamplingParams
+
+    monkeypatch.setattr(pm, "activation_peak_bytes", lambda *a, **k: 0)
+    monkeypatch.setattr(pm, "sampler_workspace_bytes", lambda *a, **k: 0)
+    _, model, path, _, _, _ = saved_family("gemma2", tmp_path_factory)
+    llm = LLM(str(path), kernel_backend="cpp", max_model_len=48, max_num_seqs=2, max_num_batched_tokens=8,
+              block_size=BLOCK_SIZE, device_memory=48 << 20, reserve_bytes=0)
+    memory, runner, bm = llm.plan.memory, llm.engine.runner, llm.engine.block_manager
+    assert memory.planned_kv_blocks > memory.num_kv_blocks == runner.num_blocks == bm.num_blocks
+    assert memory.num_window_kv_blocks == runner.num_window_blocks == bm.num_window_blocks
+    assert (memory.num_kv_blocks, memory.num_window_kv_blocks) == memory.kv_blocks_that_fit(memory.measured_peak_bytes)
+    assert memory.weight_bytes + memory.kv_cache_bytes + memory.measured_peak_bytes <= memory.budget_bytes
+    seqs = memory.num_kv_blocks / 12  # 48 tokens in 4-token blocks
+    assert abs((memory.num_window_kv_blocks - 3) / window_blocks_per_seq(WINDOW, BLOCK_SIZE, 48) - seqs) < 1
+    for name, pool in runner.state.items():
+        window = name in ("k_pool.0", "v_pool.0", "k_pool.2", "v_pool.2")  # Gemma 2: layers 0 and 2 slide
+        assert pool.shape[0] == (memory.num_window_kv_blocks if window else memory.num_kv_blocks), name
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == _hf_greedy(model, PROMPTS[0], 8)
