@@ -315,16 +315,12 @@ def engine_config_from_args(args) -> EngineConfig:
 
 def _preset_weights_problem(name: str) -> str | None:
     """Why a preset's weights can't be loaded (None: they can). Mirrors models.weights.load_model."""
+    from models.weights import PACKAGED_GGUF, packaged_gguf_problem
+
     if name == "tiny":
         return None
-    if name == "smollm2-135m":
-        from models.weights import find_smollm2_gguf
-
-        try:
-            find_smollm2_gguf()
-        except FileNotFoundError as e:
-            return str(e)
-        return None
+    if name in PACKAGED_GGUF:
+        return packaged_gguf_problem(name)
     return (f"preset {name!r} has no bundled weights: pass --model path/to/model.gguf or an HF "
             f"directory (config.json + safetensors); `jaxserve compile --model {name} --dry-run` "
             f"plans it without weights")

