@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -44,6 +45,9 @@ class RunResult:
     timeline: list = field(default_factory=list)  # (t, output tok/s, kv pool occupancy)
     spec: tuple[int, int, int] | None = None  # speculative decoding: (drafts, draft tokens, accepted tokens)
     ttft_s: list = field(default_factory=list)  # per request, when requests arrive at a rate
+    # A digest of the steps run (bucket, tokens, sequences sampled): two policies with one digest ran
+    # one identical schedule, and their throughputs differ only by noise.
+    schedule: str = ""
 
     @property
     def output_tps(self) -> float:
@@ -142,7 +146,13 @@ def run_engine(plan, runner, policy: str, work, tokenizer, request_traces: list 
                      float(np.mean(fill)) if fill else 0.0, max(fill, default=0.0),
                      float(np.mean(occ)) if occ else 0.0, max(occ, default=0.0),
                      engine.num_recompiles, len(tr), dict(padding),
-                     step_breakdown(tr), timeline, _spec_counts(engine), ttft)
+                     step_breakdown(tr), timeline, _spec_counts(engine), ttft, schedule_digest(tr))
+
+
+def schedule_digest(trace) -> str:
+    """What the steps ran, not how long they took: equal digests mean one identical schedule."""
+    steps = [(tuple(t.bucket), t.num_tokens, t.num_sampled) for t in trace]
+    return hashlib.sha256(repr(steps).encode()).hexdigest()[:16] if steps else ""
 
 
 def _spec_counts(engine) -> tuple[int, int, int] | None:
@@ -266,11 +276,16 @@ def report(results: list[RunResult], out=sys.stdout) -> None:
         for b, (steps, real, padded) in sorted(r.padding.items(), key=lambda kv: [int(x) for x in kv[0].split("x")]):
             print(f"  {b:>9}: {steps:>4} steps, {real:>6} tokens in {padded:>6} slots, "
                   f"waste {1 - real / padded:.0%}", file=out)
+    same = [(a, b) for i, a in enumerate(results) for b in results[i + 1:] if a.schedule and a.schedule == b.schedule]
+    for a, b in same:
+        print(f"{a.name} and {b.name} ran one identical schedule ({a.num_steps} steps): their throughputs differ "
+              "only by noise (static and dynamic batching differ when requests arrive over time: --request-rate; "
+              "continuous differs when there are more requests than --max-num-seqs)", file=out)
     base = {r.name: r for r in results}
     if "continuous" in base:
         c = base["continuous"]
         for other in ("static", "dynamic", "hf-transformers"):
-            if other in base:
+            if other in base and not (c.schedule and c.schedule == base[other].schedule):
                 print(f"continuous / {other} output throughput: {c.output_tps / base[other].output_tps:.2f}x",
                       file=out)
 

@@ -58,3 +58,22 @@ def test_structured_runs_generate_the_same_tokens_as_free_ones(tiny):
     out = io.StringIO()
     bench.report([free, constrained], out=out)
     assert "structured outputs (continuous+json):" in out.getvalue()
+
+
+def test_policies_on_one_schedule_get_no_ratio(tiny):
+    """All at once, static and dynamic batching form the same batches: the report says they ran one
+    schedule instead of printing a ratio of noise; continuous (6 requests, 4 slots) differs."""
+    plan, runner, tok, work = tiny
+    runs = [bench.run_engine(plan, runner, p, work, tok) for p in ("static", "dynamic", "continuous")]
+    static, dynamic, continuous = runs
+    assert static.schedule == dynamic.schedule != continuous.schedule != ""
+    out = io.StringIO()
+    bench.report(runs, out=out)
+    text = out.getvalue()
+    assert f"static and dynamic ran one identical schedule ({static.num_steps} steps)" in text
+    assert "continuous / static output throughput" in text and "continuous / dynamic output throughput" in text
+    assert "continuous and" not in text
+    same = replace(continuous, name="continuous")
+    out = io.StringIO()
+    bench.report([replace(static, schedule=continuous.schedule), same], out=out)
+    assert "continuous / static" not in out.getvalue()
