@@ -188,3 +188,35 @@ def test_gguf_sentencepiece_tokenizer():
     # The logprobs' bytes: a byte token is its byte, a piece its text with U+2581 as a space.
     assert [tok.token_bytes(i) for i in ids[1:]] == [b"ab", b" ab", b"c", b"  ", b"\xc3", b"\xa9", b"\n"]
     assert b"".join(tok.token_bytes(i) for i in ids[1:]) == "ab abc  é\n".encode()
+
+
+def test_text_prompts_get_the_tokenizers_bos():
+    """A text prompt to LLM.generate, /v1/completions and /tokenize starts with the <bos> that a
+    Gemma-style tokenizer adds (HF's tokenizer(text), vLLM): served without it, gemma-3-270m answered
+    "The capital of France is" with " France. The The The". A chat prompt's template writes its own."""
+    import dataclasses
+
+    import httpx
+
+    from conftest import tiny_llm
+    from models.config import get_preset
+    from models.tokenizer import Tokenizer
+    from runtime import SamplingParams
+    from runtime.serve import ServerThread, build_app
+
+    tok = Tokenizer.from_gguf_fields(_tiny_spm_fields())
+    cfg = dataclasses.replace(get_preset("tiny"), vocab_size=tok.vocab_size, bos_token_id=2, eos_token_id=1)
+    llm = tiny_llm(config=cfg, tokenizer=tok, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                   num_kv_blocks=16)
+    want = tok.encode("ab abc", add_special_tokens=True)
+    assert want[0] == 2 and tok.encode("ab abc")[0] != 2
+    assert llm.generate(["ab abc"], SamplingParams(max_tokens=1))[0].prompt_token_ids == want
+    with ServerThread(build_app(llm.engine, served_model_names=["m"], log_stats_interval=0)) as st, \
+            httpx.Client(base_url=st.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "ab abc", "max_tokens": 1,
+                                             "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+        assert c.post("/tokenize", json={"prompt": "ab abc"}).json()["tokens"] == want
+        chat = c.post("/tokenize", json={"messages": [{"role": "user", "content": "ab"}]}).json()["tokens"]
+        assert chat.count(2) == 1 and chat[0] == 2  # the template's <bos>, not a second one

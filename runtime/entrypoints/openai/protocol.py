@@ -202,7 +202,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict] = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool = True  # for a prompt, as completions encode it (vLLM's default)
     return_token_strs: bool = False
 
 

@@ -51,7 +51,7 @@ class CompletionServing:
             if isinstance(p, str):
                 if not p:
                     raise bad_request("the prompt is empty", "prompt", "empty_prompt")
-                ids = self.encode(p)
+                ids = self.encode(p, add_special_tokens=True)  # the tokenizer's own rule: Gemma's <bos>
                 kept = self.truncate(ids, r)
                 encoded.append(kept)
                 texts.append(p if len(kept) == len(ids) else None)  # echo decodes what was kept
