@@ -117,7 +117,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.prog = shown_prog(self.prog)
+        typed = shown_prog(self.prog)
+        if typed != self.prog:  # the help's examples too: `jaxserve serve --help` shows `jaxserve serve ...`
+            self.description, self.epilog = (t.replace(self.prog + " ", typed + " ") if isinstance(t, str) else t
+                                             for t in (self.description, self.epilog))
+        self.prog = typed
 
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)

@@ -187,6 +187,16 @@ def test_a_mistyped_flag_gets_one_line_and_a_suggestion(capsys, argv, says):
     assert "JAXSERVE_PROG" not in os.environ  # the name the command was typed as does not outlive it
 
 
+@pytest.mark.parametrize("argv,typed,module", [(("serve",), "jaxserve serve", "python -m runtime.serve"),
+                                               (("bench",), "jaxserve bench", "python -m runtime.bench")])
+def test_help_examples_name_the_command_typed(capsys, argv, typed, module):
+    """`jaxserve serve --help` showed its examples as `python -m runtime.serve ...`."""
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert f"\n    {typed} --" in out and module not in out, out[:1500]
+
+
 def test_vllm_underscore_spellings_are_the_dashed_flags():
     from models.cli import ArgumentParser, add_engine_args
 
