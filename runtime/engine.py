@@ -136,8 +136,7 @@ class LLMEngine:
                 raise ValueError("a request needs a prompt or prompt_token_ids")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt_token_ids")
-            # A text prompt gets the special tokens its tokenizer adds (Gemma's <bos>, none for
-            # SmolLM2), as HF's tokenizer(text) and vLLM give them; chat templates write their own.
+            # the special tokens its tokenizer adds (Gemma's <bos>), as HF's tokenizer(text) and vLLM
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         grammar = self.validate(prompt_token_ids, params)
