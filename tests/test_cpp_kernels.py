@@ -20,6 +20,7 @@ from pallas_kernels.testing import random_paged_cache
 from runtime.worker import cpp_kernels, executor
 from runtime.worker.kernels import (BF16_BITS, CPP_F32_MAX_ROWS, CPP_INT8_MAX_ROWS, CPP_INT8_WEIGHT_ONLY_MAX_ROWS,
                                     matmul_cpp, matmul_int8_cpp, paged_attention_xla)
+from conftest import cpu_target_cases
 from tolerances import KERNEL, SAME_MATH_F32
 
 # (query heads, kv heads, head_dim, block_size, contexts): GQA 3:1 like SmolLM2, 4:1 at head_dim 128
@@ -41,8 +42,9 @@ def _decode_case(rng, heads, kvh, d, bs, ctx):
     return q, jnp.asarray(k_pool), jnp.asarray(v_pool), tables, jnp.asarray(ctx, jnp.int32), cu
 
 
-@pytest.mark.parametrize("heads,kvh,d,bs,ctx", SHAPES)
-def test_decode_rows_match_the_reference(heads, kvh, d, bs, ctx):
+@pytest.mark.parametrize("heads,kvh,d,bs,ctx,cpu_target", cpu_target_cases(SHAPES, extra=SHAPES[:2]),
+                         indirect=["cpu_target"])
+def test_decode_rows_match_the_reference(heads, kvh, d, bs, ctx, cpu_target):
     """Decode rows (one new token each, its K/V already in the pool) through the kernel: the poisoned
     blocks and slots past each context are never read, and a row with no context gives zeros."""
     rng = np.random.default_rng(len(ctx) * 7 + d)
@@ -176,9 +178,10 @@ PROMPT_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("heads,kvh,d,bs,seqs", PROMPT_STEPS)
-@pytest.mark.parametrize("bf16", [False, True])
-def test_prompt_rows_walk_together(heads, kvh, d, bs, seqs, bf16):
+@pytest.mark.parametrize("heads,kvh,d,bs,seqs,bf16,cpu_target", cpu_target_cases(
+    [(*p, bf16) for p in PROMPT_STEPS for bf16 in (False, True)], extra=[(*PROMPT_STEPS[0], True)]),
+    indirect=["cpu_target"])
+def test_prompt_rows_walk_together(heads, kvh, d, bs, seqs, bf16, cpu_target):
     """A prompt's consecutive rows walk its blocks together (group_rows, GroupWalk): over poisoned
     pools, with prompts off block boundaries, continuations over earlier context, decode rows and a
     padding row in the same step, the state gives float64's attention within the kernel bar, the
@@ -274,14 +277,14 @@ def test_auto_takes_the_kernel_here_and_xla_without_a_compiler(monkeypatch, tmp_
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(cpp_kernels.KernelUnavailable, match="false"):
         cpp_kernels._build()
-    monkeypatch.setattr(cpp_kernels, "_load", lambda: "no C++ compiler (set CXX, or install g++)")
-    cpp_kernels.available.cache_clear()
+    monkeypatch.setattr(cpp_kernels, "_library_for", lambda target: "no C++ compiler (set CXX, or install g++)")
+    cpp_kernels._available.cache_clear()
     try:
         assert executor.resolve_backend("auto") == "xla"
         with pytest.raises(cpp_kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
             executor.resolve_backend("cpp")
     finally:
-        cpp_kernels.available.cache_clear()
+        cpp_kernels._available.cache_clear()
 
 
 def test_tensor_parallel_steps_keep_the_xla_walk():
@@ -346,8 +349,13 @@ INT8_SHAPES = [(1, 576, 960), (4, 1536, 576), (2, 576, 3072), (3, 577, 1000), (1
                (4, 64, 4100), (7, 130, 2049), (5, 33, 7), (1, 1, 1)]
 
 
-@pytest.mark.parametrize("m,k,n", INT8_SHAPES)
-def test_int8_matmul_equals_xla_bit_for_bit(m, k, n):
+# The extra targets' cases: their scalar loops (x86-64-v3) and AVX-512BW paths without VNNI (v4).
+EXTRA_INT8_SHAPES = [(1, 576, 960), (3, 577, 1000), (5, 33, 7)]
+
+
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(INT8_SHAPES, extra=EXTRA_INT8_SHAPES),
+                         indirect=["cpu_target"])
+def test_int8_matmul_equals_xla_bit_for_bit(m, k, n, cpu_target):
     """Exact int32 sums, so exactly XLA's dot, at every shape and at the int8 extremes (-128 too)."""
     rng = np.random.default_rng(m * 7919 + k * 31 + n)
     x = rng.integers(-128, 128, (m, k), dtype=np.int8)
@@ -361,8 +369,9 @@ def test_int8_matmul_equals_xla_bit_for_bit(m, k, n):
     np.testing.assert_array_equal(np.asarray(got), x.astype(np.int64) @ w.astype(np.int64))
 
 
-@pytest.mark.parametrize("m,k,n", INT8_SHAPES)
-def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n):
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(INT8_SHAPES, extra=EXTRA_INT8_SHAPES),
+                         indirect=["cpu_target"])
+def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n, cpu_target):
     """Weight-only: f32 rows times int8 weights, within the error bound of a k-term f32 sum
     (k * 2^-24 of sum |x| |w|) of the exact float64 product, at every shape."""
     rng = np.random.default_rng(m * 7919 + k * 31 + n)
@@ -375,8 +384,9 @@ def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n):
     assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound)
 
 
-@pytest.mark.parametrize("m,k,n", INT8_SHAPES + [(8, 576, 960), (6, 1536, 576)])
-def test_f32_matmul_is_the_f32_product(m, k, n):
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(INT8_SHAPES + [(8, 576, 960), (6, 1536, 576)],
+                                                            extra=EXTRA_INT8_SHAPES), indirect=["cpu_target"])
+def test_f32_matmul_is_the_f32_product(m, k, n, cpu_target):
     """f32 rows times f32 weights, within the error bound of a k-term f32 sum of the exact float64
     product, at every shape (the int8 shapes' tails and splits, and the 8-row decode bucket)."""
     rng = np.random.default_rng(m * 7919 + k * 31 + n + 1)
@@ -488,17 +498,60 @@ def test_weight_only_bf16_rows_keep_xla():
     assert f(x, w, jnp.ones(128, jnp.float32)).dtype == jnp.bfloat16
 
 
-def test_the_sources_compile_for_a_cpu_without_avx512():
-    """The engine builds with -march=native, and CI machines differ: the library must also compile
-    where only the scalar and AVX2 code is there (x86-64-v3), or `auto` falls back to XLA there."""
+def test_cpu_target_setting(monkeypatch, tmp_path, caplog):
+    """JAXSERVE_CPU_TARGET: an unknown value is one clear error naming the choices; `none` and a
+    target this CPU cannot run build nothing, and `auto` falls back to XLA with one log line that
+    says why; the target is part of the cache key and of the FFI names; each named target has the
+    vector paths its instructions allow (the x86 builds, where this CPU runs them)."""
+    import logging
     import platform
-    import shutil
-    import subprocess
 
-    cxx = shutil.which("g++")
-    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("needs g++ on x86-64")
-    flags = [f for f in cpp_kernels.FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3", "-fsyntax-only"]
-    for src in cpp_kernels.SOURCES:
-        res = subprocess.run([cxx, *flags, "-I", jax.ffi.include_dir(), str(src)], capture_output=True, text=True)
-        assert res.returncode == 0, f"{src.name}:\n{res.stderr[-2000:]}"
+    monkeypatch.setenv("JAXSERVE_CPU_TARGET", "avx9")
+    with pytest.raises(cpp_kernels.BadCpuTarget, match="must be one of native, x86-64-v3, x86-64-v4, "
+                       "x86-64-v4-amx, none; got 'avx9'"):
+        executor.resolve_backend("auto")
+    monkeypatch.setenv("JAXSERVE_CPU_TARGET", "none")
+    with caplog.at_level(logging.WARNING, logger=cpp_kernels.__name__):
+        assert executor.resolve_backend("auto") == "xla"
+        assert executor.resolve_backend("auto") == "xla"
+    said = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(said) == 1 and "JAXSERVE_CPU_TARGET=none" in said[0] and "XLA" in said[0], said
+    assert not any(cpp_kernels.paths().values())
+    with pytest.raises(cpp_kernels.KernelUnavailable, match="none: no C\\+\\+ kernels"):
+        executor.resolve_backend("cpp")
+    # A CPU without the target's features (here: one that reports no AVX-512) builds nothing.
+    monkeypatch.setattr(cpp_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
+    if platform.machine() == "x86_64":
+        with pytest.raises(cpp_kernels.KernelUnavailable, match="x86-64-v4 needs avx512f, avx512bw"):
+            cpp_kernels._build("x86-64-v4")
+        assert cpp_kernels._target_flags("x86-64-v3")[-1] == "-march=x86-64-v3"
+    monkeypatch.undo()
+    # The cache key and the FFI names follow the target.
+    monkeypatch.setattr(cpp_kernels, "_compile_into", lambda lib, *a: lib)
+    monkeypatch.setattr(cpp_kernels, "_target_flags", lambda t: (*cpp_kernels.FLAGS, *cpp_kernels.CPU_TARGETS[t]))
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    libs = {t: cpp_kernels._build(t) for t in ("native", "x86-64-v3", "x86-64-v4", "x86-64-v4-amx")}
+    assert len(set(libs.values())) == 4
+    assert cpp_kernels.ffi_name("jaxserve_f32_matmul", "x86-64-v3") == "jaxserve_f32_matmul_x86_64_v3"
+    assert cpp_kernels.ffi_name("jaxserve_f32_matmul", "native") == "jaxserve_f32_matmul"
+    monkeypatch.undo()
+    want = {"x86-64-v3": dict(matmul_avx512bw=False, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_amx_bf16=False),
+            "x86-64-v4": dict(matmul_avx512bw=True, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_amx_bf16=False)}
+    for target, paths in want.items():
+        try:
+            cpp_kernels._target_flags(target)
+        except cpp_kernels.KernelUnavailable:
+            continue  # this CPU cannot run it
+        monkeypatch.setenv("JAXSERVE_CPU_TARGET", target)
+        assert cpp_kernels.paths() == dict(paged_decode=True, **paths), target
+
+
+def test_env_report_shows_the_target_and_its_paths(monkeypatch):
+    from runtime import collect_env
+
+    monkeypatch.setenv("JAXSERVE_CPU_TARGET", "none")
+    report = collect_env.format_report(collect_env.collect())
+    assert "JAXSERVE_CPU_TARGET=none" in report and "gguf_blocks          off" in report
+    monkeypatch.delenv("JAXSERVE_CPU_TARGET")
+    info = collect_env.collect()["cpu_kernels"]
+    assert info["target"] == "native" and info["paths"] == cpp_kernels.paths() and info["paths"]["paged_decode"]
