@@ -8,6 +8,8 @@ stack read in place; and which products the cpp backend gives them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -555,3 +557,198 @@ def test_env_report_shows_the_target_and_its_paths(monkeypatch):
     monkeypatch.delenv("JAXSERVE_CPU_TARGET")
     info = collect_env.collect()["cpu_kernels"]
     assert info["target"] == "native" and info["paths"] == cpp_kernels.paths() and info["paths"]["paged_decode"]
+
+
+# ------------------------------------------------- the standalone check (cpp/check_kernels.cc)
+
+_FFI_DTYPES = {np.dtype(np.int8): 2, np.dtype(np.int32): 4, np.dtype(np.uint8): 6, np.dtype(np.float32): 11}
+CHECK_SOURCE = cpp_kernels.SOURCES[0].with_name("check_kernels.cc")
+
+
+def _check_cases() -> bytes:
+    """Cases for cpp/check_kernels.cc: every kernel's FFI entry point on ragged shapes, with its
+    plain reference (numpy, float64): decode attention's state over poisoned pools (prompt rows
+    walking together, rows split into parts, windows, a softcap), the int8, weight-only and f32
+    products, and GGUF blocks in the file's rows and in tiles (q8 and f32 activations), plain and
+    from a layer stack."""
+    import struct
+
+    from ir.blocks import BLOCK_FORMATS, pack_tiles, round_q8
+    from test_gguf_blocks import _quantized
+
+    out, count = [b"JXCK", b""], 0
+
+    def s(text):
+        return struct.pack("<I", len(text)) + text.encode()
+
+    def buf(a):
+        a = np.ascontiguousarray(a)
+        return (struct.pack("<iI", _FFI_DTYPES[a.dtype], a.ndim) + struct.pack(f"<{a.ndim}q", *a.shape)
+                + struct.pack("<Q", a.nbytes) + a.tobytes())
+
+    def case(name, handler, args, attrs, rets):
+        nonlocal count
+        count += 1
+        body = s(name) + s(handler) + struct.pack("<I", len(args)) + b"".join(buf(a) for a in args)
+        body += struct.pack("<I", len(attrs))
+        for key in sorted(attrs):
+            v = attrs[key]
+            body += s(key) + (struct.pack("<iq", 5, v) if isinstance(v, int) else struct.pack("<if4x", 11, v))
+        body += struct.pack("<I", len(rets))
+        for want, atol, rtol in rets:
+            body += buf(want) + struct.pack("<dd", atol, rtol)
+        out.append(body)
+
+    rng = np.random.default_rng(53)
+    layer0 = np.zeros((), np.int32)
+
+    def f32_bound(x, w):  # a k-term f32 sum's error bound, per element
+        k = x.shape[1]
+        return (k * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)))).max() + 1e-30
+
+    for fmt, spec in BLOCK_FORMATS.items():
+        for m, k, n in [(1, 64, 17), (3, 96, 50), (5, 128, 64), (11, 576, 7)]:
+            blocks, values = _quantized(rng.standard_normal((n, k)) * 0.1, fmt)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            want = x.astype(np.float64) @ values.T.astype(np.float64)
+            case(f"block_matmul {fmt} rows {m}x{k}x{n}", "JaxserveBlockMatmul", [x, blocks, layer0],
+                 dict(format=spec.type_id, layout=0), [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
+        stack = [_quantized(rng.standard_normal((32, 96)) * 0.1, fmt) for _ in range(3)]
+        x = rng.standard_normal((4, 96)).astype(np.float32)
+        want = x.astype(np.float64) @ stack[2][1].T.astype(np.float64)
+        case(f"block_matmul {fmt} layer 2 of 3", "JaxserveBlockMatmul", [x, np.stack([b for b, _ in stack]),
+             np.int32(2)], dict(format=spec.type_id, layout=0),
+             [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
+        for m, k, n in [(3, 64, 48), (13, 160, 64), (33, 96, 16)]:
+            blocks, values = _quantized(rng.standard_normal((n, k)) * 0.1, fmt)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            for layout, xs in ((1, np.asarray(round_q8(jnp.asarray(x)))), (2, x)):
+                want = xs.astype(np.float64) @ values.T.astype(np.float64)
+                case(f"tiles {fmt} {'q8' if layout == 1 else 'f32'} {m}x{k}x{n}", "JaxserveBlockMatmul",
+                     [x, pack_tiles(blocks, fmt), layer0], dict(format=spec.type_id, layout=layout),
+                     [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
+    for m, k, n in [(1, 576, 960), (3, 577, 100), (5, 33, 7), (8, 130, 2049)]:
+        xi, wi = rng.integers(-128, 128, (m, k), dtype=np.int8), rng.integers(-128, 128, (k, n), dtype=np.int8)
+        case(f"int8_matmul {m}x{k}x{n}", "JaxserveInt8Matmul", [xi, wi, layer0], {},
+             [((xi.astype(np.int64) @ wi.astype(np.int64)).astype(np.int32), 0.0, 0.0)])
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        case(f"int8_weight_matmul {m}x{k}x{n}", "JaxserveInt8WeightMatmul", [x, wi, layer0], {},
+             [((x.astype(np.float64) @ wi).astype(np.float32), f32_bound(x, wi), 0.0)])
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        case(f"f32_matmul {m}x{k}x{n}", "JaxserveF32Matmul", [x, w, layer0], {},
+             [((x.astype(np.float64) @ w).astype(np.float32), f32_bound(x, w), 0.0)])
+    # Decode attention: prompt rows, decode rows and a padding row over poisoned pools.
+    for (kvh, rep, d, bs, seqs), window, softcap, parts, group in [
+            ((3, 3, 64, 16, [(0, 37), (45, 20), (7, 1), (130, 1)]), None, None, 0, cpp_kernels.GROUP_ROWS),
+            ((2, 4, 128, 16, [(0, 19), (300, 1)]), None, None, 16, 1),
+            ((2, 3, 32, 8, [(0, 21), (60, 1), (5, 1)]), 17, 2.5, 0, cpp_kernels.GROUP_ROWS)]:
+        ctx = [p + t for p, t in seqs]
+        kp, vp, tables, _ = random_paged_cache(rng, ctx, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                                               dtype=jnp.float32, poison=True)
+        kp, vp, tables = np.asarray(kp), np.asarray(vp), np.asarray(tables)
+        seq = np.concatenate([np.full(t, i) for i, (_, t) in enumerate(seqs)] + [[0]]).astype(np.int32)
+        limit = np.concatenate([np.arange(p + 1, p + t + 1) for p, t in seqs] + [[0]]).astype(np.int32)
+        start = np.zeros_like(limit) if window is None else np.maximum(limit - window, 0).astype(np.int32)
+        qf = (rng.standard_normal((len(seq), kvh, rep, d)) * d ** -0.5).astype(np.float32)
+        mx, den, acc = _walk_state(qf, kp, vp, tables, seq, limit, start, softcap)
+        scale = np.abs(acc).max()
+        case(f"paged_decode kvh {kvh} rep {rep} d {d} bs {bs}{' window' if window else ''}", "JaxservePagedDecode",
+             [qf, kp, vp, tables, seq, limit, start],
+             dict(part_tokens=parts, group_rows=group, softcap=float(softcap or 0.0)),
+             [(mx, 1e-5, 1e-5), (den, 1e-5, 1e-4), (acc, 1e-4 * scale, 1e-4)])
+    out[1] = np.uint32(count).tobytes()
+    return b"".join(out)
+
+
+def _walk_state(qf, kp, vp, tables, seq, limit, start, softcap):
+    """The decode kernel's state per row, in float64: the max score, the sum of exp(score - max),
+    and that sum's weights times V (a row with no positions: -1e30, 0, 0)."""
+    t, kvh, rep, d = qf.shape
+    bs = kp.shape[1]
+    mx, den = np.full((t, kvh, rep), -1e30), np.zeros((t, kvh, rep))
+    acc = np.zeros((t, kvh, rep, d))
+    for i in range(t):
+        pos = np.arange(int(start[i]), int(limit[i]))
+        if not len(pos):
+            continue
+        blocks = tables[int(seq[i]), pos // bs]
+        k, v = kp[blocks, pos % bs].astype(np.float64), vp[blocks, pos % bs].astype(np.float64)
+        scores = np.einsum("hrd,nhd->hrn", qf[i].astype(np.float64), k)
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
+        mx[i] = scores.max(-1)
+        w = np.exp(scores - mx[i][..., None])
+        den[i], acc[i] = w.sum(-1), np.einsum("hrn,nhd->hrd", w, v)
+    return mx.astype(np.float32), den.astype(np.float32), acc.astype(np.float32)
+
+
+def _run_check(binary, cases, tmp_path, runner=()):
+    import subprocess
+
+    path = tmp_path / "cases.bin"
+    path.write_bytes(cases)
+    r = subprocess.run([*runner, str(binary), str(path)], capture_output=True, text=True, timeout=300)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[-1] == "0 failed", r.stdout[-4000:] + r.stderr[-2000:]
+    return lines
+
+
+def test_standalone_check_passes_against_the_loaded_kernels(tmp_path):
+    """cpp/check_kernels.cc, linked against this machine's kernel library (the build the engine
+    loads), calls every kernel's FFI entry point on the cases and finds them within their
+    references; a case whose reference is off fails, so the check can fail."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++")
+    if cxx is None or not cpp_kernels.available():
+        pytest.skip("needs g++ and the C++ kernels")
+    lib, exe = cpp_kernels._build(), tmp_path / "check_kernels"
+    cmd = [cxx, "-O1", "-std=c++17", "-I", jax.ffi.include_dir(), str(CHECK_SOURCE), str(lib),
+           f"-Wl,-rpath,{lib.parent}", "-lpthread", "-o", str(exe)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    cases = _check_cases()
+    lines = _run_check(exe, cases, tmp_path)
+    assert sum(ln.startswith("PASS ") for ln in lines) == int(np.frombuffer(cases[4:8], np.uint32)[0]) > 40
+    bad = bytearray(cases)
+    bad[-16:] = np.float64([1e-12, 1e-12]).tobytes()  # the last case's last bounds (atol, rtol): tiny
+    (tmp_path / "bad.bin").write_bytes(bytes(bad))
+    r = subprocess.run([str(exe), str(tmp_path / "bad.bin")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "FAIL paged_decode" in r.stdout and r.stdout.endswith("1 failed\n"), r.stdout[-2000:]
+
+
+AARCH64_CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
+AARCH64_SYSROOT = "/usr/aarch64-linux-gnu"
+
+
+def test_kernels_cross_built_for_aarch64_pass_under_qemu(tmp_path):
+    """The C++ kernels compiled for aarch64 (NEON for the GGUF block products, the compiler's
+    vectors elsewhere) with Debian's cross compiler, and cpp/check_kernels.cc run under qemu-user:
+    every kernel within its reference. The binary is cached beside the kernel libraries, keyed by
+    the sources and flags."""
+    import hashlib
+    import shutil
+    import subprocess
+
+    if not (shutil.which(AARCH64_CXX) and shutil.which(QEMU) and Path(AARCH64_SYSROOT).is_dir()):
+        pytest.skip(f"needs {AARCH64_CXX} and {QEMU} with {AARCH64_SYSROOT} "
+                    "(apt-get install g++-aarch64-linux-gnu qemu-user)")
+    sources = (CHECK_SOURCE, *cpp_kernels.SOURCES)
+    flags = [f for f in cpp_kernels.FLAGS if f != "-fPIC"] + ["-march=armv8-a"]
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources + cpp_kernels.HEADERS),
+                                     " ".join(flags).encode()])).hexdigest()[:16]
+    exe = cpp_kernels.cache_dir() / f"check-aarch64-{key}"
+    if not exe.exists():
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        objs = [tmp_path / f"{src.stem}.o" for src in sources]
+        procs = [subprocess.Popen([AARCH64_CXX, *flags, "-I", jax.ffi.include_dir(), "-c", str(src), "-o", str(o)],
+                                  stderr=subprocess.PIPE, text=True) for src, o in zip(sources, objs)]
+        errors = [p.communicate()[1] for p in procs if p.wait() != 0]
+        assert not errors, errors[0][-3000:]
+        res = subprocess.run([AARCH64_CXX, *map(str, objs), "-lpthread", "-o", str(tmp_path / "check")],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-2000:]
+        shutil.move(tmp_path / "check", exe)
+    lines = _run_check(exe, _check_cases(), tmp_path, runner=(QEMU, "-L", AARCH64_SYSROOT))
+    assert lines[0] == "vector paths: matmul 0, blocks 1, tiles 0", lines[0]  # NEON block products

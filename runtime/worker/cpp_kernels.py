@@ -268,7 +268,8 @@ def matmul_vectorized() -> bool:
 
 def blocks_vectorized() -> bool:
     """Whether block_matmul (GGUF blocks in the file's rows) has a vector path in this build
-    (AVX-512BW, or AVX2 with FMA and F16C); without it the engine multiplies by the f32 weights."""
+    (AVX-512BW, AVX2 with FMA and F16C, or aarch64 NEON); without it the engine multiplies by the f32
+    weights."""
     return _has(cpu_target(), "JaxserveBlocksVectorized")
 
 

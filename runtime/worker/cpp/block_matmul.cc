@@ -20,7 +20,8 @@
 // the product is x @ dequantize(w) up to the order (and fusing) of the f32 sums. Each work item is a run of output
 // columns, whose weight rows are contiguous bytes; every block is widened once for all M rows.
 //
-// The vector path needs AVX-512BW, or AVX2 with FMA and F16C (the same code at half the width);
+// The vector path needs AVX-512BW, AVX2 with FMA and F16C, or aarch64's NEON (the same code at 16,
+// 8 or 4 lanes);
 // elsewhere a scalar loop gives the same values, and cpp_kernels.blocks_vectorized() keeps the
 // engine on XLA's products.
 
@@ -32,6 +33,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 #include "parallel_for.h"
@@ -65,6 +68,10 @@ inline float Half(const uint8_t* p) {
   std::memcpy(&h, p, 2);
 #if defined(__F16C__)
   return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+  __fp16 f;
+  std::memcpy(&f, &h, 2);
+  return static_cast<float>(f);
 #else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -129,8 +136,8 @@ void ScalarColumns(const Args& a, int64_t n0, int64_t n1) {
   }
 }
 
-// The vector path: AVX-512BW (16 lanes) or AVX2 with FMA and F16C (8 lanes), one code for both
-// over Vec, each block's 32 values in kBlock / Vec::kLanes vectors.
+// The vector path: AVX-512BW (16 lanes), AVX2 with FMA and F16C (8 lanes) or aarch64's NEON (4
+// lanes), one code for all three over Vec, each block's 32 values in kBlock / Vec::kLanes vectors.
 #if defined(__AVX512BW__)
 #define JAXSERVE_BLOCKS_VECTOR 1
 struct Vec {
@@ -185,6 +192,38 @@ struct Vec {
     }
   }
 };
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define JAXSERVE_BLOCKS_VECTOR 1
+struct Vec {
+  using T = float32x4_t;
+  static constexpr int kLanes = 4;
+  static constexpr int kRows = 4;  // 32 registers: 4 rows' accumulators beside one column's 8 vectors
+  static T Zero() { return vdupq_n_f32(0.0f); }
+  static T Set1(float f) { return vdupq_n_f32(f); }
+  static T Load(const float* p) { return vld1q_f32(p); }
+  static T Mul(T a, T b) { return vmulq_f32(a, b); }
+  static T Fmadd(T a, T b, T c) { return vfmaq_f32(c, a, b); }
+  static float Sum(T a) { return vaddvq_f32(a); }
+  static T Bytes(const uint8_t* p, bool is_signed) {  // 4 bytes, widened to 4 int32 as f32
+    uint32_t u;
+    std::memcpy(&u, p, 4);
+    const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(u));
+    if (is_signed) return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(b)))));
+    return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(b))));
+  }
+  static void Nibbles(const uint8_t* p, int bias, T* v) {
+    const uint8x16_t q = vld1q_u8(p);
+    const int32x4_t b = vdupq_n_s32(bias);
+    const uint8x16_t halves[2] = {vandq_u8(q, vdupq_n_u8(0x0f)), vshrq_n_u8(q, 4)};
+    for (int h = 0; h < 2; ++h) {  // low halves: values 0-15; high halves: 16-31
+      const uint16x8_t lo = vmovl_u8(vget_low_u8(halves[h])), hi = vmovl_u8(vget_high_u8(halves[h]));
+      const uint16x4_t parts[4] = {vget_low_u16(lo), vget_high_u16(lo), vget_low_u16(hi), vget_high_u16(hi)};
+      for (int i = 0; i < 4; ++i) {
+        v[h * 4 + i] = vcvtq_f32_s32(vsubq_s32(vreinterpretq_s32_u32(vmovl_u16(parts[i])), b));
+      }
+    }
+  }
+};
 #endif
 
 #if defined(JAXSERVE_BLOCKS_VECTOR)
@@ -222,7 +261,7 @@ void VectorColumns(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
       Vec::T v[C][kVecs], d[C];
       if ((b * B) % 64 < B) {  // once per cache line: every line has one block start in its first B bytes
         for (int c = 0; c < C; ++c) {
-          _mm_prefetch(reinterpret_cast<const char*>(r + (c + kPrefetchCols) * stride + b * B), _MM_HINT_T0);
+          __builtin_prefetch(r + (c + kPrefetchCols) * stride + b * B, 0, 3);
         }
       }
       for (int c = 0; c < C; ++c) {
