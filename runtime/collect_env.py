@@ -59,7 +59,8 @@ def _devices() -> dict:
 
 
 def _cpu_kernels() -> dict:
-    """JAXSERVE_CPU_TARGET and which C++ kernel paths are live for it here (built on first use)."""
+    """JAXSERVE_CPU_TARGET and which C++ kernel paths are live for it here: read from the cached
+    build (this report compiles nothing; the engine's first start on the CPU builds it)."""
     try:
         import jax
 
@@ -68,8 +69,14 @@ def _cpu_kernels() -> dict:
         target = cpp_kernels.cpu_target()
         if jax.default_backend() != "cpu":
             return {"target": target, "error": f"not on the CPU platform ({jax.default_backend()})"}
+        try:
+            lib = cpp_kernels.library_path(target)[0]
+        except cpp_kernels.KernelUnavailable as e:
+            return {"target": target, "error": str(e)}
+        if not lib.exists():
+            return {"target": target, "error": None, "built": False, "library": str(lib)}
         error = cpp_kernels._load()
-        return {"target": target, "error": error, "paths": cpp_kernels.paths()}
+        return {"target": target, "error": error, "built": True, "library": str(lib), "paths": cpp_kernels.paths()}
     except Exception as e:  # a bad JAXSERVE_CPU_TARGET, a broken install: the report says so
         return {"target": os.environ.get("JAXSERVE_CPU_TARGET"), "error": f"{type(e).__name__}: {e}"}
 
@@ -115,6 +122,8 @@ def format_report(info: dict) -> str:
     lines += ["", f"C++ CPU kernels  JAXSERVE_CPU_TARGET={ck['target']}"]
     if ck.get("error"):
         lines.append(f"  none live (XLA's lowerings only): {ck['error']}")
+    elif ck.get("built") is False:
+        lines.append(f"  not built yet ({ck['library']}): the engine's first start on the CPU builds them")
     for name, live in (ck.get("paths") or {}).items():
         lines.append(f"  {name:<20} {'live' if live else 'off'}")
     cache = info["compilation_cache"]

@@ -328,7 +328,7 @@ def test_processes_starting_at_once_build_the_kernels_once(monkeypatch, tmp_path
     builds, results = [], []
     started = threading.Event()
 
-    def fake_compile(lib, cxx, include):
+    def fake_compile(lib, cxx, include, flags):
         builds.append(lib)
         started.set()
         threading.Event().wait(0.5)  # the build takes a while; the other caller arrives meanwhile
@@ -548,15 +548,21 @@ def test_cpu_target_setting(monkeypatch, tmp_path, caplog):
         assert cpp_kernels.paths() == dict(paged_decode=True, **paths), target
 
 
-def test_env_report_shows_the_target_and_its_paths(monkeypatch):
+def test_env_report_shows_the_target_and_its_paths(monkeypatch, tmp_path):
     from runtime import collect_env
 
     monkeypatch.setenv("JAXSERVE_CPU_TARGET", "none")
     report = collect_env.format_report(collect_env.collect())
-    assert "JAXSERVE_CPU_TARGET=none" in report and "gguf_blocks          off" in report
+    assert "JAXSERVE_CPU_TARGET=none" in report and "none live (XLA's lowerings only)" in report
     monkeypatch.delenv("JAXSERVE_CPU_TARGET")
+    cpp_kernels.ensure()
     info = collect_env.collect()["cpu_kernels"]
     assert info["target"] == "native" and info["paths"] == cpp_kernels.paths() and info["paths"]["paged_decode"]
+    assert "gguf_blocks          live" in collect_env.format_report(collect_env.collect())
+    # A target not built yet is reported as such, and not compiled by the report.
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    info = collect_env.collect()["cpu_kernels"]
+    assert info["built"] is False and "paths" not in info and not list(tmp_path.glob("*.so"))
 
 
 # ------------------------------------------------- the standalone check (cpp/check_kernels.cc)

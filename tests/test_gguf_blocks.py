@@ -91,6 +91,14 @@ def test_lowerings_read_the_blocks_only_for_few_rows(transpose_b, cpu_target):
         want = x @ (values.T if rows <= 4 and cpp_kernels.blocks_vectorized() else other)
         np.testing.assert_allclose(np.asarray(jax.jit(lambda a: matmul_blocks_cpp(a, w, blocks, **attrs))(x)), want,
                                    rtol=1e-5, atol=1e-4)
+    # The build's own bound: AVX2's (and NEON's) 4-row passes read the blocks for up to 16 rows.
+    cap = cpp_kernels.blocks_max_rows()
+    assert cap == {"x86-64-v3": 16, "x86-64-v4": 64}.get(cpu_target, cap)
+    for rows in {cap, cap + 1} - {0}:
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        got = jax.jit(lambda a: matmul_blocks_cpp(a, w, blocks, **(attrs | dict(max_rows=64))))(x)
+        want = x @ (values.T if rows <= cap else other)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
 def block_weights(cfg, seed: int, formats: dict[str, str]) -> dict[str, np.ndarray]:

@@ -142,6 +142,23 @@ def _compiler() -> str:
 def _build(target: str | None = None) -> Path:
     """The shared library for `target` (None: JAXSERVE_CPU_TARGET) on this machine, compiled if the
     cache has none."""
+    lib, cxx, include, flags = library_path(target)
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    # Processes starting at once (test workers, a server beside a benchmark) build once: the others
+    # wait on the lock, then find the library (each built its own copy before: twice the CPU on a
+    # 2-core machine, for one result).
+    with open(lib.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():
+            return lib
+        return _compile_into(lib, cxx, include, flags)
+
+
+def library_path(target: str | None = None) -> tuple[Path, str, str, tuple[str, ...]]:
+    """(where the cache keeps `target`'s library, the compiler, jaxlib's FFI include dir, the flags),
+    built or not; KernelUnavailable where it cannot be built."""
     target = target or cpu_target()
     flags = _target_flags(target)
     cxx = _compiler()
@@ -155,18 +172,7 @@ def _build(target: str | None = None) -> Path:
     parts = [*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(flags + LINK_FLAGS).encode(),
              target.encode(), version.encode(), include.encode(), jax.__version__.encode(), cpu]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    lib = cache_dir() / f"kernels-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    # Processes starting at once (test workers, a server beside a benchmark) build once: the others
-    # wait on the lock, then find the library (each built its own copy before: twice the CPU on a
-    # 2-core machine, for one result).
-    with open(lib.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.exists():
-            return lib
-        return _compile_into(lib, cxx, include, flags)
+    return cache_dir() / f"kernels-{key}.so", cxx, include, flags
 
 
 def _compile_into(lib: Path, cxx: str, include: str, flags: tuple[str, ...] = ()) -> Path:
@@ -271,6 +277,12 @@ def blocks_vectorized() -> bool:
     (AVX-512BW, AVX2 with FMA and F16C, or aarch64 NEON); without it the engine multiplies by the f32
     weights."""
     return _has(cpu_target(), "JaxserveBlocksVectorized")
+
+
+def blocks_max_rows() -> int:
+    """The most rows of a step whose product reads the GGUF blocks in this build (64 with AVX-512BW,
+    16 with AVX2 or NEON; 0 without the vector path): wider steps multiply by the f32 weights."""
+    return int(_available(cpu_target()) and _library_for(cpu_target()).JaxserveBlocksMaxRows())
 
 
 def tiles_amx_bf16() -> bool:
