@@ -65,13 +65,13 @@ def widens_half_weights(engine) -> bool:
 
 
 def reads_gguf_blocks(engine, has_blocks: bool) -> bool:
-    """EngineConfig.reads_gguf_blocks, told whether this CPU's C++ kernels have their vector path
-    (kernel backend cpp)."""
+    """EngineConfig.reads_gguf_blocks, told whether this CPU's C++ kernels have the GGUF blocks'
+    vector path (kernel backend cpp; AVX-512BW or AVX2)."""
     from runtime.worker import cpp_kernels
 
     sharded = engine.tensor_parallel_size > 1
     ready = (has_blocks and not sharded and resolve_backend(engine.kernel_backend) == "cpp"
-             and cpp_kernels.matmul_vectorized())
+             and cpp_kernels.blocks_vectorized())
     return engine.reads_gguf_blocks(has_blocks, ready)
 
 
