@@ -55,6 +55,8 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
         # XLA:CPU has no half-precision dot: the weight is widened to f32 where the product runs
         # (runtime.worker.kernels.matmul_half_cpu), one weight at a time.
         return _nbytes(node.inputs[1], env) * F32 // DTYPE_BYTES[node.inputs[1].dtype]
+    if node.op == "moe_experts":
+        return _moe_workspace_bytes(node, env, widen_half_weights)
     if _ways(node, env) > 1:  # heads split: each device runs the lowering on its share
         return _workspace_bytes(node, {**env, "tp": 1}, lowering, chunk_blocks, scan_layers) // _ways(node, env)
     if node.op == "paged_attention":
@@ -101,6 +103,21 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
         ctx, kvh = bind_shape(kc.shape, env)[1:3]
         return 2 * t * ctx * kvh * d * F32 + 2 * t * hq * ctx * F32
     return 0
+
+
+def _moe_workspace_bytes(node: Node, env: dict[str, int], widen_half_weights: bool) -> int:
+    """The grouped lowering's scratch (runtime.worker.kernels.moe_experts_grouped) on one device: its
+    T x k rows of x sorted by expert, the gate, up and activated products [T x k, I / tp] in f32, and
+    the down product and its rows put back in order [T x k, H] in f32; plus one expert stack widened
+    to f32 while its product runs, when the weights are int8 (or half precision on XLA:CPU)."""
+    x, ids, wg = node.inputs[0], node.inputs[1], node.inputs[3]
+    t, h = bind_shape(x.shape, env)
+    rows = t * ids.shape[1]
+    inter = wg.shape[2] // _ways(wg, env)
+    scratch = rows * (h * DTYPE_BYTES[x.dtype] + 3 * inter * F32 + 2 * h * F32)
+    if wg.dtype == "i8" or (widen_half_weights and wg.dtype in HALF):
+        scratch += max(_nbytes(w, env) for w in node.inputs[3:6]) * F32 // DTYPE_BYTES[wg.dtype]
+    return scratch
 
 
 def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "chunked",

@@ -10,6 +10,9 @@ Megatron's split, expressed as attributes that the runtime turns into `NamedShar
                                      the step replicated, except the KV state)
     k/v pools         kv-head-split  {sharding=[null, null, "tp", null]}
     norms, residual   replicated
+    experts           each expert split inside: gate/up [E, H, I] by I {sharding=[null, null, "tp"]},
+                      down [E, I, H] by I {sharding=[null, "tp", null]}; moe_experts carries
+                      all_reduce="tp" (one psum, as the dense MLP's down); the router replicated
 
 A node's `sharding` is the layout its value has on the mesh (after its collective, for
 `all_reduce`; before it, for `all_gather`). A spec lists one entry per dim: null (replicated
@@ -51,6 +54,8 @@ KV_COLUMN = (Role.K, Role.V, Role.K_BIAS, Role.V_BIAS)
 MLP_COLUMN = (Role.GATE_UP, Role.GATE, Role.UP)
 ATTN_ROW = (Role.O,)
 MLP_ROW = (Role.DOWN,)
+EXPERT_COLUMN = (Role.EXPERT_GATE, Role.EXPERT_UP)  # [E, H, I]: split I (their int8 scales [E, I] too)
+EXPERT_ROW = (Role.EXPERT_DOWN,)  # [E, I, H]: split I (its int8 scale [E, H] replicated)
 VOCAB_ROWS = (Role.EMBED,)  # [vocab, hidden]
 VOCAB_COLUMNS = (Role.LM_HEAD,)  # [hidden, vocab]
 
@@ -83,6 +88,10 @@ class TPPlan:
                 f"tensor_parallel_size={tp}: intermediate_size {inter} must divide by tp to split "
                 f"the MLP (gate/up by column, down by row); choose tp among "
                 f"{[d for d in range(1, inter + 1) if inter % d == 0 and d <= 64]}")
+        for p in graph.params_with_role(Role.EXPERT_DOWN):
+            if not is_int8_scale(p) and p.shape[1] % tp:
+                raise ValueError(f"tensor_parallel_size={tp}: the experts' intermediate size {p.shape[1]} must "
+                                 f"divide by tp to split each expert (gate/up by column, down by row)")
         self.num_q_heads = attn[0].inputs[0].shape[1] if attn else None
         self.num_kv_heads = attn[0].attr("num_kv_heads") if attn else None
         self.head_dim = attn[0].attr("head_dim") if attn else None
@@ -153,9 +162,14 @@ def _vocab(plan: TPPlan, p: Node, rank: int) -> Spec:
     return _split(rank, 0) if role_of(p) in VOCAB_ROWS else _split(rank, -1)
 
 
-# role -> (plan, param, rank) -> its spec; a role not listed (norms) is replicated.
-PARAM_RULES = ({r: _attn_column for r in QKV + ATTN_COLUMN} | {r: _mlp_column for r in MLP_COLUMN}
-               | {r: _row for r in ATTN_ROW + MLP_ROW} | {r: _vocab for r in VOCAB_ROWS + VOCAB_COLUMNS})
+def _expert_row(plan: TPPlan, p: Node, rank: int) -> Spec:
+    return _rep(rank) if is_int8_scale(p) else _split(rank, 1)
+
+
+# role -> (plan, param, rank) -> its spec; a role not listed (norms, the router) is replicated.
+PARAM_RULES = ({r: _attn_column for r in QKV + ATTN_COLUMN} | {r: _mlp_column for r in MLP_COLUMN + EXPERT_COLUMN}
+               | {r: _row for r in ATTN_ROW + MLP_ROW} | {r: _vocab for r in VOCAB_ROWS + VOCAB_COLUMNS}
+               | {r: _expert_row for r in EXPERT_ROW})
 
 
 def _with_attrs(node: Node, **extra) -> Node:
@@ -319,6 +333,17 @@ def _attention(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Nod
     return sh.emit(node.op, ins, attrs, s[0])
 
 
+def _moe_experts(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    """Tokens, ids and router weights replicated, each expert split by its intermediate dim: every
+    device sums its share of each expert's down product, and one all-reduce adds the shares."""
+    if any(_sharded(x) for x in s[:3]):
+        raise ValueError(f"shard: moe_experts with split tokens or routing {s[:3]}")
+    split = [_split(3, -1), _split(3, -1), _split(3, 1)]
+    if list(s[3:6]) == split:
+        return sh.emit(node.op, ins, attrs, _rep(2), **{ALL_REDUCE: AXIS})
+    return _replicated(sh, node, ins, attrs, s)
+
+
 def _replicated(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
     if any(_sharded(x) for x in s):
         raise ValueError(f"shard: no sharding rule for op {node.op!r} with split inputs {s}")
@@ -336,6 +361,7 @@ OP_RULES = {
     "gather_rows": _gather_rows,
     "kv_write": _kv_write, "kv_cache_update": _kv_write,
     "paged_attention": _attention, "attention": _attention,
+    "moe_experts": _moe_experts,
 }
 
 

@@ -21,6 +21,7 @@ from ir.blocks import round_q8
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.attention_ops import kv_write_reference, softcap_scores
 from ir.attention_ops import visible as visible_pos
+from ir.moe_ops import EXPERT_ACTS
 from ir.tiling import (XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS,  # the tiling the memory plan sizes
                        XLA_POOL_TILE, XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
 from runtime.worker import cpp_kernels
@@ -441,6 +442,50 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
 
 
+def widen_half_cpu(w, like):
+    """A bf16/f16 weight widened to f32 on XLA:CPU (no half-precision dot), tied to the activations
+    `like` as matmul_half_cpu does, so XLA widens it where the product runs; others as they are."""
+    if w.dtype not in HALF_DTYPES or jax.default_backend() != "cpu":
+        return w
+    x0 = like.reshape(-1)[0]
+    return w.astype(jnp.float32) + (x0 != x0).astype(jnp.float32) * 0.0
+
+
+def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", grouped_matmul=jax.lax.ragged_dot):
+    """moe_experts (ir.moe_ops) by expert groups: the T x k token-expert pairs sorted by expert,
+    each product one grouped matmul with jax.lax.ragged_dot's contract (lhs [M, K], rhs [G, K, N],
+    group_sizes [G] -> [M, N]; rows of group g are the g-th run of lhs), then the rows put back in
+    pair order and summed per token with their router weights. Static shapes: M = T x k rows
+    whatever the routing, so a step never recompiles when the per-expert counts change, and the
+    work grows with k, not with E. Int8 experts (three scales [E, out]) multiply by the int8 weight
+    widened to the activations' dtype, then scale each row by its expert's column scales: exactly
+    x @ (w_int8 * s)."""
+    t, k = ids.shape
+    num_experts = wg.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # [T*k] pair index, by expert
+    experts = jnp.take(flat, order)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    sg, su, sd = scales if scales else (None, None, None)
+    dt = jnp.float32 if x.dtype in HALF_DTYPES and jax.default_backend() == "cpu" else x.dtype
+
+    def product(lhs, w, scale):
+        w = w.astype(dt) if scale is not None else widen_half_cpu(w, lhs).astype(dt)
+        y = grouped_matmul(lhs.astype(dt), w, sizes, preferred_element_type=jnp.float32)
+        return y if scale is None else y * jnp.take(scale, experts, axis=0)
+
+    rows = jnp.take(x, order // k, axis=0)  # [T*k, H]
+    hidden = EXPERT_ACTS[act](product(rows, wg, sg)) * product(rows, wu, su)  # [T*k, I] f32
+    y = product(hidden.astype(x.dtype), wd, sd) * jnp.take(weights.reshape(-1), order)[:, None]
+    y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in pair order
+    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
+
+
+# The grouped matmul (jax.lax.ragged_dot's contract) under each backend's moe_experts lowering.
+GROUPED_MATMULS = {"xla": jax.lax.ragged_dot, "cpp": jax.lax.ragged_dot, "pallas": jax.lax.ragged_dot,
+                   "interpret": jax.lax.ragged_dot}
+
+
 def layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
     """op name -> the inputs that `backend`'s lowering of the op can take as a whole layer stack
     [L, ...] plus a `layer` attr, in a step scanned over layers (runtime/worker/executor.py): the
@@ -450,6 +495,11 @@ def layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
 
 def lowerings(backend: str) -> dict:
     """op name -> implementation for the given backend (`xla`, `cpp`, `pallas` or `interpret`)."""
+    moe = {"moe_experts": functools.partial(moe_experts_grouped, grouped_matmul=GROUPED_MATMULS[backend])}
+    return _attention_lowerings(backend) | moe
+
+
+def _attention_lowerings(backend: str) -> dict:
     if backend == "cpp":
         return {"paged_attention": functools.partial(paged_attention_xla, row_kernel=True),
                 "kv_write": kv_write_xla, "matmul": matmul_cpp, "matmul_int8": matmul_int8_cpp,
