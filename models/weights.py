@@ -183,9 +183,13 @@ def gguf_tensor_data(file: np.ndarray, t: GGUFTensor) -> np.ndarray:
 
 def gguf_config(fields: dict[str, Any], tensors: Mapping[str, GGUFTensor], name: str) -> ModelConfig:
     """The ModelConfig of a GGUF header (read_gguf_index): its metadata, plus what only the tensor
-    list says (tied embeddings: no `output.weight`; q/k/v biases)."""
+    list says (tied embeddings: no `output.weight`; q/k/v biases; dense layers among experts)."""
     config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=name)
-    return config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
+    config = config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
+    if config.num_experts:  # a layer without a router keeps its dense MLP (HF's mlp_only_layers)
+        dense = tuple(i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+        config = config.replace(mlp_only_layers=dense)
+    return config
 
 
 def _blocks_format(canon: str, t: GGUFTensor, transposed: bool) -> str | None:
