@@ -360,7 +360,8 @@ def test_int8_experts(moe):
 def test_engine_teacher_forced_and_greedy_match_hf(kind, tmp_path_factory):
     """The whole engine (chunked prefill of 8 tokens, paged KV, decode buckets): teacher-forced top-1
     over a 60-token sequence >= 99% of HF's (prompt logprobs), greedy continuations equal HF's
-    batched and alone, and no recompile while the routings change every step."""
+    batched, alone and (Mixtral) through the server, and no recompile while the routings change
+    every step."""
     import torch
 
     from runtime import LLM, SamplingParams
@@ -381,6 +382,17 @@ def test_engine_teacher_forced_and_greedy_match_hf(kind, tmp_path_factory):
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)[0, len(prompt):].tolist()
         assert b.outputs[0].token_ids == a.outputs[0].token_ids == ref
+    if kind == "mixtral":  # one request through the HTTP server: the same tokens
+        import httpx
+
+        from runtime.serve import ServerThread, build_app
+
+        app = build_app(llm.engine, served_model_names=["moe"], log_stats_interval=0)
+        with ServerThread(app) as st, httpx.Client(base_url=st.url, timeout=120) as http:
+            r = http.post("/v1/completions", json={"model": "moe", "prompt": PROMPTS[0], "max_tokens": 10,
+                                                   "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == batched[0].outputs[0].token_ids
     assert llm.engine.stats().num_recompiles == 0
 
 
