@@ -109,14 +109,20 @@ def _moe_workspace_bytes(node: Node, env: dict[str, int], widen_half_weights: bo
     """The grouped lowering's scratch (runtime.worker.kernels.moe_experts_grouped) on one device: its
     T x k rows of x sorted by expert, the gate, up and activated products [T x k, I / tp] in f32, and
     the down product and its rows put back in order [T x k, H] in f32; plus one expert stack widened
-    to f32 while its product runs, when the weights are int8 (or half precision on XLA:CPU)."""
+    to f32 while its product runs, when the weights are int8. On XLA:CPU (`widen_half_weights`: the
+    CPU lowerings) ragged_dot runs densely: each stack copied in f32 [E x K, N] (the three copies are
+    made once the layer's routing is known, and may be live together) and the rows masked per expert
+    [T x k, E x K] in f32, for the largest of the three products."""
     x, ids, wg = node.inputs[0], node.inputs[1], node.inputs[3]
     t, h = bind_shape(x.shape, env)
     rows = t * ids.shape[1]
     inter = wg.shape[2] // _ways(wg, env)
     scratch = rows * (h * DTYPE_BYTES[x.dtype] + 3 * inter * F32 + 2 * h * F32)
-    if wg.dtype == "i8" or (widen_half_weights and wg.dtype in HALF):
-        scratch += max(_nbytes(w, env) for w in node.inputs[3:6]) * F32 // DTYPE_BYTES[wg.dtype]
+    stack = max(_nbytes(w, env) * F32 // DTYPE_BYTES[w.dtype] for w in node.inputs[3:6])
+    if widen_half_weights:  # the three copies, tied to the routing, may be live at once; a wide bucket's mask outgrows two
+        scratch += max(3 * stack, stack + rows * wg.shape[0] * max(h, inter) * F32)
+    elif wg.dtype == "i8":
+        scratch += stack
     return scratch
 
 

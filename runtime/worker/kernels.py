@@ -442,13 +442,12 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
 
 
-def widen_half_cpu(w, like):
-    """A bf16/f16 weight widened to f32 on XLA:CPU (no half-precision dot), tied to the activations
-    `like` as matmul_half_cpu does, so XLA widens it where the product runs; others as they are."""
-    if w.dtype not in HALF_DTYPES or jax.default_backend() != "cpu":
-        return w
-    x0 = like.reshape(-1)[0]
-    return w.astype(jnp.float32) + (x0 != x0).astype(jnp.float32) * 0.0
+def _tied_f32(w, sizes):
+    """`w` in f32, tied to this layer's routing (`sizes`, the per-expert counts: adding
+    0 x (sizes[0] < 0)) as matmul_half_cpu ties its widened weight to the activations, so that XLA
+    makes this copy where the product runs, one at a time. The counts are replicated under tensor
+    parallelism, so the tie moves nothing between devices."""
+    return w.astype(jnp.float32) + (sizes[0] < 0).astype(jnp.float32) * 0.0
 
 
 def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", grouped_matmul=jax.lax.ragged_dot):
@@ -459,7 +458,13 @@ def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", groupe
     whatever the routing, so a step never recompiles when the per-expert counts change, and the
     work grows with k, not with E. Int8 experts (three scales [E, out]) multiply by the int8 weight
     widened to the activations' dtype, then scale each row by its expert's column scales: exactly
-    x @ (w_int8 * s)."""
+    x @ (w_int8 * s).
+
+    XLA:CPU expands ragged_dot densely: a copy of the whole stack [G x K, N] and the rows masked per
+    group [M, G x K], one product over every expert (E times the work, not k; docs/models.md). There
+    the stacks are taken in f32 and tied to the layer's routing, so XLA copies a layer's three stacks
+    when that layer runs rather than every layer's at the top of the step (passes.plan_memory counts
+    the copies and the mask)."""
     t, k = ids.shape
     num_experts = wg.shape[0]
     flat = ids.reshape(-1)
@@ -467,11 +472,14 @@ def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", groupe
     experts = jnp.take(flat, order)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     sg, su, sd = scales if scales else (None, None, None)
-    dt = jnp.float32 if x.dtype in HALF_DTYPES and jax.default_backend() == "cpu" else x.dtype
+    cpu = jax.default_backend() == "cpu"
 
     def product(lhs, w, scale):
-        w = w.astype(dt) if scale is not None else widen_half_cpu(w, lhs).astype(dt)
-        y = grouped_matmul(lhs.astype(dt), w, sizes, preferred_element_type=jnp.float32)
+        if cpu:
+            lhs, w = lhs.astype(jnp.float32), _tied_f32(w, sizes)
+        elif scale is not None:
+            w = w.astype(lhs.dtype)
+        y = grouped_matmul(lhs, w, sizes, preferred_element_type=jnp.float32)
         return y if scale is None else y * jnp.take(scale, experts, axis=0)
 
     rows = jnp.take(x, order // k, axis=0)  # [T*k, H]
