@@ -378,7 +378,8 @@ def test_int8_experts(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_teacher_forced_and_greedy_match_hf(kind, tmp_path_factory):
-    """The whole engine (chunked prefill of 8 tokens, paged KV, decode buckets): teacher-forced top-1
+    """The whole engine (chunked prefill of 8 tokens, paged KV, decode buckets, scanned layers where
+    they repeat): teacher-forced top-1
     over a 60-token sequence >= 99% of HF's (prompt logprobs), greedy continuations equal HF's
     batched, alone and (Mixtral) through the server, and no recompile while the routings change
     every step."""
@@ -387,8 +388,11 @@ def test_engine_teacher_forced_and_greedy_match_hf(kind, tmp_path_factory):
     from runtime import LLM, SamplingParams
 
     _, model, path, _, _, _ = saved_moe(kind, tmp_path_factory)
+    # Mixtral's layers are all sparse: scanned over layers, its stacks [L, E, ...] (Qwen3-MoE's dense
+    # layer keeps it unrolled).
     llm = LLM(str(path), max_model_len=80, max_num_seqs=2, max_num_batched_tokens=8, block_size=BLOCK_SIZE,
-              num_kv_blocks=48)
+              num_kv_blocks=48, scan_layers=True)
+    assert (llm.engine.runner.layout.layers is not None) == (kind == "mixtral")
     seq = np.random.default_rng(1).integers(3, 96, 60).tolist()
     (out,) = llm.generate([seq], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     ours = [max(lp, key=lambda t: lp[t]) for lp in out.prompt_logprobs[1:]]
