@@ -517,15 +517,17 @@ def test_shard_splits_each_expert():
     from conftest import one_step_logits
     from models.weights import random_weights
 
+    one_layer = tiny_moe(num_layers=1, mlp_only_layers=())
+
     def int8_graph(tp):
-        return run_pipeline(lower(tiny_moe()), PipelineOptions(block_size=16, max_model_len=128, buckets=((16, 4),),
+        return run_pipeline(lower(one_layer), PipelineOptions(block_size=16, max_model_len=128, buckets=((16, 4),),
                                                                num_kv_blocks=32, tensor_parallel_size=tp,
                                                                quantization="int8"))
     g2 = int8_graph(2)
     text8 = print_graph(g2)
     assert re.search(r'param %layers.0.experts_up.scale : f32\[8, 32\] \{.*sharding=\[null, "tp"\]', text8)
     assert re.search(r'param %layers.0.experts_down.scale : f32\[8, 64\] \{.*sharding=\[null, null\]', text8)
-    weights = random_weights(tiny_moe(), seed=2)
+    weights = random_weights(one_layer, seed=2)
     np.testing.assert_allclose(one_step_logits(g2, weights), one_step_logits(int8_graph(1), weights), **SAME_MATH_F32)
     with pytest.raises(ValueError, match="experts' intermediate size 32 must divide by tp"):
         shard(run_pipeline(lower(tiny_moe()), PipelineOptions(block_size=16, max_model_len=64, buckets=((16, 4),),
@@ -555,8 +557,8 @@ def test_tp_engines_match_tp1():
             # [T, hidden] partial sums, but the experts' come before their rows are summed per
             # token: [T x k, hidden] (XLA's partitioner places the psum there; see docs/models.md).
             moe_layers = out["num_moe_layers"]
-            assert sorted(reduces) == sorted(["f32[16,64]"] * (len(reduces) - moe_layers) + ["f32[48,64]"] * moe_layers), coll
-            assert [c for c in coll if c[1] != "all-reduce"] == [["f32[4,256]", "all-gather"]], coll
+            assert sorted(reduces) == sorted(["f32[8,64]"] * (len(reduces) - moe_layers) + ["f32[24,64]"] * moe_layers), coll
+            assert [c for c in coll if c[1] != "all-reduce"] == [["f32[2,256]", "all-gather"]], coll
             assert out["local_shapes"]["layers.0.experts_down"] == [8, 32 // int(tp), 64]
 
 
@@ -582,7 +584,7 @@ def _child_tp() -> dict:
     for name, tps, quant in (("moe", (1, 2, 4), None),):
         cases = {}
         for tp in tps:
-            engine = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=32,
+            engine = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=32,
                                   tensor_parallel_size=tp, quantization=quant)
             plan = compile_plan(None, engine, weights=weights, config=cfg)
             llm = LLM.from_plan(plan)
@@ -590,7 +592,7 @@ def _child_tp() -> dict:
             out = {"tokens": [o.outputs[0].token_ids for o in outs], "recompiles": llm.engine.stats().num_recompiles}
             if tp > 1:
                 runner = llm.engine.runner
-                hlo = runner.compile_bucket((16, 4)).as_text()
+                hlo = runner.compile_bucket((8, 2)).as_text()  # a bucket the engine compiled
                 out["collectives"] = [(m.group(1).split("{")[0], m.group(2)) for m in COLLECTIVE.finditer(hlo)]
                 out["num_layers"] = cfg.num_layers
                 out["num_moe_layers"] = sum(cfg.is_moe(i) for i in range(cfg.num_layers))
