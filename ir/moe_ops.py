@@ -91,7 +91,8 @@ def _moe_experts(inputs, attrs):
     _rank(ids, 2, "moe_experts ids [T, k]")
     _int_idx(ids, "moe_experts ids")
     _need(tuple(weights.shape) == tuple(ids.shape) and weights.dtype == "f32",
-          f"moe_experts weights must be f32 with the ids' shape {list(ids.shape)}, got {weights.dtype}{list(weights.shape)}")
+          f"moe_experts weights must be f32 with the ids' shape {list(ids.shape)}, "
+          f"got {weights.dtype}{list(weights.shape)}")
     _same_dim(x.shape[0], ids.shape[0], "moe_experts needs one row of ids per token")
     for w, what in ((wg, "w_gate [E, H, I]"), (wu, "w_up [E, H, I]"), (wd, "w_down [E, I, H]")):
         _rank(w, 3, f"moe_experts {what}")

@@ -26,7 +26,7 @@ import numpy as np
 
 from ir.blocks import FORMAT_OF_TYPE, blocks_name, split_blocks_name
 from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
-from models.weight_names import (WEIGHT_MAP, expected_shapes, expert_names,  # noqa: F401
+from models.weight_names import (WEIGHT_MAP, expected_shapes, expert_names,  # noqa: F401 (re-exported)
                                  file_name, fused_expert_name, source_names, validate_weights)
 
 # GGUF architectures whose converter (llama.cpp's LlamaModel) permuted q/k rows for interleaved RoPE.
