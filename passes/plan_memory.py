@@ -116,11 +116,13 @@ def _moe_workspace_bytes(node: Node, env: dict[str, int], widen_half_weights: bo
     x, ids, wg = node.inputs[0], node.inputs[1], node.inputs[3]
     t, h = bind_shape(x.shape, env)
     rows = t * ids.shape[1]
-    inter = wg.shape[2] // _ways(wg, env)
+    spec = wg.attr(SHARDING) or (None,) * 3  # each expert split by I, or (expert parallel) the experts
+    experts, inter = (n // env.get("tp", 1) if s == TP_AXIS else n for n, s in zip((wg.shape[0], wg.shape[2]),
+                                                                                   (spec[0], spec[2])))
     scratch = rows * (h * DTYPE_BYTES[x.dtype] + 3 * inter * F32 + 2 * h * F32)
     stack = max(_nbytes(w, env) * F32 // DTYPE_BYTES[w.dtype] for w in node.inputs[3:6])
     if widen_half_weights:  # the three copies, tied to the routing, may be live at once; a wide bucket's mask outgrows two
-        scratch += max(3 * stack, stack + rows * wg.shape[0] * max(h, inter) * F32)
+        scratch += max(3 * stack, stack + rows * experts * max(h, inter) * F32)
     elif wg.dtype == "i8":
         scratch += stack
     return scratch

@@ -11,8 +11,10 @@ Megatron's split, expressed as attributes that the runtime turns into `NamedShar
     k/v pools         kv-head-split  {sharding=[null, null, "tp", null]}
     norms, residual   replicated
     experts           each expert split inside: gate/up [E, H, I] by I {sharding=[null, null, "tp"]},
-                      down [E, I, H] by I {sharding=[null, "tp", null]}; moe_experts carries
-                      all_reduce="tp" (one psum, as the dense MLP's down); the router replicated
+                      down [E, I, H] by I {sharding=[null, "tp", null]}; or, with expert_parallel,
+                      the experts split among the devices: all three {sharding=["tp", null, null]}.
+                      moe_experts carries all_reduce="tp" (one psum of [T, hidden], as the dense
+                      MLP's down; runtime.worker.kernels.moe_experts_on_device); the router replicated
 
 A node's `sharding` is the layout its value has on the mesh (after its collective, for
 `all_reduce`; before it, for `all_gather`). A spec lists one entry per dim: null (replicated
@@ -77,8 +79,9 @@ def _sharded(spec: Spec | None) -> bool:
 class TPPlan:
     """What gets split at this tp, and why the rest does not."""
 
-    def __init__(self, graph: Graph, tp: int):
+    def __init__(self, graph: Graph, tp: int, expert_parallel: bool = False):
         self.tp = tp
+        self.expert_parallel = expert_parallel
         self.notes: list[str] = []
         attn = [n for n in graph.nodes() if n.op in ("paged_attention", "attention")]
         down = next((p for p in graph.params_with_role(Role.DOWN) if not is_int8_scale(p)), None)
@@ -89,7 +92,12 @@ class TPPlan:
                 f"the MLP (gate/up by column, down by row); choose tp among "
                 f"{[d for d in range(1, inter + 1) if inter % d == 0 and d <= 64]}")
         for p in graph.params_with_role(Role.EXPERT_DOWN):
-            if not is_int8_scale(p) and p.shape[1] % tp:
+            if is_int8_scale(p):
+                continue
+            if expert_parallel and p.shape[0] % tp:
+                raise ValueError(f"tensor_parallel_size={tp}: the {p.shape[0]} experts must divide by tp to split "
+                                 f"them among the devices (expert parallelism)")
+            if not expert_parallel and p.shape[1] % tp:
                 raise ValueError(f"tensor_parallel_size={tp}: the experts' intermediate size {p.shape[1]} must "
                                  f"divide by tp to split each expert (gate/up by column, down by row)")
         self.num_q_heads = attn[0].inputs[0].shape[1] if attn else None
@@ -162,14 +170,20 @@ def _vocab(plan: TPPlan, p: Node, rank: int) -> Spec:
     return _split(rank, 0) if role_of(p) in VOCAB_ROWS else _split(rank, -1)
 
 
+def _expert_column(plan: TPPlan, p: Node, rank: int) -> Spec:
+    return _split(rank, 0) if plan.expert_parallel else _split(rank, -1)
+
+
 def _expert_row(plan: TPPlan, p: Node, rank: int) -> Spec:
+    if plan.expert_parallel:
+        return _split(rank, 0)  # the experts [E, I, H], and their scales [E, H]
     return _rep(rank) if is_int8_scale(p) else _split(rank, 1)
 
 
 # role -> (plan, param, rank) -> its spec; a role not listed (norms, the router) is replicated.
-PARAM_RULES = ({r: _attn_column for r in QKV + ATTN_COLUMN} | {r: _mlp_column for r in MLP_COLUMN + EXPERT_COLUMN}
+PARAM_RULES = ({r: _attn_column for r in QKV + ATTN_COLUMN} | {r: _mlp_column for r in MLP_COLUMN}
                | {r: _row for r in ATTN_ROW + MLP_ROW} | {r: _vocab for r in VOCAB_ROWS + VOCAB_COLUMNS}
-               | {r: _expert_row for r in EXPERT_ROW})
+               | {r: _expert_column for r in EXPERT_COLUMN} | {r: _expert_row for r in EXPERT_ROW})
 
 
 def _with_attrs(node: Node, **extra) -> Node:
@@ -334,12 +348,12 @@ def _attention(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Nod
 
 
 def _moe_experts(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
-    """Tokens, ids and router weights replicated, each expert split by its intermediate dim: every
-    device sums its share of each expert's down product, and one all-reduce adds the shares."""
+    """Tokens, ids and router weights replicated; each expert split by its intermediate dim, or the
+    experts among the devices: every device sums its share of the tokens' expert outputs, and one
+    all-reduce adds the shares."""
     if any(_sharded(x) for x in s[:3]):
         raise ValueError(f"shard: moe_experts with split tokens or routing {s[:3]}")
-    split = [_split(3, -1), _split(3, -1), _split(3, 1)]
-    if list(s[3:6]) == split:
+    if list(s[3:6]) in ([_split(3, -1), _split(3, -1), _split(3, 1)], [_split(3, 0)] * 3):
         return sh.emit(node.op, ins, attrs, _rep(2), **{ALL_REDUCE: AXIS})
     return _replicated(sh, node, ins, attrs, s)
 
@@ -365,13 +379,13 @@ OP_RULES = {
 }
 
 
-def shard(graph: Graph, tp: int = 1) -> Graph:
-    """Megatron split over `tp` devices; a no-op at tp=1."""
+def shard(graph: Graph, tp: int = 1, expert_parallel: bool = False) -> Graph:
+    """Megatron split over `tp` devices (MoE experts among them with `expert_parallel`); a no-op at tp=1."""
     if tp == 1:
         return graph
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-    plan = TPPlan(graph, tp)
+    plan = TPPlan(graph, tp, expert_parallel)
     specs: dict[int, Spec] = {}
     old_to_new: dict[int, Node] = {}
 
@@ -419,6 +433,8 @@ def shard(graph: Graph, tp: int = 1) -> Graph:
         if name not in state_names and _sharded(sh.specs[id(n)]) and n.attr(ALL_GATHER) is None:
             raise ValueError(f"shard: output {name} would leave the step split {sh.specs[id(n)]}")
     meta = dict(graph.meta) | {"tp": tp, "tp_attention": "split" if plan.shard_attention else "replicated"}
+    if expert_parallel and graph.params_with_role(Role.EXPERT_DOWN):
+        meta["tp_experts"] = "expert_parallel"
     if plan.kv_repeat > 1:
         meta["tp_kv_repeat"] = plan.kv_repeat
     if plan.notes:

@@ -204,14 +204,16 @@ def test_presets_count_their_experts():
         assert get_preset(name).num_params() == n, name
 
 
-@pytest.mark.parametrize("name,tp", [("qwen3-30b-a3b", 1), ("mixtral-8x7b", 2)])
-def test_dry_run_weights_per_device(name, tp):
+@pytest.mark.parametrize("name,tp,ep", [("qwen3-30b-a3b", 1, False), ("mixtral-8x7b", 2, False),
+                                        ("qwen3-235b-a22b", 8, True)])
+def test_dry_run_weights_per_device(name, tp, ep):
     """The memory plan counts the experts: bf16 weights per device within 2% of params x 2 / tp."""
     from runtime.config import EngineConfig
     from runtime.core.buckets import BucketTable
     from runtime.plan import build_graph
 
-    engine = EngineConfig(dtype="bfloat16", tensor_parallel_size=tp, device_memory=141 << 30)
+    engine = EngineConfig(dtype="bfloat16", tensor_parallel_size=tp, device_memory=141 << 30,
+                          enable_expert_parallel=ep)
     buckets = BucketTable.build(engine.max_num_batched_tokens, engine.max_num_seqs)
     _, memory, _ = build_graph(get_preset(name), engine, buckets, keep_pass_texts=False)
     want = PRESET_PARAMS[name] * 2 / tp
@@ -502,8 +504,9 @@ def test_gguf_moe_loads_like_the_safetensors(kind, tmp_path_factory):
 # ------------------------------------------------------------------------------ tensor parallelism
 
 def test_shard_splits_each_expert():
-    """gate/up split by column, down by row inside each expert; one all-reduce per MoE layer; the
-    router replicated; an intermediate size that does not divide is refused."""
+    """gate/up split by column, down by row inside each expert, or (expert_parallel) the experts
+    among the devices; one all-reduce per MoE layer; the router replicated; sizes that do not
+    divide are refused."""
     from passes.shard import shard
 
     o = PipelineOptions(block_size=16, max_model_len=64, buckets=((16, 4),), num_kv_blocks=16, tensor_parallel_size=2)
@@ -529,37 +532,47 @@ def test_shard_splits_each_expert():
     assert re.search(r'param %layers.0.experts_down.scale : f32\[8, 64\] \{.*sharding=\[null, null\]', text8)
     weights = random_weights(one_layer, seed=2)
     np.testing.assert_allclose(one_step_logits(g2, weights), one_step_logits(int8_graph(1), weights), **SAME_MATH_F32)
+    ep = run_pipeline(lower(tiny_moe()), PipelineOptions(block_size=16, max_model_len=64, buckets=((16, 4),),
+                                                         num_kv_blocks=16, tensor_parallel_size=4,
+                                                         quantization="int8", expert_parallel=True))
+    text = print_graph(ep)
+    assert ep.meta_value("tp_experts") == "expert_parallel"
+    assert re.search(r'param %layers.0.experts_down.int8 : i8\[8, 32, 64\] \{.*sharding=\["tp", null, null\]', text)
+    assert re.search(r'param %layers.0.experts_down.scale : f32\[8, 64\] \{.*sharding=\["tp", null\]', text)
+    assert len(re.findall(r'= moe_experts\(.*all_reduce="tp", sharding=\[null, null\]', text)) == 2
+    with pytest.raises(ValueError, match="the 8 experts must divide by tp"):
+        run_pipeline(lower(tiny_moe()), PipelineOptions(block_size=16, max_model_len=64, buckets=((16, 4),),
+                                                        num_kv_blocks=16, tensor_parallel_size=16, expert_parallel=True))
     with pytest.raises(ValueError, match="experts' intermediate size 32 must divide by tp"):
         shard(run_pipeline(lower(tiny_moe()), PipelineOptions(block_size=16, max_model_len=64, buckets=((16, 4),),
                                                              num_kv_blocks=16), stop_after="bf16_matmuls"), tp=64)
 
 
 def test_tp_engines_match_tp1():
-    """tp=2 and 4 (4 forced host devices): tp=1's greedy tokens, no recompile, and the HLO moves only
-    what the rule implies: per layer an all-reduce after o_proj and one after the experts, the
-    embedding's, and the logits' gather; no weight is gathered."""
+    """tp=2 and 4 (4 forced host devices), each expert split or (enable_expert_parallel) the experts
+    split among the devices: tp=1's greedy tokens, no recompile, and the HLO moves only what the rule
+    implies: per layer an all-reduce after o_proj and one after the MLP, the embedding's, and the
+    logits' gather; no weight is gathered."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, __file__, "tp"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, f"child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     res = json.loads(proc.stdout.strip().splitlines()[-1])
+    reference = res["moe"]["1"]["tokens"]
     for name, cases in res.items():
         for tp, out in cases.items():
-            assert out["tokens"] == cases["1"]["tokens"], (name, tp)
+            assert out["tokens"] == reference, (name, tp)
             assert out["recompiles"] == 0
             if tp == "1":
                 continue
             coll = out["collectives"]
-            layers = out["num_layers"]
-            reduces = [s for s, kind in coll if kind == "all-reduce"]
-            assert len(reduces) == 1 + 2 * layers, coll
-            # [T, hidden] partial sums, but the experts' come before their rows are summed per
-            # token: [T x k, hidden] (XLA's partitioner places the psum there; see docs/models.md).
-            moe_layers = out["num_moe_layers"]
-            assert sorted(reduces) == sorted(["f32[8,64]"] * (len(reduces) - moe_layers) + ["f32[24,64]"] * moe_layers), coll
+            # [T, hidden] partial sums: after o_proj and after each MLP (the experts' on each device
+            # in shard_map, summed per token first), and the embedding's.
+            assert [s for s, kind in coll if kind == "all-reduce"] == ["f32[8,64]"] * (1 + 2 * out["num_layers"]), coll
             assert [c for c in coll if c[1] != "all-reduce"] == [["f32[2,256]", "all-gather"]], coll
-            assert out["local_shapes"]["layers.0.experts_down"] == [8, 32 // int(tp), 64]
+            want = [8 // int(tp), 32, 64] if name == "moe_ep" else [8, 32 // int(tp), 64]
+            assert out["local_shapes"]["layers.0.experts_down"] == want
 
 
 def _child_tp() -> dict:
@@ -581,11 +594,11 @@ def _child_tp() -> dict:
         if k.endswith("router"):
             weights[k] = weights[k] * 100  # routing margins far above the all-reduce's rounding
     res = {}
-    for name, tps, quant in (("moe", (1, 2, 4), None),):
+    for name, tps, ep in (("moe", (1, 2, 4), False), ("moe_ep", (2, 4), True)):
         cases = {}
         for tp in tps:
             engine = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=32,
-                                  tensor_parallel_size=tp, quantization=quant)
+                                  tensor_parallel_size=tp, enable_expert_parallel=ep)
             plan = compile_plan(None, engine, weights=weights, config=cfg)
             llm = LLM.from_plan(plan)
             outs = llm.generate(prompts, greedy)
@@ -595,7 +608,6 @@ def _child_tp() -> dict:
                 hlo = runner.compile_bucket((8, 2)).as_text()  # a bucket the engine compiled
                 out["collectives"] = [(m.group(1).split("{")[0], m.group(2)) for m in COLLECTIVE.finditer(hlo)]
                 out["num_layers"] = cfg.num_layers
-                out["num_moe_layers"] = sum(cfg.is_moe(i) for i in range(cfg.num_layers))
                 out["local_shapes"] = {k: list(v.addressable_shards[0].data.shape) for k, v in runner.params.items()}
             cases[str(tp)] = out
         res[name] = cases

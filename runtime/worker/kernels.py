@@ -480,7 +480,7 @@ def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", groupe
         elif scale is not None:
             w = w.astype(lhs.dtype)
         y = grouped_matmul(lhs, w, sizes, preferred_element_type=jnp.float32)
-        return y if scale is None else y * jnp.take(scale, experts, axis=0)
+        return y if scale is None else y * jnp.take(scale, experts, axis=0, mode="clip")
 
     rows = jnp.take(x, order // k, axis=0)  # [T*k, H]
     hidden = EXPERT_ACTS[act](product(rows, wg, sg)) * product(rows, wu, su)  # [T*k, I] f32
@@ -492,6 +492,32 @@ def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", groupe
 # The grouped matmul (jax.lax.ragged_dot's contract) under each backend's moe_experts lowering.
 GROUPED_MATMULS = {"xla": jax.lax.ragged_dot, "cpp": jax.lax.ragged_dot, "pallas": jax.lax.ragged_dot,
                    "interpret": jax.lax.ragged_dot}
+
+
+def moe_experts_on_device(x, ids, weights, wg, wu, wd, *scales, num_experts, axis, act="silu",
+                          grouped_matmul=jax.lax.ragged_dot):
+    """moe_experts on one device's shards, inside shard_map over mesh axis `axis`, its partial sum
+    all-reduced: tokens and routing replicated; each expert split by its intermediate dim (tensor
+    parallel: every device runs every pair on its columns), or the experts split among the devices
+    (expert parallel: this device holds experts [offset, offset + local); a pair routed elsewhere
+    becomes a row past the last group, which no expert multiplies, and weighs 0). Either way the
+    one all-reduce is of [T, hidden], after the rows are summed per token."""
+    local = wg.shape[0]
+    if local < num_experts:
+        rel = ids - jax.lax.axis_index(axis) * local
+        mine = (rel >= 0) & (rel < local)
+        ids, weights = jnp.where(mine, rel, local), jnp.where(mine, weights, 0.0)
+    y = moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act=act, grouped_matmul=grouped_matmul)
+    return jax.lax.psum(y, axis)
+
+
+def per_device_lowerings(backend: str) -> dict:
+    """op name -> (node -> implementation on one device's shards, taking `axis`) for the ops whose
+    sharded form runs per device in shard_map and all-reduces its own result (see
+    runtime.worker.sharding.TensorParallelMesh.per_device)."""
+    gmm = GROUPED_MATMULS[backend]
+    return {"moe_experts": lambda node: functools.partial(moe_experts_on_device, num_experts=node.inputs[3].shape[0],
+                                                          grouped_matmul=gmm)}
 
 
 def layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
