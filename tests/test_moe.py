@@ -549,8 +549,8 @@ def test_shard_splits_each_expert():
 
 
 def test_tp_engines_match_tp1():
-    """tp=2 and 4 (4 forced host devices), each expert split or (enable_expert_parallel) the experts
-    split among the devices: tp=1's greedy tokens, no recompile, and the HLO moves only what the rule
+    """tp=2 and 4 (4 forced host devices) with each expert split, and tp=4 with the experts split
+    among the devices (enable_expert_parallel): tp=1's greedy tokens, no recompile, and the HLO moves only what the rule
     implies: per layer an all-reduce after o_proj and one after the MLP, the embedding's, and the
     logits' gather; no weight is gathered."""
     env = dict(os.environ)
@@ -594,7 +594,8 @@ def _child_tp() -> dict:
         if k.endswith("router"):
             weights[k] = weights[k] * 100  # routing margins far above the all-reduce's rounding
     res = {}
-    for name, tps, ep in (("moe", (1, 2, 4), False), ("moe_ep", (2, 4), True)):
+    # Expert parallel at tp=4 only (2 of the 8 experts per device): an engine costs ~15 s cold here.
+    for name, tps, ep in (("moe", (1, 2, 4), False), ("moe_ep", (4,), True)):
         cases = {}
         for tp in tps:
             engine = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=32,
