@@ -179,6 +179,9 @@ def test_dump_shows_the_moe_ops(capsys):
     assert out.count("= router_topk(") == out.count("= router_weights(") == out.count("= moe_experts(") == 32
     assert 'scoring="topk_softmax"' in out and "top_k=2" in out
     assert "param %layers.31.experts_gate : f32[8, 4096, 14336] role=expert_gate" in out
+    assert dump.main(["--model", "mixtral-8x7b", "--after", "shard", "-tp", "2", "--enable-expert-parallel", "true"]) == 0
+    out = capsys.readouterr().out
+    assert 'param %layers.0.experts_down : f32[8, 14336, 4096] {sharding=["tp", null, null]} role=expert_down' in out
 
 
 # ------------------------------------------------------------------------------ presets and memory
