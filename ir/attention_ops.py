@@ -182,10 +182,8 @@ def _kv_write(inputs, attrs):
 def kv_write_reference(pool, new, slots):
     # slot = block * block_size + offset; padding tokens carry slot -1 and are dropped.
     nb, bs = pool.shape[0], pool.shape[1]
-    flat = pool.reshape((nb * bs,) + pool.shape[2:])
     slots = jnp.where(slots < 0, nb * bs, slots)
-    flat = flat.at[slots].set(new.astype(pool.dtype), mode="drop")
-    return flat.reshape(pool.shape)
+    return pool.at[slots // bs, slots % bs].set(new.astype(pool.dtype), mode="drop")
 
 
 @op("paged_attention", 6, ("scale", "num_kv_heads", "block_size", "head_dim"))

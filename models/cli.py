@@ -270,7 +270,8 @@ _ENGINE_FLAGS = (
           "xla, cpp, pallas or interpret"), "VLLM_ATTENTION_BACKEND (environment)"),
     ("scan_layers", ("--scan-layers",),
      dict(type=_bool, metavar="BOOL", help="run the decoder layers as one lax.scan, so XLA compiles one layer "
-          "(default: on GPU/TPU, and on CPU where the C++ kernels read a layer in place)"), "none"),
+          "(default: on GPU/TPU; on CPU under tensor parallelism and where the C++ kernels read a layer in "
+          "place)"), "none"),
     ("num_scheduler_steps", ("--num-scheduler-steps",),
      dict(type=int, help="decode steps per executable for all-decode batches (vLLM's multi-step)"),
      "--num-scheduler-steps (vLLM V0)"),

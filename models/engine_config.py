@@ -378,9 +378,17 @@ class EngineConfig:
         `f32_in_place`: whether this CPU's kernels read a few rows' f32 products from the stack in
         place (the runtime knows: runtime.worker.executor.scans_layers). Then an f32 engine with
         f32 matmuls scans on CPU too; only its wide steps' products (prefill, 16+ decode rows) copy
-        a layer's slice, where the product itself takes far longer than the copy."""
+        a layer's slice, where the product itself takes far longer than the copy.
+
+        Under tensor parallelism (`tensor_parallel_size > 1`) the step scans on CPU too. Unrolled,
+        its XLA lowering compiles every layer's fusions (2,700 for one SmolLM2 prefill bucket), and
+        XLA:CPU keeps 100-190 MiB resident per such executable: tp=3 served at 1.73x tp=1's memory
+        and took 15 minutes to start. Scanned, it serves at 0.98x and starts in 4
+        (docs/benchmarks/2026-12-06-issue47-memory-plan.md). The slices' copies cost decode speed,
+        and forced host devices are for testing a sharded plan, not for speed."""
         if self.scan_layers is not None:
             return self.scan_layers
         platform = platform or target_platform()
         f32 = self.quantization is None and self.matmul_precision == "float32" and self.dtype == "f32"
-        return platform != "cpu" or self.quantization == "int8" or (f32 and f32_in_place)
+        return (platform != "cpu" or self.tensor_parallel_size > 1 or self.quantization == "int8"
+                or (f32 and f32_in_place))

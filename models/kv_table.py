@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from ir.kv_groups import window_blocks_per_seq
 from models.cli import ArgumentParser
 from models.config import PRESETS, ModelConfig
 
@@ -27,13 +28,20 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, dtype_bytes: int, num_seqs
 
 def windowed_kv_cache_bytes(config: ModelConfig, seq_len: int, dtype_bytes: int, block_size: int = 32,
                             num_seqs: int = 1) -> int:
-    """KV-cache bytes that a window-aware cache (vLLM's hybrid KV cache manager) would hold: full
-    layers keep every token, sliding layers only their window and one block being filled. The
-    engine does not do this yet: its pool keeps every layer's full length (kv_cache_bytes)."""
-    per_layer_token = 2 * config.num_kv_heads * config.head_dim * dtype_bytes
-    tokens = sum(min(seq_len, config.sliding_window + block_size) if config.is_sliding(i) else seq_len
+    """KV-cache bytes that the engine's window-aware cache (vLLM's hybrid KV cache manager; the
+    window group of ir.kv_groups) holds for `num_seqs` decoding sequences of `seq_len` tokens, in
+    whole blocks: full layers a block per `block_size` tokens, sliding layers the blocks of their
+    window and the one being filled (ir.kv_groups.window_blocks_per_seq)."""
+    per_layer_block = 2 * config.num_kv_heads * config.head_dim * dtype_bytes * block_size
+    full = -(-seq_len // block_size)
+    blocks = sum(window_blocks_per_seq(config.sliding_window, block_size, seq_len) if config.is_sliding(i) else full
                  for i in range(config.num_layers))
-    return per_layer_token * tokens * num_seqs
+    return per_layer_block * blocks * num_seqs
+
+
+def paged_kv_cache_bytes(config: ModelConfig, seq_len: int, dtype_bytes: int, block_size: int = 32) -> int:
+    """KV-cache bytes of one sequence in a paged cache that keeps every layer's blocks."""
+    return kv_cache_bytes(config, -(-seq_len // block_size) * block_size, dtype_bytes)
 
 
 def _format_rows(rows: list[list[str]], left: int = 2) -> str:
@@ -48,8 +56,8 @@ def _format_rows(rows: list[list[str]], left: int = 2) -> str:
 
 def windowed_kv_table(configs: Iterable[ModelConfig], seq_lens: Sequence[int] = SEQ_LENS, dtype: str = "bf16",
                       block_size: int = 32) -> str:
-    """Text table for the models with sliding-window layers: what a window-aware cache would hold
-    for one sequence, and its share of the full cache."""
+    """Text table for the models with sliding-window layers: what the engine's window-aware cache
+    holds for one sequence, and its share of a cache that keeps every layer's blocks."""
     head = ["model", "dtype", "sliding/layers", "window"] + [f"{n}" for n in seq_lens]
     rows = [head]
     for c in configs:
@@ -58,7 +66,7 @@ def windowed_kv_table(configs: Iterable[ModelConfig], seq_lens: Sequence[int] = 
         nbytes = DTYPE_BYTES[dtype]
         rows.append([c.name, dtype, f"{c.num_sliding_layers}/{c.num_layers}", str(c.sliding_window)]
                     + [f"{format_bytes(windowed_kv_cache_bytes(c, n, nbytes, block_size))} "
-                       f"({100 * windowed_kv_cache_bytes(c, n, nbytes, block_size) / kv_cache_bytes(c, n, nbytes):.1f}%)"
+                       f"({100 * windowed_kv_cache_bytes(c, n, nbytes, block_size) / paged_kv_cache_bytes(c, n, nbytes, block_size):.1f}%)"
                        for n in seq_lens])
     return _format_rows(rows) if len(rows) > 1 else ""
 
@@ -90,9 +98,9 @@ def main(argv: Sequence[str] = ()) -> int:
     windowed = windowed_kv_table(configs)
     if windowed:
         print()
-        print("With a window-aware cache (not in the engine yet: its pool keeps every layer's full length): "
-              "full layers keep every token, sliding layers their window and one 32-token block; "
-              "in brackets, the share of the full cache above")
+        print("With the engine's window-aware cache (KV cache groups: the sliding layers' own pools and block "
+              "tables): full layers keep every 32-token block, sliding layers the blocks of their window and "
+              "the one being filled; in brackets, the share of a cache that keeps every layer's blocks")
         print(windowed)
     return 0
 

@@ -1,10 +1,10 @@
-"""Benchmark of the attention kernels against XLA, cuDNN and JAX's shipped Pallas op.
+"""Benchmark of our kernels against XLA, cuDNN and JAX's shipped Pallas op.
 
     python -m pallas_kernels.bench               # on a GPU
     python -m pallas_kernels.bench --interpret   # tiny shapes on CPU, a smoke test
     python -m pallas_kernels.bench --only decode --case-timeout-s 10 --max-seconds 120
 
-Prints three tables:
+Prints four tables:
   * device ceilings measured in the same run: a large copy (GB/s) and a large
     bf16 matmul (TFLOP/s);
   * prefill: causal GQA attention TFLOP/s of `flash_attention` vs
@@ -13,7 +13,10 @@ Prints three tables:
     ceiling;
   * decode: GB/s (K/V bytes read + q + out) of `paged_attention` vs
     `jax.nn.dot_product_attention` on the same KV gathered into a contiguous
-    cache, as a fraction of the copy ceiling.
+    cache, as a fraction of the copy ceiling;
+  * grouped matmul (the expert products of a mixture-of-experts layer): GB/s (the weights of
+    the experts that have rows + lhs + out) of `grouped_matmul` vs `jax.lax.ragged_dot`, as a
+    fraction of the copy ceiling. `run()` measures it when asked (`parts`), the command always.
 
 Every row is printed as soon as it is measured. Each row (one implementation on
 one case) is bounded: its first call (compile + run) is timed, then up to
@@ -42,6 +45,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.flash_attention import BlockSizes as FlashBlockSizes
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.grouped_matmul import BlockSizes as GmmBlockSizes
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.paged_attention import BlockSizes as PagedBlockSizes
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.testing import tolerance
@@ -64,6 +69,8 @@ CUDNN_DECODE = "dot_product_attention[cudnn] contiguous"
 # cuDNN's rows where there is no NVIDIA GPU: said so, instead of JAX's "cuDNN is not detected".
 CUDNN_NA = "n.a.: cuDNN needs an NVIDIA GPU"
 MHA_PREFILL = "jax pallas mha (baseline)"
+OURS_GMM = "ours (grouped pallas)"
+XLA_GMM = "ragged_dot[xla]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,31 @@ class DecodeCase:
     return float((kv + q_and_out) * itemsize)
 
 
+@dataclasses.dataclass(frozen=True)
+class GmmCase:
+  """Expert products of one MoE layer's step: `tokens` x `top_k` rows routed uniformly at random
+  (a fixed seed) over `num_groups` experts of [k, n] weights."""
+  tokens: int
+  top_k: int
+  num_groups: int
+  k: int
+  n: int
+
+  @property
+  def name(self) -> str:
+    return f"T={self.tokens} top{self.top_k}/{self.num_groups} K={self.k} N={self.n}"
+
+  def group_sizes(self) -> np.ndarray:
+    rng = np.random.default_rng(self.tokens * 1000 + self.num_groups)
+    experts = np.stack([rng.permutation(self.num_groups)[:self.top_k] for _ in range(self.tokens)])
+    return np.bincount(experts.ravel(), minlength=self.num_groups).astype(np.int32)
+
+  def bytes_moved(self, itemsize: int) -> float:
+    used = int(np.count_nonzero(self.group_sizes()))
+    rows = self.tokens * self.top_k
+    return float((used * self.k * self.n + rows * (self.k + self.n)) * itemsize)
+
+
 @dataclasses.dataclass
 class Row:
   table: str
@@ -114,7 +146,7 @@ class Row:
   rate: float | None  # TFLOP/s or GB/s
   fraction: float | None
   note: str = ""
-  spec: PrefillCase | DecodeCase | None = None
+  spec: PrefillCase | DecodeCase | GmmCase | None = None
   first_s: float | None = None  # the first call: compile + run
   num_timed: int = 0
   matches_reference: bool | None = None  # ours only: within the dtype's kernel tolerance
@@ -278,6 +310,23 @@ def _decode_impls(case: DecodeCase, *, interpret: bool, paged_blocks, device_byt
   return impls
 
 
+def _gmm_impls(case: GmmCase, *, interpret: bool, gmm_blocks, device_bytes):
+  dtype = jnp.bfloat16
+  weight_bytes = case.num_groups * case.k * case.n * jnp.dtype(dtype).itemsize
+  if device_bytes is not None and weight_bytes > _MAX_INPUT_FRACTION * device_bytes:
+    note = f"skip: {weight_bytes / 2**30:.1f} GiB of weights would not fit {device_bytes / 2**30:.0f} GiB"
+    return {OURS_GMM: note, XLA_GMM: note}
+  kl, kr = jax.random.split(jax.random.key(2))
+  rows = case.tokens * case.top_k
+  lhs = (jax.random.normal(kl, (rows, case.k), jnp.float32) / np.sqrt(case.k)).astype(dtype)  # unit outputs
+  rhs = jax.random.normal(kr, (case.num_groups, case.k, case.n), dtype)
+  sizes = jnp.asarray(case.group_sizes())
+  ragged = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c, preferred_element_type=jnp.float32
+                                                      ).astype(a.dtype))
+  return {OURS_GMM: lambda: grouped_matmul(lhs, rhs, sizes, block_sizes=gmm_blocks, interpret=interpret),
+          XLA_GMM: lambda: ragged(lhs, rhs, sizes)}
+
+
 class RowPrinter:
   """Prints a table one row at a time (flushed), with widths fixed up front."""
 
@@ -405,11 +454,26 @@ def decode_cases(small: bool) -> list[DecodeCase]:
   return cases
 
 
+def gmm_cases(small: bool) -> list[GmmCase]:
+  if small:
+    return [GmmCase(8, 2, 4, 32, 32), GmmCase(5, 2, 3, 16, 48)]
+  cases = []
+  # Qwen3-MoE's experts (hidden 2048, intermediate 768: gate/up then down) at 64 and 128 experts,
+  # and Mixtral's 8 (hidden 4096, intermediate 14336: gate/up), at a decode step and a prefill.
+  for num_groups, top_k, k, n in ((64, 4, 2048, 1536), (128, 8, 2048, 1536), (128, 8, 768, 2048),
+                                  (8, 2, 4096, 28672)):
+    for tokens in (64, 1024):
+      cases.append(GmmCase(tokens, top_k, num_groups, k, n))
+  return cases
+
+
 def run(*, parts=("ceilings", "prefill", "decode"), prefill: list[PrefillCase] | None = None,
-        decode: list[DecodeCase] | None = None, interpret: bool = False, repeats: int = 10,
+        decode: list[DecodeCase] | None = None, gmm: list[GmmCase] | None = None,
+        interpret: bool = False, repeats: int = 10,
         case_timeout_s: float = 30.0, max_seconds: float | None = None,
         flash_blocks: FlashBlockSizes | None = None,
         paged_blocks: PagedBlockSizes | None = None,
+        gmm_blocks: GmmBlockSizes | None = None,
         out: Callable[[str], None] | None = None) -> Report:
   """Measures the ceilings and the requested tables, printing each row as it comes."""
   def emit(line: str) -> None:
@@ -419,6 +483,7 @@ def run(*, parts=("ceilings", "prefill", "decode"), prefill: list[PrefillCase] |
   small = interpret
   prefill = prefill_cases(small) if prefill is None else prefill
   decode = decode_cases(small) if decode is None else decode
+  gmm = gmm_cases(small) if gmm is None else gmm
   state = _Run(repeats, case_timeout_s, max_seconds)
   device_bytes = device_memory_bytes()
   emit(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
@@ -443,18 +508,29 @@ def run(*, parts=("ceilings", "prefill", "decode"), prefill: list[PrefillCase] |
           emit=printer.row)
       del impls
 
-  if "decode" in parts and decode:
-    names = (OURS_DECODE, XLA_DECODE, CUDNN_DECODE)
-    printer = RowPrinter("decode (one query per sequence, bf16, block_size 16)",
-                         [c.name for c in decode], names, "GB/s", "copy", emit)
-    for case in decode:
-      impls = state.past_deadline(names) or _decode_impls(
-          case, interpret=interpret, paged_blocks=paged_blocks, device_bytes=device_bytes)
+  def bandwidth_table(table, title, cases, names, make_impls, ours, reference):
+    """A table in GB/s of each case's bytes_moved, as a fraction of the copy ceiling."""
+    printer = RowPrinter(title, [c.name for c in cases], names, "GB/s", "copy", emit)
+    for case in cases:
+      impls = state.past_deadline(names) or make_impls(case)
       nbytes = case.bytes_moved(jnp.dtype(jnp.bfloat16).itemsize)
       report.rows += state.measure(
-          "decode", case, impls, nbytes, lambda s, nbytes=nbytes: nbytes / s / 1e9,
-          ceilings["copy_gbps"], ours=OURS_DECODE, reference=XLA_DECODE, emit=printer.row)
+          table, case, impls, nbytes, lambda s, nbytes=nbytes: nbytes / s / 1e9,
+          ceilings["copy_gbps"], ours=ours, reference=reference, emit=printer.row)
       del impls
+
+  if "decode" in parts and decode:
+    bandwidth_table("decode", "decode (one query per sequence, bf16, block_size 16)", decode,
+                    (OURS_DECODE, XLA_DECODE, CUDNN_DECODE),
+                    lambda case: _decode_impls(case, interpret=interpret, paged_blocks=paged_blocks,
+                                               device_bytes=device_bytes),
+                    OURS_DECODE, XLA_DECODE)
+  if "gmm" in parts and gmm:
+    bandwidth_table("gmm", "grouped matmul (MoE expert products, bf16, uniform routing)", gmm,
+                    (OURS_GMM, XLA_GMM),
+                    lambda case: _gmm_impls(case, interpret=interpret, gmm_blocks=gmm_blocks,
+                                            device_bytes=device_bytes),
+                    OURS_GMM, XLA_GMM)
   return report
 
 
@@ -465,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="tiny shapes, Pallas interpreter (CPU smoke test)")
   parser.add_argument("--repeats", type=int, default=None,
                       help="timed calls per measurement (default 10, 1 with --interpret)")
-  parser.add_argument("--only", choices=("ceilings", "prefill", "decode"), action="append",
+  parser.add_argument("--only", choices=("ceilings", "prefill", "decode", "gmm"), action="append",
                       help="run only these parts (repeatable)")
   parser.add_argument("--case-timeout-s", type=float, default=30.0,
                       help="time budget of each row, one implementation on one case (default 30)")
@@ -474,13 +550,18 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--block-q", type=int, default=None, help="flash_attention block_q")
   parser.add_argument("--block-kv", type=int, default=None, help="flash_attention block_kv")
   parser.add_argument("--num-splits", type=int, default=None, help="paged_attention num_splits")
+  parser.add_argument("--gmm-block-m", type=int, default=None, help="grouped_matmul block_m")
+  parser.add_argument("--gmm-block-n", type=int, default=None, help="grouped_matmul block_n")
+  parser.add_argument("--gmm-block-k", type=int, default=None, help="grouped_matmul block_k")
   args = parser.parse_args(argv)
   flash_kwargs = {k: v for k, v in (("block_q", args.block_q), ("block_kv", args.block_kv))
                   if v is not None}
-  run(parts=set(args.only or ("ceilings", "prefill", "decode")), interpret=args.interpret,
+  gmm_kwargs = {k: v for k, v in (("block_m", args.gmm_block_m), ("block_n", args.gmm_block_n),
+                                   ("block_k", args.gmm_block_k)) if v is not None}
+  run(parts=set(args.only or ("ceilings", "prefill", "decode", "gmm")), interpret=args.interpret,
       repeats=args.repeats or (1 if args.interpret else 10), case_timeout_s=args.case_timeout_s,
       max_seconds=args.max_seconds, flash_blocks=FlashBlockSizes(**flash_kwargs),
-      paged_blocks=PagedBlockSizes(num_splits=args.num_splits))
+      paged_blocks=PagedBlockSizes(num_splits=args.num_splits), gmm_blocks=GmmBlockSizes(**gmm_kwargs))
   return 0
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ir import DTYPE_BYTES, Graph, Node, bind_shape
 from ir.attrs import ALL_GATHER, GGUF_BLOCKS, SHARDING, TP_AXIS
 from ir.graph import freeze_attrs
+from ir.kv_groups import is_pool, is_window_pool, kv_window, split_kv_blocks, window_blocks_for, window_blocks_per_seq
 from ir.layers import find_layers
 from ir.tiling import (PAGED_ATTENTION_LOWERINGS, XLA_CHUNK_BLOCKS, XLA_DENSE_MAX_SEQS, XLA_POOL_TILE,
                        XLA_ROW_GROUP, XLA_SEQ_CHUNK_BLOCKS, uses_new_kv)
@@ -56,7 +57,7 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
         # (runtime.worker.kernels.matmul_half_cpu), one weight at a time.
         return _nbytes(node.inputs[1], env) * F32 // DTYPE_BYTES[node.inputs[1].dtype]
     if node.op == "moe_experts":
-        return _moe_workspace_bytes(node, env, widen_half_weights)
+        return _moe_workspace_bytes(node, env)
     if _ways(node, env) > 1:  # heads split: each device runs the lowering on its share
         return _workspace_bytes(node, {**env, "tp": 1}, lowering, chunk_blocks, scan_layers) // _ways(node, env)
     if node.op == "paged_attention":
@@ -105,26 +106,21 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
     return 0
 
 
-def _moe_workspace_bytes(node: Node, env: dict[str, int], widen_half_weights: bool) -> int:
+def _moe_workspace_bytes(node: Node, env: dict[str, int]) -> int:
     """The grouped lowering's scratch (runtime.worker.kernels.moe_experts_grouped) on one device: its
     T x k rows of x sorted by expert, the gate, up and activated products [T x k, I / tp] in f32, and
-    the down product and its rows put back in order [T x k, H] in f32; plus one expert stack widened
-    to f32 while its product runs, when the weights are int8. On XLA:CPU (`widen_half_weights`: the
-    CPU lowerings) ragged_dot runs densely: each stack copied in f32 [E x K, N] (the three copies are
-    made once the layer's routing is known, and may be live together) and the rows masked per expert
-    [T x k, E x K] in f32, for the largest of the three products."""
+    the down product and its rows put back in order [T x k, H] in f32; the grouped products'
+    own; plus, for int8 experts, the layer's stacks widened to the activations' dtype."""
     x, ids, wg = node.inputs[0], node.inputs[1], node.inputs[3]
     t, h = bind_shape(x.shape, env)
     rows = t * ids.shape[1]
-    spec = wg.attr(SHARDING) or (None,) * 3  # each expert split by I, or (expert parallel) the experts
-    experts, inter = (n // env.get("tp", 1) if s == TP_AXIS else n for n, s in zip((wg.shape[0], wg.shape[2]),
-                                                                                   (spec[0], spec[2])))
+    inter = wg.shape[2] // (env.get("tp", 1) if (wg.attr(SHARDING) or (None,) * 3)[2] == TP_AXIS else 1)
     scratch = rows * (h * DTYPE_BYTES[x.dtype] + 3 * inter * F32 + 2 * h * F32)
-    stack = max(_nbytes(w, env) * F32 // DTYPE_BYTES[w.dtype] for w in node.inputs[3:6])
-    if widen_half_weights:  # the three copies, tied to the routing, may be live at once; a wide bucket's mask outgrows two
-        scratch += max(3 * stack, stack + rows * experts * max(h, inter) * F32)
-    elif wg.dtype == "i8":
-        scratch += stack
+    # The grouped products (kernels.grouped_matmul): on XLA:CPU a tile loop whose carries hold
+    # [T x k + tile, N] per product and whose tiles take their expert's matrix as a copy.
+    scratch += rows * (2 * inter + h) * F32 + 3 * h * inter * F32
+    if wg.dtype == "i8":  # measured: two of the three widened stacks live at once
+        scratch += 2 * max(_nbytes(w, env) for w in node.inputs[3:6]) * DTYPE_BYTES[x.dtype]
     return scratch
 
 
@@ -231,9 +227,9 @@ def sampler_workspace_bytes(graph: Graph, env: dict[str, int]) -> int:
 
 def copy_blocks_bytes(graph: Graph, max_seqs: int) -> int:
     """Temporaries of the copy-on-write executable (runtime.worker.model_runner._copy_blocks): the
-    source blocks of up to `max_seqs` pairs gathered from every layer's pools before they are
-    written (90.0 MiB measured for SmolLM2's 64 pairs in f32: 64 x 1.41 MiB)."""
-    return max_seqs * kv_bytes_per_block(graph)
+    source blocks of up to `max_seqs` pairs (per KV cache group) gathered from every layer's pools
+    before they are written (90.0 MiB measured for SmolLM2's 64 pairs in f32: 64 x 1.41 MiB)."""
+    return max_seqs * (kv_bytes_per_block(graph) + kv_bytes_per_block(graph, window=True))
 
 
 def step_io_bytes(graph: Graph, env: dict[str, int]) -> int:
@@ -268,8 +264,9 @@ def weight_bytes(graph: Graph) -> int:
     return sum(math.prod(p.shape) * DTYPE_BYTES[p.dtype] // _ways(p, env) for p in graph.params)
 
 
-def kv_bytes_per_block(graph: Graph) -> int:
-    pools = [x for x in graph.runtime_inputs if "_pool." in x.name]
+def kv_bytes_per_block(graph: Graph, window: bool = False) -> int:
+    """Bytes of one block of the full group's pools (`window`: of the window group's; ir.kv_groups)."""
+    pools = [x for x in graph.runtime_inputs if is_pool(x) and is_window_pool(x) == window]
     env = {"tp": graph.meta_value("tp", 1)}
     return sum(math.prod(p.shape[1:]) * DTYPE_BYTES[p.dtype] // _ways(p, env) for p in pools)
 
@@ -321,6 +318,13 @@ class MemoryPlan:
     # gave before the pool was sized from that measurement.
     measured_peak_bytes: int | None = None
     planned_kv_blocks: int | None = None
+    # The window group (ir.kv_groups), beside the full group above: its window, bytes per block and
+    # block count (the null block included); the largest step's tokens bound a prefill chunk's
+    # blocks in it. Zero and None without one.
+    kv_window: int | None = None
+    window_kv_bytes_per_block: int = 0
+    num_window_kv_blocks: int = 0
+    max_step_tokens: int = 0
 
     @property
     def budget_bytes(self) -> int:
@@ -330,12 +334,35 @@ class MemoryPlan:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.num_kv_blocks * self.kv_bytes_per_block
+        return self.num_kv_blocks * self.kv_bytes_per_block + self.num_window_kv_blocks * self.window_kv_bytes_per_block
+
+    def _groups(self) -> dict:
+        return dict(window=self.kv_window, block_size=self.block_size, max_model_len=self.max_model_len,
+                    max_num_batched_tokens=self.max_step_tokens)
+
+    def kv_blocks_that_fit(self, peak_bytes: int) -> tuple[int, int]:
+        """(full, window) KV blocks left by the budget after the weights, an activation peak and the
+        reserve, split between the groups as sequences at max_model_len use them (ir.kv_groups)."""
+        free = self.budget_bytes - self.weight_bytes - peak_bytes - self.reserve_bytes
+        return split_kv_blocks(free, full_bytes_per_block=self.kv_bytes_per_block,
+                               window_bytes_per_block=self.window_kv_bytes_per_block, **self._groups())
 
     def blocks_that_fit(self, peak_bytes: int) -> int:
-        """KV blocks left by the budget after the weights, an activation peak and the reserve."""
-        free = self.budget_bytes - self.weight_bytes - peak_bytes - self.reserve_bytes
-        return max(free // self.kv_bytes_per_block, 0) if self.kv_bytes_per_block else 0
+        """Full-group KV blocks that fit beside an activation peak (kv_blocks_that_fit)."""
+        return self.kv_blocks_that_fit(peak_bytes)[0]
+
+    def window_blocks_for(self, num_kv_blocks: int) -> int:
+        """The window group's blocks beside `num_kv_blocks` full ones (a count the user fixed)."""
+        return window_blocks_for(num_kv_blocks, **self._groups())
+
+    def with_blocks(self, num_kv_blocks: int, num_window_kv_blocks: int, **changes) -> "MemoryPlan":
+        """This plan with these block counts, and the sequences at max_model_len they hold."""
+        seqs = num_kv_blocks // -(-self.max_model_len // self.block_size)
+        if self.kv_window is not None:
+            per_seq = window_blocks_per_seq(self.kv_window, self.block_size, self.max_model_len)
+            seqs = min(seqs, max(num_window_kv_blocks - 1 - -(-self.max_step_tokens // self.block_size), 0) // per_seq)
+        return replace(self, num_kv_blocks=num_kv_blocks, num_window_kv_blocks=num_window_kv_blocks,
+                       max_concurrent_seqs=seqs, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -370,12 +397,19 @@ class MemoryPlan:
             planned = f"; the prediction gave {self.planned_kv_blocks}"
         lines += [
             f"  - reserve              {mib(self.reserve_bytes)}",
-            f"  = KV cache             {mib(self.num_kv_blocks * self.kv_bytes_per_block)}"
+            f"  = KV cache             {mib(self.kv_cache_bytes)}"
             f"  ({self.num_kv_blocks} blocks x {self.block_size} tokens,"
             f" {self.kv_bytes_per_block / self.block_size / 1024:.1f} KiB/token"
             f"{', ' + self.kv_dtype if self.kv_dtype else ''}{planned})",
-            f"  max concurrent seqs at max_model_len={self.max_model_len}: {self.max_concurrent_seqs}",
         ]
+        if self.kv_window is not None:
+            lines[-1] = (f"  = KV cache             {mib(self.kv_cache_bytes)}  full layers "
+                         f"{self.num_kv_blocks} blocks x {self.block_size} tokens "
+                         f"({self.kv_bytes_per_block / self.block_size / 1024:.1f} KiB/token){planned}; "
+                         f"window-{self.kv_window} layers {self.num_window_kv_blocks} blocks "
+                         f"({self.window_kv_bytes_per_block / self.block_size / 1024:.1f} KiB/token)"
+                         f"{', ' + self.kv_dtype if self.kv_dtype else ''}")
+        lines.append(f"  max concurrent seqs at max_model_len={self.max_model_len}: {self.max_concurrent_seqs}")
         if self.buckets:
             lines.append("  peak activations = max over buckets of predicted temp + step I/O, and over block copies")
             lines.append("  bucket (tokens x seqs)  predicted temp        XLA temp   pred/XLA        step I/O"
@@ -403,7 +437,8 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
 
     num_kv_blocks = floor((min(memory_utilization x device memory, allocator limit) - weights
     - peak activations - reserve) / KV bytes per block), where peak activations is the largest bucket's predicted
-    temporaries plus its argument and output buffers. With tensor parallelism every byte figure
+    temporaries plus its argument and output buffers. With a window group (ir.kv_groups) those bytes
+    are split between the groups in the proportion sequences at max_model_len use them. With tensor parallelism every byte figure
     is per device: a weight, KV pool or activation the `shard` pass split (its `sharding` attr)
     counts 1/tp, a replicated one counts fully.
     """
@@ -414,31 +449,35 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
     logits = dict(graph.outputs).get("logits")
     vocab = logits.shape[-1] if logits is not None else 0
     for t, s in buckets:
-        env = {"T": t, "S": s, "R": s, "M": max_blocks, "B": 1, "tp": graph.meta_value("tp", 1)}
+        env = {"T": t, "S": s, "R": s, "M": max_blocks, "B": 1, "BW": 1, "tp": graph.meta_value("tp", 1)}
         act = max(activation_peak_bytes(graph, env, paged_attention_lowering, scan_layers=scan_layers,
                                         widen_half_weights=widen_half_weights),
                   sampler_workspace_bytes(graph, env))
         io = step_io_bytes(graph, env) + (sampler_io_bytes(s, vocab, max_model_len) if vocab else 0)
         per_bucket.append(BucketMemory(t, s, act, None, io))
     peak = max((b.total_bytes for b in per_bucket), default=0)
-    if any("_pool." in x.name for x in graph.runtime_inputs):
+    if any(is_pool(x) for x in graph.runtime_inputs):
         peak = max(peak, copy_blocks_bytes(graph, max((s for _, s in buckets), default=0)))
     w = weight_bytes(graph)
     per_block = kv_bytes_per_block(graph)
-    kv_dtypes = sorted({x.dtype for x in graph.runtime_inputs if "_pool." in x.name})
+    kv_dtypes = sorted({x.dtype for x in graph.runtime_inputs if is_pool(x)})
     plan = MemoryPlan(device_memory_bytes, memory_utilization, reserve_bytes, w, peak, per_block,
                       block_size, 0, max_model_len, 0, tuple(per_bucket), tensor_parallel_size,
-                      memory_limit_bytes, ",".join(kv_dtypes) or None)
-    blocks = plan.blocks_that_fit(peak)
+                      memory_limit_bytes, ",".join(kv_dtypes) or None, kv_window=kv_window(graph),
+                      window_kv_bytes_per_block=kv_bytes_per_block(graph, window=True),
+                      max_step_tokens=max((t for t, _ in buckets), default=0))
+    blocks, window_blocks = plan.kv_blocks_that_fit(peak)
     if num_kv_blocks is not None:
-        blocks = num_kv_blocks
-    return replace(plan, num_kv_blocks=blocks, max_concurrent_seqs=blocks // max_blocks)
+        blocks, window_blocks = num_kv_blocks, plan.window_blocks_for(num_kv_blocks)
+    return plan.with_blocks(blocks, window_blocks)
 
 
 def plan_memory(graph: Graph, **options) -> Graph:
     """Records the memory plan's KV block count in graph meta (binding the B dim)."""
-    if not any("_pool." in x.name for x in graph.runtime_inputs):
+    if not any(is_pool(x) for x in graph.runtime_inputs):
         return graph
     plan = plan_memory_report(graph, **options)
     meta = dict(graph.meta) | {"num_kv_blocks": plan.num_kv_blocks}
+    if plan.kv_window is not None:
+        meta["num_window_kv_blocks"] = plan.num_window_kv_blocks
     return Graph(graph.inputs, graph.outputs, freeze_attrs(meta))

@@ -138,8 +138,10 @@ def fit_advice(config, engine: EngineConfig, memory, block_formats=None) -> list
                 advice.append(f"--tensor-parallel-size {tp} --quantization int8")
                 break
     if engine.device_memory is not None:  # a what-if size (a dry run): say what size would do
+        seq_blocks = math.ceil(engine.max_model_len / engine.block_size)
         need = (memory.weight_bytes + memory.peak_activation_bytes + memory.reserve_bytes
-                + memory.kv_bytes_per_block * math.ceil(engine.max_model_len / engine.block_size))
+                + memory.kv_bytes_per_block * seq_blocks  # and one sequence's window group (ir.kv_groups)
+                + memory.window_kv_bytes_per_block * memory.window_blocks_for(seq_blocks))
         size = math.ceil(need / engine.memory_utilization / GiB) * GiB
         if _fits_with(config, engine, device_memory=size):
             advice.append(f"--device-memory {size // GiB}GiB")

@@ -43,7 +43,8 @@ class LLMEngine:
         self.runner = runner
         if warmup:
             self.warmup_s = self.runner.warmup(progress=progress, execute=warm_execute)
-        self.block_manager = BlockManager(plan.num_kv_blocks, e.block_size, e.enable_prefix_caching)
+        self.block_manager = BlockManager(plan.num_kv_blocks, e.block_size, e.enable_prefix_caching,  # ir.kv_groups
+                                          window=self.runner.kv_window, num_window_blocks=self.runner.num_window_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                             max_model_len=e.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
@@ -271,15 +272,16 @@ class LLMEngine:
                                self.runner.num_scheduler_steps if multi else 1)
         t_sched = time.perf_counter()
         batch = build_step(sched, bucket, block_size=self.engine_config.block_size,
-                           max_blocks_per_seq=self.runner.max_blocks_per_seq, drafts=drafts)
+                           max_blocks_per_seq=self.runner.max_blocks_per_seq, drafts=drafts,
+                           window_group=self.runner.kv_window is not None)
         rows = batch.rows
         feed_index = self._feed_index(sched, batch, prev) if prev is not None else None
         si = build_inputs([self._row_params(r, drafts) for r in rows], bucket[1], self.engine_config.max_model_len,
                           self._stop_ids, vocab_size=self.config.vocab_size,
                           bitmask=grammar_bitmask(rows, bucket[1], self.config.vocab_size))
         t_prep = time.perf_counter()
-        if sched.copies:
-            self.runner.copy_blocks(sched.copies)
+        if sched.copies or sched.window_copies:
+            self.runner.copy_blocks(sched.copies, sched.window_copies)
         if multi:
             outs = self.runner.execute_multi_step(bucket, batch.inputs, si.arrays())
         elif feed_index is not None:
@@ -388,10 +390,7 @@ class LLMEngine:
                     or p.needs_penalties or seq.num_output_tokens < p.min_tokens or seq.matcher is not None
                     or seq.num_computed_tokens + k > limit):
                 return False
-        bm = self.block_manager
-        need = sum(max(bm.blocks_needed(sc.seq.num_computed_tokens + k) - len(sc.seq.block_table), 0)
-                   for sc in sched.scheduled)
-        if need > bm.num_free:
+        if not self.block_manager.can_append_all([sc.seq for sc in sched.scheduled], k):
             return False
         for sc in sched.scheduled:
             self.block_manager.may_append(sc.seq, k)

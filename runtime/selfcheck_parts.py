@@ -135,26 +135,58 @@ def _paged_case(context_lens, q_lens, pad, num_q_heads, num_kv_heads, head_dim):
     return name, run
 
 
+def _gmm_case(group_sizes, pad, k, n):
+    """The grouped matmul of a mixture-of-experts layer: rows sorted by expert, `pad` rows past
+    the groups (a bucket's padding), which must come out as zeros."""
+    def run(dtype, interpret):
+        import jax.numpy as jnp
+        import numpy as np
+
+        from pallas_kernels import grouped_matmul, grouped_matmul_reference
+
+        rng = np.random.default_rng(3)
+        rows = sum(group_sizes) + pad
+        # Unit-scale outputs, as the attention cases have: the tolerances are set for those.
+        lhs = jnp.asarray(rng.standard_normal((rows, k)) / np.sqrt(k), dtype)
+        rhs = jnp.asarray(rng.standard_normal((len(group_sizes), k, n)), dtype)
+        sizes = jnp.asarray(group_sizes, jnp.int32)
+        out = grouped_matmul(lhs, rhs, sizes, interpret=interpret)
+        return out, grouped_matmul_reference(lhs, rhs, sizes), sum(group_sizes)
+
+    empty = sum(1 for g in group_sizes if g == 0)
+    name = (f"grouped_matmul {len(group_sizes)} groups of {min(group_sizes)}..{max(group_sizes)} rows "
+            f"({empty} empty)+{pad} pad, K={k} N={n}")
+    return name, run
+
+
 def _brief(values) -> str:
     values = list(values)
     return str(values) if len(values) <= 5 else f"{len(values)} seqs {min(values)}..{max(values)}"
 
 
 def kernel_cases(large: bool):
-    """SmolLM2's heads (9/3, D=64) always; on a GPU also Llama-8B's (32/8, D=128) at length."""
+    """SmolLM2's heads (9/3, D=64) always; on a GPU also Llama-8B's (32/8, D=128) at length. The
+    grouped matmul: a few small ragged groups; on a GPU Qwen3-MoE's expert products (64 experts,
+    hidden 2048, intermediate 768) at a 64-token top-4 decode step and a 512-token prefill."""
     if not large:
         return [_flash_case([1, 17, 64, 129], 7, 9, 3, 64),
                 _paged_case([1, 16, 100, 257], None, 0, 9, 3, 64),
-                _paged_case([21, 40, 100], [1, 7, 33], 5, 9, 3, 64)]
+                _paged_case([21, 40, 100], [1, 7, 33], 5, 9, 3, 64),
+                _gmm_case([0, 5, 17, 0, 9, 3], 6, 64, 96)]
     import numpy as np
 
-    ctx = np.random.default_rng(2).integers(1, 4097, 64).tolist()
+    rng = np.random.default_rng(2)
+    ctx = rng.integers(1, 4097, 64).tolist()
+    decode = np.bincount(rng.integers(0, 64, 64 * 4), minlength=64).tolist()
+    prefill = np.bincount(rng.integers(0, 64, 512 * 4), minlength=64).tolist()
     return [_flash_case([1, 100, 513, 1023, 2048], 13, 9, 3, 64),
             _flash_case([3, 700, 2048], 5, 32, 8, 128),
             _paged_case(ctx, None, 0, 9, 3, 64),
             _paged_case(ctx[:16], None, 0, 32, 8, 128),  # 16 seqs: host draws of the cache add up
             # The reference gathers [tokens, context, heads, dim] in f32: keep tokens x context small.
-            _paged_case([21, 40, 600, 1000], [1, 7, 100, 300], 11, 32, 8, 128)]
+            _paged_case([21, 40, 600, 1000], [1, 7, 100, 300], 11, 32, 8, 128),
+            _gmm_case(decode, 0, 2048, 1536),  # gate/up
+            _gmm_case(prefill, 5, 768, 2048)]  # down
 
 
 def part_kernels(args) -> tuple[bool, str, dict]:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ir.kv_groups import BLOCK_TABLES, SLOT_MAPPING, WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING
 from runtime.core.buckets import BucketTable
 from runtime.core.scheduler import ScheduleOutput
 from runtime.core.sequence import Sequence
@@ -58,9 +59,10 @@ def pick_bucket(sched: ScheduleOutput, drafts: dict[int, list[int]], buckets: Bu
 
 
 def build_step(sched: ScheduleOutput, bucket: tuple[int, int], *, block_size: int, max_blocks_per_seq: int,
-               drafts: dict[int, list[int]] | None = None) -> StepBatch:
+               drafts: dict[int, list[int]] | None = None, window_group: bool = False) -> StepBatch:
     """The step's model inputs (tokens, positions, slots, block tables, context lengths, ragged query
-    offsets, logits rows) and its sampler rows. `drafts`: seq_id -> draft tokens to verify."""
+    offsets, logits rows) and its sampler rows. `drafts`: seq_id -> draft tokens to verify.
+    `window_group`: the graph has a window group (ir.kv_groups), with its own slots and tables."""
     drafts = drafts or {}
     T, S = bucket
     bs = block_size
@@ -68,6 +70,9 @@ def build_step(sched: ScheduleOutput, bucket: tuple[int, int], *, block_size: in
     positions = np.zeros(T, np.int32)
     slots = np.full(T, -1, np.int32)
     tables = np.zeros((S, max_blocks_per_seq), np.int32)
+    # Entries past a sequence's blocks read block 0 (the null block in the window group), masked.
+    wslots = np.full(T, -1, np.int32) if window_group else None
+    wtables = np.zeros((S, max_blocks_per_seq), np.int32) if window_group else None
     ctx = np.zeros(S, np.int32)
     cu = np.zeros(S + 1, np.int32)
     logits_idx = np.zeros(S, np.int32)
@@ -80,6 +85,7 @@ def build_step(sched: ScheduleOutput, bucket: tuple[int, int], *, block_size: in
         offsets[seq.seq_id] = off
         start = seq.num_computed_tokens
         table = np.asarray(seq.block_table, np.int32)
+        wtable = np.asarray(seq.window_block_table, np.int32) if window_group else None
         d = drafts.get(seq.seq_id, ())
         if d:  # verify: the last token, then each draft, each its own one-token sequence
             toks = [seq.token_ids[start]] + list(d)
@@ -88,6 +94,9 @@ def build_step(sched: ScheduleOutput, bucket: tuple[int, int], *, block_size: in
                 tokens[off], positions[off] = tok, pos
                 slots[off] = table[pos // bs] * bs + pos % bs
                 tables[a, :len(table)] = table
+                if window_group:
+                    wslots[off] = wtable[pos // bs] * bs + pos % bs
+                    wtables[a, :len(wtable)] = wtable
                 ctx[a] = pos + 1
                 cu[a + 1] = off + 1
                 logits_idx[len(rows)] = off
@@ -100,6 +109,9 @@ def build_step(sched: ScheduleOutput, bucket: tuple[int, int], *, block_size: in
         positions[off:off + n] = pos
         slots[off:off + n] = table[pos // bs] * bs + pos % bs
         tables[a, :len(table)] = table
+        if window_group:
+            wslots[off:off + n] = wtable[pos // bs] * bs + pos % bs
+            wtables[a, :len(wtable)] = wtable
         ctx[a] = start + n
         cu[a + 1] = off + n
         if sc.samples:
@@ -110,8 +122,10 @@ def build_step(sched: ScheduleOutput, bucket: tuple[int, int], *, block_size: in
         off += n
         a += 1
     cu[a + 1:] = off
-    inputs = {"tokens": tokens, "positions": positions, "slot_mapping": slots, "block_tables": tables,
+    inputs = {"tokens": tokens, "positions": positions, SLOT_MAPPING: slots, BLOCK_TABLES: tables,
               "context_lens": ctx, "cu_q_lens": cu, "logits_indices": logits_idx}
+    if window_group:
+        inputs |= {WINDOW_SLOT_MAPPING: wslots, WINDOW_BLOCK_TABLES: wtables}
     return StepBatch(bucket, inputs, rows, offsets)
 
 

@@ -150,6 +150,16 @@ def test_scans_layers(scan_layers, platform, expected):
     assert EngineConfig(scan_layers=scan_layers).scans_layers(platform) is expected
 
 
+@pytest.mark.parametrize("engine", [{}, {"dtype": "bfloat16"}, {"quantization": "w8a8"}])
+def test_cpu_scans_layers_by_default_under_tensor_parallelism(engine):
+    """Under tensor parallelism the step scans on CPU whatever the kernels: unrolled, XLA:CPU kept
+    every layer's compiled fusions resident per bucket (tp=3 served at 1.73x tp=1's memory). An
+    explicit scan_layers wins."""
+    assert EngineConfig(**engine).scans_layers("cpu") is False
+    assert EngineConfig(tensor_parallel_size=2, **engine).scans_layers("cpu") is True
+    assert EngineConfig(tensor_parallel_size=2, scan_layers=False, **engine).scans_layers("cpu") is False
+
+
 @pytest.mark.parametrize("quantization, expected", [("int8", True), ("w8a8", False), (None, False)])
 def test_cpu_scans_layers_by_default_under_weight_only_int8(quantization, expected):
     """On CPU, weight-only int8 scans by default (its kernels read the stack in place; unrolled,

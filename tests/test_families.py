@@ -391,8 +391,89 @@ def test_prefix_cache_hits_and_preemption_keep_hfs_tokens_past_the_window(tmp_pa
     assert out.outputs[0].token_ids == _hf_greedy(model, longer, 12)
     # Two sequences of up to 26 tokens need 7 blocks each; 9 blocks make one wait, preempted.
     small = LLM(str(path), kernel_backend="cpp", max_model_len=28, max_num_seqs=2, max_num_batched_tokens=8,
-                block_size=BLOCK_SIZE, num_kv_blocks=9, enable_prefix_caching=False)
+                block_size=BLOCK_SIZE, num_kv_blocks=9, enable_prefix_caching=False, check_invariants=True)
     outs = small.generate(PROMPTS, greedy)
     assert small.engine.scheduler.num_preemptions > 0
     for prompt, o in zip(PROMPTS, outs):
         assert o.outputs[0].token_ids == _hf_greedy(model, prompt, 12)
+
+
+def test_window_group_holds_only_the_window_with_every_engine_feature(tmp_path_factory):
+    """Gemma 3 (window 6 over 4-token blocks): its sliding layers' KV lives in the window group
+    (ir.kv_groups), where a 38-token sequence holds at most the blocks of its window and of a
+    step's tokens, its entries behind the window the null block. With multi-step decode, n-gram
+    drafts, n = 2 (copy-on-write of the shared tail in both groups) and prefix caching on, every
+    sample continues as HF's generate does, a prefix hit past the window too, the block
+    manager's invariants hold after every step, and no block is left held."""
+    from ir.kv_groups import window_span_blocks
+    from runtime import LLM, SamplingParams
+
+    _, model, path, _, _, _ = saved_family("gemma3", tmp_path_factory)
+    llm = LLM(str(path), kernel_backend="cpp", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
+              block_size=BLOCK_SIZE, num_kv_blocks=40, check_invariants=True, num_scheduler_steps=3,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    bm = llm.engine.block_manager
+    assert bm.window == WINDOW and bm.num_window_blocks < bm.num_blocks
+    held, tables, window_copies = [], [], []
+
+    def hook(sched, outs):
+        window_copies.extend(sched.window_copies)
+        for sc in sched.scheduled:
+            seq = sc.seq
+            held.append(len(seq.window_block_table) - seq.num_released_blocks)
+            tables.append(len(seq.block_table))
+            # Released: exactly the blocks whose keys the step's first token (at the computed
+            # count) no longer sees, keys <= p - window.
+            dead = max(seq.num_computed_tokens - WINDOW + 1, 0) // BLOCK_SIZE
+            assert seq.num_released_blocks == min(dead, len(seq.window_block_table))
+
+    llm.engine.step_hooks.append(hook)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    outs = llm.generate(PROMPTS, [greedy, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)])
+    first = _hf_greedy(model, PROMPTS[0], 24)
+    assert outs[0].outputs[0].token_ids == first
+    # Each token's logprob as HF's (3 decode steps at a time over 4-token blocks: the steps start
+    # at every offset in a block).
+    ref = hf_logits(model, PROMPTS[0] + first)[len(PROMPTS[0]) - 1:-1].astype(np.float64)
+    ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+    got = [lp[t] for lp, t in zip(outs[0].outputs[0].logprobs, first)]
+    np.testing.assert_allclose(got, ref[np.arange(24), first], **HF_LOGITS)
+    assert [o.token_ids for o in outs[1].outputs] == [_hf_greedy(model, PROMPTS[1], 24)] * 2
+    # A step takes at most 8 tokens (drafts and multi-step decode take fewer).
+    assert max(held) <= window_span_blocks(WINDOW, BLOCK_SIZE, 8) < max(tables) == 10
+    assert window_copies and llm.engine.spec_num_drafts > 0
+    # The whole first sequence again, and more: its blocks come from the prefix cache, the window
+    # group's for the last window of the hit.
+    longer = PROMPTS[0] + first + [5, 6]
+    out = llm.generate([longer], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out.num_cached_tokens > 2 * WINDOW
+    assert out.outputs[0].token_ids == _hf_greedy(model, longer, 6)
+    assert bm.num_used == 0 and bm.window_pool.num_used == 0
+
+
+def test_both_kv_groups_are_sized_from_the_measured_peak(tmp_path_factory, monkeypatch):
+    """Gemma 2 with the pool left to the memory plan, its prediction far too low (no activations):
+    the measured peak resizes both groups, in the plan's proportion, on the device and in the
+    block manager alike; the engine still continues as HF's generate does."""
+    import passes.plan_memory as pm
+    from ir.kv_groups import window_blocks_per_seq
+    from runtime import LLM, SamplingParams
+
+    monkeypatch.setattr(pm, "activation_peak_bytes", lambda *a, **k: 0)
+    monkeypatch.setattr(pm, "sampler_workspace_bytes", lambda *a, **k: 0)
+    _, model, path, _, _, _ = saved_family("gemma2", tmp_path_factory)
+    llm = LLM(str(path), kernel_backend="cpp", max_model_len=48, max_num_seqs=2, max_num_batched_tokens=8,
+              block_size=BLOCK_SIZE, device_memory=48 << 20, reserve_bytes=0)
+    memory, runner, bm = llm.plan.memory, llm.engine.runner, llm.engine.block_manager
+    assert memory.planned_kv_blocks > memory.num_kv_blocks == runner.num_blocks == bm.num_blocks
+    assert memory.num_window_kv_blocks == runner.num_window_blocks == bm.num_window_blocks
+    assert (memory.num_kv_blocks, memory.num_window_kv_blocks) == memory.kv_blocks_that_fit(memory.measured_peak_bytes)
+    assert memory.weight_bytes + memory.kv_cache_bytes + memory.measured_peak_bytes <= memory.budget_bytes
+    seqs = memory.num_kv_blocks / 12  # 48 tokens in 4-token blocks
+    assert abs((memory.num_window_kv_blocks - 3) / window_blocks_per_seq(WINDOW, BLOCK_SIZE, 48) - seqs) < 1
+    for name, pool in runner.state.items():
+        window = name in ("k_pool.0", "v_pool.0", "k_pool.2", "v_pool.2")  # Gemma 2: layers 0 and 2 slide
+        assert pool.shape[0] == (memory.num_window_kv_blocks if window else memory.num_kv_blocks), name
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == _hf_greedy(model, PROMPTS[0], 8)

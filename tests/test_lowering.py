@@ -78,12 +78,15 @@ def _contiguous_inputs(step, num_seqs):
             "logits_indices": np.arange(len(tokens), dtype=np.int32)}
 
 
-def _paged_inputs(step, tables):
+def _paged_inputs(step, tables, window_tables=None):
+    """`window_tables`: the window group's own tables (ir.kv_groups), for a graph that has one."""
     inputs = _contiguous_inputs(step, len(tables))
     seq_ids, positions = inputs.pop("seq_ids"), inputs["positions"]
-    inputs["slot_mapping"] = (tables[seq_ids, positions // BLOCK_SIZE] * BLOCK_SIZE
-                              + positions % BLOCK_SIZE).astype(np.int32)
-    inputs["block_tables"] = np.stack([tables[s] for s, _, _ in step]).astype(np.int32)
+    for prefix, t in (("", tables), ("window_", window_tables)):
+        if t is not None:
+            inputs[prefix + "slot_mapping"] = (t[seq_ids, positions // BLOCK_SIZE] * BLOCK_SIZE
+                                               + positions % BLOCK_SIZE).astype(np.int32)
+            inputs[prefix + "block_tables"] = np.stack([t[s] for s, _, _ in step]).astype(np.int32)
     inputs["context_lens"] = np.array([start + len(ids) for _, start, ids in step], np.int32)
     inputs["cu_q_lens"] = np.concatenate([[0], np.cumsum([len(ids) for _, _, ids in step])]).astype(np.int32)
     return inputs
@@ -94,16 +97,20 @@ def run_steps(graph, weights, steps, *, num_seqs=2, cache_len=16, num_blocks=16,
     outputs of those names."""
     params = to_device_params(graph, materialize(graph, weights))
     names = set(state_names(graph))
-    env = {"S": num_seqs, "L": cache_len, "B": num_blocks}
+    env = {"S": num_seqs, "L": cache_len, "B": num_blocks, "BW": num_blocks}
     state = {x.name: np.zeros([env.get(d, d) for d in x.shape], JNP_DTYPES[x.dtype])
              for x in graph.runtime_inputs if x.name in names}
     paged = any("_pool." in n for n in names)
     max_blocks = cache_len // BLOCK_SIZE
-    tables = np.random.default_rng(seed).permutation(num_blocks)[:num_seqs * max_blocks].reshape(num_seqs, max_blocks)
+    rng = np.random.default_rng(seed)
+    tables, window_tables = (rng.permutation(num_blocks)[:num_seqs * max_blocks].reshape(num_seqs, max_blocks)
+                             for _ in range(2))
+    if "window_block_tables" not in {x.name for x in graph.runtime_inputs}:
+        window_tables = None
     fn = jit_step(graph)
     out = []
     for step in steps:
-        inputs = _paged_inputs(step, tables) if paged else _contiguous_inputs(step, num_seqs)
+        inputs = _paged_inputs(step, tables, window_tables) if paged else _contiguous_inputs(step, num_seqs)
         outs, state = fn(params, state, inputs)
         out.append(np.asarray(outs["logits"]) if keys is None else {k: np.asarray(outs[k]) for k in keys})
     return out

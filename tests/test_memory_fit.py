@@ -128,15 +128,17 @@ def test_a_max_model_len_the_measurement_leaves_no_room_for_is_refused(monkeypat
 
 # ------------------------------------------------------------------------ what XLA was asked to hold
 
-def _tiny_runner(num_kv_blocks, **engine):
+def _tiny_runner(num_kv_blocks, preset="tiny", max_model_len=256, **engine):
     from models.config import get_preset
     from models.weights import random_weights
     from runtime.config import EngineConfig
     from runtime.plan import compile_plan
     from runtime.worker.model_runner import ModelRunner
 
-    cfg = get_preset("tiny")
-    plan = compile_plan(None, EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+    cfg = get_preset(preset)
+    if preset != "tiny":  # its shapes, two layers
+        cfg = replace(cfg, num_layers=2)
+    plan = compile_plan(None, EngineConfig(max_model_len=max_model_len, max_num_seqs=8, max_num_batched_tokens=64,
                                            num_kv_blocks=num_kv_blocks, **engine),
                         weights=random_weights(cfg), config=cfg)
     return ModelRunner(plan)
@@ -270,8 +272,8 @@ def test_gpu_plans_from_the_allocators_numbers(monkeypatch, gpu, total, model, t
 
 # ------------------------------------------------------------------------ the multi-device children
 
-def run_child(case: str, devices: int, timeout: int = 900) -> dict:
-    env = {**os.environ, "CHILD_DEVICES": str(devices)}
+def run_child(case: str, devices: int, timeout: int = 900, tp: int | None = None) -> dict:
+    env = {**os.environ, "CHILD_DEVICES": str(devices), "CHILD_TP": str(tp or devices)}
     proc = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -298,6 +300,18 @@ def child_tiny_tp() -> dict:
     return out
 
 
+def child_scanned_pool_temps() -> dict:
+    """A tp=3 scanned step's temporaries at a small and a large pool, at SmolLM2's shapes with two
+    layers (one kv head per device) and its 2048 positions (at 256 XLA kept the pool's layout)."""
+    temps = []
+    for blocks in (64, 1024):
+        runner = _tiny_runner(blocks, "smollm2-135m", max_model_len=2048, tensor_parallel_size=3,
+                              scan_layers=True)
+        assert runner.layout.layers is not None
+        temps.append(int(runner.compile_bucket((8, 4)).memory_analysis().temp_size_in_bytes))
+    return {"temps": temps, "pool_bytes": runner.kv_cache_bytes() // 3}
+
+
 def child_rss() -> dict:
     """Max RSS of one process serving the tiny model at the given tp, on the default CPU budget."""
     import resource
@@ -313,7 +327,8 @@ def child_rss() -> dict:
             "kv_bytes": llm.plan.memory.kv_cache_bytes * tp}
 
 
-def child_smollm2_tp3() -> dict:
+def child_smollm2() -> dict:
+    """SmolLM2 at its defaults at CHILD_TP: fit, a greedy answer, max RSS, the plan's table."""
     import resource
 
     from conftest import CACHE_DIR
@@ -321,7 +336,7 @@ def child_smollm2_tp3() -> dict:
     from runtime.worker.model_runner import enable_compilation_cache
 
     enable_compilation_cache(CACHE_DIR)
-    llm = LLM("smollm2-135m", tensor_parallel_size=3)
+    llm = LLM("smollm2-135m", tensor_parallel_size=int(os.environ["CHILD_TP"]))
     got = assert_fits(llm)
     got["text"] = llm.generate(["The capital of France is"], greedy(max_tokens=6))[0].outputs[0].text
     got["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -336,16 +351,19 @@ def test_tensor_parallel_modes_start_at_their_defaults_and_fit():
     assert len(res["tp2 bf16"]["tokens"][0]) == 8
 
 
+def test_a_scanned_sharded_step_writes_the_pool_in_place():
+    """The KV write went through a flat view of the pool ([blocks * block_size, heads, dim]); in a
+    step scanned over layers under tensor parallelism, XLA then gave the loop's pool a layout of its
+    own and copied the whole pool (every layer's) in and out of the loop: 426 MiB of temporaries for
+    SmolLM2 at tp=3. The write now indexes (block, offset) in the pool's own shape."""
+    res = run_child("scanned_pool_temps", 3)
+    assert res["temps"][1] - res["temps"][0] < res["pool_bytes"] // 8, res
+
+
 @pytest.mark.slow
 def test_rss_under_tensor_parallelism_stays_within_the_one_budget():
     """Forced host devices share one process's memory: tp=2 must not take two budgets."""
-    rss = {}
-    for tp in (1, 2):
-        os.environ["CHILD_TP"] = str(tp)
-        try:
-            rss[tp] = run_child("rss", 2)
-        finally:
-            del os.environ["CHILD_TP"]
+    rss = {tp: run_child("rss", 2, tp=tp) for tp in (1, 2)}
     assert rss[2]["kv_bytes"] <= rss[1]["kv_bytes"] * 1.02
     assert rss[2]["maxrss_kib"] <= 1.3 * rss[1]["maxrss_kib"], rss
 
@@ -366,15 +384,20 @@ def test_smollm2_bf16_starts_at_its_defaults(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_starts_at_its_defaults():
-    res = run_child("smollm2_tp3", 3, timeout=1800)
-    assert abs(res["predicted"] - res["measured"]) <= 0.15 * res["measured"], res["table"]
-    assert "Paris" in res["text"], res
+def test_smollm2_tp3_starts_at_its_defaults_within_1_3x_tp1s_memory():
+    """SmolLM2 at tp=3 on forced host devices: its defaults fit, it answers, and the process's
+    peak RSS is at most 1.3x that of tp=1 on the same budget (issue 47's target: before the step
+    scanned under tensor parallelism it was 1.73x, the unrolled executables' compiled code)."""
+    res = {tp: run_child("smollm2", tp, timeout=1200) for tp in (3, 1)}
+    assert abs(res[3]["predicted"] - res[3]["measured"]) <= 0.15 * res[3]["measured"], res[3]["table"]
+    assert "Paris" in res[3]["text"] and "Paris" in res[1]["text"], res
+    assert res[3]["maxrss_kib"] <= 1.3 * res[1]["maxrss_kib"], {tp: r["maxrss_kib"] for tp, r in res.items()}
 
 
 if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    result = {"tiny_tp": child_tiny_tp, "rss": child_rss, "smollm2_tp3": child_smollm2_tp3}[sys.argv[1]]()
+    result = {"tiny_tp": child_tiny_tp, "rss": child_rss, "smollm2": child_smollm2,
+              "scanned_pool_temps": child_scanned_pool_temps}[sys.argv[1]]()
     print(json.dumps(result))

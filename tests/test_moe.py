@@ -224,8 +224,8 @@ def test_dry_run_weights_per_device(name, tp, ep):
 
 
 def test_predicted_moe_scratch_matches_xla():
-    """The memory plan's grouped-lowering scratch against XLA's temp_size on XLA:CPU, where
-    ragged_dot runs densely over a copy of each stack, on a model whose experts dominate."""
+    """The memory plan's grouped-lowering scratch against XLA's temp_size on XLA:CPU (the grouped
+    matmul's tile loop), on a model whose experts dominate."""
     from runtime.config import EngineConfig
     from runtime.plan import compile_plan
     from runtime.worker.model_runner import ModelRunner

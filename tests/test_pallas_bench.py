@@ -14,8 +14,9 @@ def test_bench_interpret_smoke(capsys):
   assert "ceilings: copy" in out
   assert "prefill (causal, GQA, bf16)" in out
   assert "decode (one query per sequence" in out
+  assert "grouped matmul (MoE expert products" in out
   ours = [line for line in out.splitlines() if "ours (" in line]
-  assert len(ours) == len(bench.prefill_cases(True)) + len(bench.decode_cases(True))
+  assert len(ours) == len(bench.prefill_cases(True)) + len(bench.decode_cases(True)) + len(bench.gmm_cases(True))
   for line in ours:
     # Every row of ours has a time and agrees with XLA to bf16 accuracy.
     diff = float(re.search(r"max\|diff\| vs \S+: (\S+)", line).group(1))
@@ -36,6 +37,11 @@ def test_bench_full_case_lists_are_sane():
   assert {c.context_len for c in decode} == {128, 1024, 4096, 8192, 32768}
   # The decode target (64 sequences x 4k context) is one of the cases.
   assert any(c.num_seqs == 64 and c.context_len == 4096 for c in decode)
+  # The MoE layer shape of issue 51's target (64 experts, top-4, 64 tokens) is a grouped-matmul case,
+  # and its routing gives every token top_k distinct experts.
+  gmm = bench.gmm_cases(False)
+  target = next(c for c in gmm if (c.tokens, c.top_k, c.num_groups) == (64, 4, 64))
+  assert target.group_sizes().sum() == 64 * 4 and target.group_sizes().max() <= 64
 
 
 def _sleeper(seconds):

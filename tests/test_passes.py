@@ -110,6 +110,46 @@ def test_insert_paged_kv_text_carries_softcap_and_window():
             "new_kv_written=true, num_kv_heads=2, scale=0.35355339059327373, softcap=50.0, window=8} : f32[T, 4, 8]") in out
 
 
+def test_insert_paged_kv_puts_windowed_layers_beside_full_ones_in_the_window_group():
+    """A windowed layer beside a full one: its pools take the window group's block count BW, and its
+    kv_write and paged_attention the window group's slots and tables (ir.kv_groups). With windowed
+    layers only, one full group stays (test above)."""
+    text = PAGED_INPUT_TEXT.replace("output o = %2\n", """\
+%3 = kv_cache_update(%k_cache.1, %k, %seq_ids, %positions) : f32[S, L, 2, 8]
+%4 = kv_cache_update(%v_cache.1, %v, %seq_ids, %positions) : f32[S, L, 2, 8]
+%5 = attention(%q, %3, %4, %seq_ids, %positions) {causal=true, head_dim=8, num_kv_heads=2, scale=0.35355339059327373, window=6} : f32[T, 4, 8]
+output o = %2
+output o1 = %5
+output k_cache.1 = %3
+output v_cache.1 = %4
+""").replace("input %v_cache.0 : f32[S, L, 2, 8]\n", """\
+input %v_cache.0 : f32[S, L, 2, 8]
+input %k_cache.1 : f32[S, L, 2, 8]
+input %v_cache.1 : f32[S, L, 2, 8]
+""")
+    out = run_pass(text, partial(insert_paged_kv, block_size=4))
+    lines = out.splitlines()
+    assert lines[:10] == [
+        "input %slot_mapping : i32[T]",
+        "input %block_tables : i32[S, M]",
+        "input %window_slot_mapping : i32[T]",
+        "input %window_block_tables : i32[S, M]",
+        "input %context_lens : i32[S]",
+        "input %cu_q_lens : i32[S+1]",
+        "input %k_pool.0 : f32[B, 4, 2, 8]",
+        "input %v_pool.0 : f32[B, 4, 2, 8]",
+        "input %k_pool.1 : f32[BW, 4, 2, 8]",
+        "input %v_pool.1 : f32[BW, 4, 2, 8]",
+    ]
+    assert "%3 = kv_write(%k_pool.1, %k, %window_slot_mapping) : f32[BW, 4, 2, 8]" in lines
+    assert ("%5 = paged_attention(%q, %3, %4, %window_block_tables, %context_lens, %cu_q_lens) {block_size=4, "
+            "head_dim=8, new_kv_written=true, num_kv_heads=2, scale=0.35355339059327373, window=6} : f32[T, 4, 8]") in lines
+    assert "%2 = paged_attention(%q, %0, %1, %block_tables, %context_lens, %cu_q_lens)" in out
+    from ir.kv_groups import kv_window
+
+    assert kv_window(parse_graph(out)) == 6 and kv_window(parse_graph(run_pass(PAGED_INPUT_TEXT, insert_paged_kv))) is None
+
+
 PAGED_INPUT_TEXT = """\
 input %positions : i32[T]
 input %seq_ids : i32[T]

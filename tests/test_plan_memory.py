@@ -293,3 +293,42 @@ def test_predicted_activation_peak_matches_xla(smol_plan, lowering, scan, monkey
 
 def test_plan_models_the_executors_lowering():
     assert executor_paged_lowering() == PipelineOptions().paged_attention_lowering
+
+
+# ------------------------------------------------------------------------------ KV cache groups
+
+def test_window_group_gets_its_share_of_the_kv_budget():
+    """gemma-3-1b (22 sliding layers of window 512, 4 global): the sliding layers' pools form the
+    window group (ir.kv_groups). The budget left for KV is split so that each sequence at
+    max_model_len has its full-length blocks in the full group and its window's blocks in the
+    window group (plus a chunk's blocks and the null block there); 2.6x the sequences a cache
+    keeping every layer's blocks holds."""
+    from ir.kv_groups import window_blocks_for, window_blocks_per_seq
+
+    c = get_preset("gemma-3-1b")
+    g = final_graph("gemma-3-1b", max_model_len=2048, block_size=16, buckets=((8, 4), (32, 4)))
+    plan = report(g, device_memory_bytes=16 << 30, block_size=16, max_model_len=2048)
+    layer_block = 2 * c.num_kv_heads * c.head_dim * 4 * 16
+    assert plan.kv_window == 512
+    assert plan.kv_bytes_per_block == kv_bytes_per_block(g) == 4 * layer_block
+    assert plan.window_kv_bytes_per_block == kv_bytes_per_block(g, window=True) == 22 * layer_block
+    free = plan.budget_bytes - plan.weight_bytes - plan.peak_activation_bytes - plan.reserve_bytes
+    assert 0 <= free - plan.kv_cache_bytes < plan.window_kv_bytes_per_block
+    per_seq_window = window_blocks_per_seq(512, 16, 2048)
+    assert per_seq_window == 33
+    seqs = plan.num_kv_blocks / 128
+    extra = 32 // 16 + 1  # the largest step's 32 tokens, and the null block
+    assert abs((plan.num_window_kv_blocks - extra) / per_seq_window - seqs) < 1
+    assert plan.max_concurrent_seqs == int(seqs) > 0
+    every_layer = free // (26 * layer_block * 128)
+    assert plan.max_concurrent_seqs >= 2.6 * every_layer
+    assert g.meta_value("num_window_kv_blocks") is not None  # the pass records both counts
+    # A full-group count the user fixed: the window group holds as many sequences' windows.
+    fixed = report(g, device_memory_bytes=16 << 30, block_size=16, max_model_len=2048, num_kv_blocks=300)
+    assert fixed.num_kv_blocks == 300
+    assert fixed.num_window_kv_blocks == window_blocks_for(300, window=512, block_size=16, max_model_len=2048,
+                                                           max_num_batched_tokens=32) == 3 * 33 + extra
+    assert "window-512 layers" in fixed.table()
+    # A model without sliding layers: one group, as before.
+    llama = report(final_graph())
+    assert llama.kv_window is None and llama.num_window_kv_blocks == 0 and llama.window_kv_bytes_per_block == 0

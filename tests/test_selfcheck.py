@@ -42,7 +42,7 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
 
   kernels = parts["kernels"]["data"]["rows"]
   assert {r["dtype"] for r in kernels} == {"float32", "bfloat16"}
-  assert {r["case"].split()[0] for r in kernels} == {"flash_attention", "paged_attention"}
+  assert {r["case"].split()[0] for r in kernels} == {"flash_attention", "paged_attention", "grouped_matmul"}
   assert all(r["ok"] and r["max_abs_diff"] < 2e-2 for r in kernels)
   tiny = parts["tiny"]["data"]
   assert tiny["pallas_backend"] == "interpret"
@@ -138,6 +138,20 @@ def test_kernel_part_catches_a_wrong_kernel(monkeypatch, kind, problem):
   ok, summary, data = selfcheck_parts.part_kernels(SimpleNamespace(quick=True))
   assert not ok and "0/2 within tolerance" in summary
   assert all(problem in r["problem"] for r in data["rows"])
+
+
+def test_kernel_part_catches_a_wrong_grouped_matmul(monkeypatch):
+  import pallas_kernels
+
+  def wrong_groups(lhs, rhs, sizes, *, interpret):  # every row through the first group's matrix
+    return pallas_kernels.grouped_matmul_reference(lhs, rhs, sizes.at[0].set(lhs.shape[0]))
+
+  monkeypatch.setattr(selfcheck_parts, "kernel_cases",
+                      lambda large: [selfcheck_parts._gmm_case([3, 0, 9], 2, 32, 16)])
+  monkeypatch.setattr(pallas_kernels, "grouped_matmul", wrong_groups)
+  ok, summary, data = selfcheck_parts.part_kernels(SimpleNamespace(quick=True))
+  assert not ok and "0/2 within tolerance" in summary
+  assert all("outside tolerance" in r["problem"] for r in data["rows"])
 
 
 def _fake_llm(split_gap):

@@ -59,6 +59,7 @@ class ScheduleOutput:
     num_tokens: int
     bucket: tuple[int, int]
     copies: list[tuple[int, int]] = field(default_factory=list)
+    window_copies: list[tuple[int, int]] = field(default_factory=list)  # the window group's (ir.kv_groups)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -186,9 +187,9 @@ class Scheduler:
                 seq = self.waiting[0]
                 if seq.request.params.n > seq_budget and not (seq.request.forked or seq.index):
                     break  # its samples will need n sequence slots
-                if not self.bm.can_allocate(seq):
+                if not self.bm.can_allocate(seq, token_budget):
                     break
-                self.bm.allocate(seq)
+                self.bm.allocate(seq, token_budget)
                 n = seq.num_uncomputed
                 if n > token_budget:
                     if not c.enable_chunked_prefill:
@@ -212,6 +213,7 @@ class Scheduler:
             rows = sum(s.num_rows for s in out.scheduled)
             out.bucket = self.buckets.pick(out.num_tokens, max(len(out.scheduled), rows))
         out.copies = self.bm.take_copies()
+        out.window_copies = self.bm.take_window_copies()
         return out
 
     def update(self, out: ScheduleOutput) -> None:

@@ -31,6 +31,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.block_table: list[int] = []
+        # The window group's table (ir.kv_groups; empty without one): its first
+        # `num_released_blocks` entries are the null block, behind the window.
+        self.window_block_table: list[int] = []
+        self.num_released_blocks = 0
         self.num_hashed_blocks = 0
         self.block_hashes: list[int] = []
         self.status = SeqStatus.WAITING

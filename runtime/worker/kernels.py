@@ -442,29 +442,123 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
 
 
-def _tied_f32(w, sizes):
-    """`w` in f32, tied to this layer's routing (`sizes`, the per-expert counts: adding
+# Rows per work item of the CPU grouped matmul (grouped_matmul_tiles): the next power of two of the
+# average rows per group, within these bounds. A decode step has a few rows per expert (64 tokens x
+# top-4 over 64 experts: 4), a prefill step tens.
+GMM_MIN_TILE, GMM_MAX_TILE = 8, 128
+
+
+def grouped_matmul_tile_rows(num_rows: int, num_groups: int) -> int:
+    """Rows per work item of grouped_matmul_tiles for these static shapes."""
+    per_group = -(-num_rows // max(1, num_groups))
+    return min(GMM_MAX_TILE, max(GMM_MIN_TILE, 1 << max(0, (per_group - 1).bit_length())))
+
+
+def grouped_matmul_tiles(lhs, rhs, group_sizes, *, cpp: bool = False, layer=None):
+    """The grouped matmul on XLA:CPU (grouped_matmul's contract): a loop over (group, tile of rows)
+    work items, each a dynamic slice of the sorted rows times its group's matrix, written back
+    where its rows are. The work is about M / tile + G products of one tile, growing with the rows,
+    not with the groups. XLA:CPU's ragged_dot runs every group on every row instead: on a 64-expert
+    top-4 layer at 64 rows (hidden 1024, f32) it took 1.9x the time of all 64 experts run densely,
+    this loop 0.18-0.34x (benchmarks/moe_layer.py on a loaded 2-core machine).
+
+    XLA takes each group's matrix as a copy (a dynamic slice) before its product; with `cpp` (f32
+    only), our C++ row kernel reads it where it lies in rhs instead (cpp_kernels.f32_matmul with
+    the group as its layer). With `layer` (a scanned step's traced layer index), rhs is the stack
+    [L, G, K, N] of every layer's experts, viewed as [L * G, K, N]: each tile takes only its own
+    expert's matrix of that layer, never a copy of the whole layer's.
+
+    Half-precision experts are widened to f32 per tile (XLA:CPU has no half dot); at the shape
+    above in bf16 that made the loop about as slow as the dense layer, where f32 (CPU's default
+    dtype) runs it at a fraction."""
+    m, n = lhs.shape[0], rhs.shape[-1]
+    num_groups = group_sizes.shape[0]
+    base = 0
+    if layer is not None:
+        base = jnp.asarray(layer, jnp.int32) * num_groups
+        rhs = rhs.reshape((-1,) + rhs.shape[2:])
+    tile = grouped_matmul_tile_rows(m, num_groups)
+    ends = jnp.minimum(jnp.cumsum(group_sizes), m)
+    offsets = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends])
+    tiles = (offsets[1:] - offsets[:-1] + tile - 1) // tile  # work items per group
+    item_ends = jnp.cumsum(tiles)
+    lhs = jnp.pad(lhs, ((0, tile), (0, 0)))  # every tile's slice in bounds
+    half = rhs.dtype in HALF_DTYPES and jax.default_backend() == "cpu"  # no half dot on XLA:CPU
+
+    def body(item, out):
+        g = jnp.searchsorted(item_ends, item, side="right").astype(jnp.int32)
+        row0 = offsets[g] + (item - (item_ends[g] - tiles[g])) * tile
+        x = jax.lax.dynamic_slice_in_dim(lhs, row0, tile)
+        if cpp:
+            y = cpp_kernels.f32_matmul(x, rhs, layer=base + g)
+        else:
+            w = jax.lax.dynamic_index_in_dim(rhs, base + g, keepdims=False)
+            if half:
+                x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+            y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        mine = (row0 + jnp.arange(tile) < offsets[g + 1])[:, None]  # the next group's rows: kept
+        old = jax.lax.dynamic_slice_in_dim(out, row0, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), row0, axis=0)
+
+    out = jax.lax.fori_loop(0, item_ends[-1], body, jnp.zeros((m + tile, n), jnp.float32))
+    return out[:m].astype(lhs.dtype)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, backend: str, layer=None):
+    """The grouped (mixture-of-experts) product under `backend`: jax.lax.ragged_dot's contract.
+
+    lhs [M, K] holds rows sorted by group; rhs [G, K, N] one matrix per group (expert), of lhs's
+    dtype (float32, bfloat16 or float16; anything else is a ValueError); group_sizes int [G], the
+    rows of each group, empty groups allowed. Group g's rows are [sum(sizes[:g]),
+    sum(sizes[:g+1])); rows past sum(group_sizes) come out as zeros, and a sum past M is clipped
+    to M. Returns [M, N] in lhs's dtype, the products accumulated in f32 on every backend.
+
+    Backends: "pallas" runs our Pallas kernel (pallas_kernels.grouped_matmul, GPU), "interpret"
+    the same kernel in the Pallas interpreter (tests); "xla" and "cpp" run grouped_matmul_tiles on
+    XLA:CPU (the fastest exact form benchmarks/moe_layer.py found there; under "cpp", f32 tiles of
+    at most CPP_F32_MAX_ROWS rows in our C++ row kernel) and XLA's ragged_dot on other platforms.
+
+    `layer` as in matmul_int8_cpp: a scanned step's traced layer index, rhs then the stack
+    [L, G, K, N]; the CPU tile loop reads each tile's expert of that layer from the stack (in place
+    under "cpp"), the other paths take the layer's slice (a copy)."""
+    import pallas_kernels as pk
+
+    if layer is not None and rhs.ndim != 4:
+        raise ValueError(f"grouped_matmul: a layer index needs rhs [L, G, K, N], got {rhs.shape}")
+    one_layer = rhs if layer is None else jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)
+    pk.grouped_matmul_check_inputs(lhs, one_layer, group_sizes)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if backend not in ("pallas", "interpret", "xla", "cpp"):
+        raise ValueError(f"grouped_matmul: unknown kernel backend {backend!r}")
+    if backend in ("xla", "cpp") and jax.default_backend() == "cpu":
+        cpp = (backend == "cpp" and lhs.dtype == jnp.float32 and cpp_kernels.matmul_vectorized()
+               and grouped_matmul_tile_rows(lhs.shape[0], group_sizes.shape[0]) <= CPP_F32_MAX_ROWS)
+        return grouped_matmul_tiles(lhs, rhs, group_sizes, cpp=cpp, layer=layer)
+    if layer is not None:
+        rhs = jax.lax.dynamic_index_in_dim(rhs, layer, keepdims=False)
+    if backend in ("pallas", "interpret"):
+        return pk.grouped_matmul(lhs, rhs, group_sizes, interpret=backend == "interpret")
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
+
+
+def _tied(w, dtype, sizes):
+    """`w` cast to `dtype`, tied to this layer's routing (`sizes`, the per-expert counts: adding
     0 x (sizes[0] < 0)) as matmul_half_cpu ties its widened weight to the activations, so that XLA
-    makes this copy where the product runs, one at a time. The counts are replicated under tensor
-    parallelism, so the tie moves nothing between devices."""
-    return w.astype(jnp.float32) + (sizes[0] < 0).astype(jnp.float32) * 0.0
+    makes this copy when the layer runs rather than every layer's at the top of the step. The
+    counts are replicated under tensor parallelism, so the tie moves nothing between devices."""
+    return w.astype(dtype) + (sizes[0] < 0).astype(dtype) * 0
 
 
-def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", grouped_matmul=jax.lax.ragged_dot):
+def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", backend="xla"):
     """moe_experts (ir.moe_ops) by expert groups: the T x k token-expert pairs sorted by expert,
-    each product one grouped matmul with jax.lax.ragged_dot's contract (lhs [M, K], rhs [G, K, N],
-    group_sizes [G] -> [M, N]; rows of group g are the g-th run of lhs), then the rows put back in
-    pair order and summed per token with their router weights. Static shapes: M = T x k rows
-    whatever the routing, so a step never recompiles when the per-expert counts change, and the
-    work grows with k, not with E. Int8 experts (three scales [E, out]) multiply by the int8 weight
-    widened to the activations' dtype, then scale each row by its expert's column scales: exactly
-    x @ (w_int8 * s).
-
-    XLA:CPU expands ragged_dot densely: a copy of the whole stack [G x K, N] and the rows masked per
-    group [M, G x K], one product over every expert (E times the work, not k; docs/models.md). There
-    the stacks are taken in f32 and tied to the layer's routing, so XLA copies a layer's three stacks
-    when that layer runs rather than every layer's at the top of the step (passes.plan_memory counts
-    the copies and the mask)."""
+    each product one grouped_matmul under `backend` (jax.lax.ragged_dot's contract: lhs [M, K], rhs
+    [G, K, N], group_sizes [G] -> [M, N]; rows of group g are the g-th run of lhs), then the rows
+    put back in pair order and summed per token with their router weights. Static shapes: M = T x k
+    rows whatever the routing, so a step never recompiles when the per-expert counts change, and
+    the work grows with k, not with E. Int8 experts (three scales [E, out]) multiply by the int8
+    stack widened to the activations' dtype (one layer's at a time), then scale each row by its
+    expert's column scales: exactly x @ (w_int8 * s)."""
     t, k = ids.shape
     num_experts = wg.shape[0]
     flat = ids.reshape(-1)
@@ -472,14 +566,11 @@ def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", groupe
     experts = jnp.take(flat, order)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     sg, su, sd = scales if scales else (None, None, None)
-    cpu = jax.default_backend() == "cpu"
 
     def product(lhs, w, scale):
-        if cpu:
-            lhs, w = lhs.astype(jnp.float32), _tied_f32(w, sizes)
-        elif scale is not None:
-            w = w.astype(lhs.dtype)
-        y = grouped_matmul(lhs, w, sizes, preferred_element_type=jnp.float32)
+        if w.dtype != lhs.dtype:
+            w = _tied(w, lhs.dtype, sizes)
+        y = grouped_matmul(lhs, w, sizes, backend=backend).astype(jnp.float32)
         return y if scale is None else y * jnp.take(scale, experts, axis=0, mode="clip")
 
     rows = jnp.take(x, order // k, axis=0)  # [T*k, H]
@@ -489,13 +580,7 @@ def moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act="silu", groupe
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
 
 
-# The grouped matmul (jax.lax.ragged_dot's contract) under each backend's moe_experts lowering.
-GROUPED_MATMULS = {"xla": jax.lax.ragged_dot, "cpp": jax.lax.ragged_dot, "pallas": jax.lax.ragged_dot,
-                   "interpret": jax.lax.ragged_dot}
-
-
-def moe_experts_on_device(x, ids, weights, wg, wu, wd, *scales, num_experts, axis, act="silu",
-                          grouped_matmul=jax.lax.ragged_dot):
+def moe_experts_on_device(x, ids, weights, wg, wu, wd, *scales, num_experts, axis, act="silu", backend="xla"):
     """moe_experts on one device's shards, inside shard_map over mesh axis `axis`, its partial sum
     all-reduced: tokens and routing replicated; each expert split by its intermediate dim (tensor
     parallel: every device runs every pair on its columns), or the experts split among the devices
@@ -507,7 +592,7 @@ def moe_experts_on_device(x, ids, weights, wg, wu, wd, *scales, num_experts, axi
         rel = ids - jax.lax.axis_index(axis) * local
         mine = (rel >= 0) & (rel < local)
         ids, weights = jnp.where(mine, rel, local), jnp.where(mine, weights, 0.0)
-    y = moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act=act, grouped_matmul=grouped_matmul)
+    y = moe_experts_grouped(x, ids, weights, wg, wu, wd, *scales, act=act, backend=backend)
     return jax.lax.psum(y, axis)
 
 
@@ -515,9 +600,8 @@ def per_device_lowerings(backend: str) -> dict:
     """op name -> (node -> implementation on one device's shards, taking `axis`) for the ops whose
     sharded form runs per device in shard_map and all-reduces its own result (see
     runtime.worker.sharding.TensorParallelMesh.per_device)."""
-    gmm = GROUPED_MATMULS[backend]
     return {"moe_experts": lambda node: functools.partial(moe_experts_on_device, num_experts=node.inputs[3].shape[0],
-                                                          grouped_matmul=gmm)}
+                                                          backend=backend)}
 
 
 def layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
@@ -529,7 +613,7 @@ def layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
 
 def lowerings(backend: str) -> dict:
     """op name -> implementation for the given backend (`xla`, `cpp`, `pallas` or `interpret`)."""
-    moe = {"moe_experts": functools.partial(moe_experts_grouped, grouped_matmul=GROUPED_MATMULS[backend])}
+    moe = {"moe_experts": functools.partial(moe_experts_grouped, backend=backend)}
     return _attention_lowerings(backend) | moe
 
 

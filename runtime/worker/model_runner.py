@@ -19,6 +19,8 @@ import numpy as np
 
 from ir import bind_shape
 from ir.head import HEAD_INPUT, head_graph
+from ir.kv_groups import (BLOCK_TABLES, BLOCKS_DIM, SLOT_MAPPING, WINDOW_BLOCK_TABLES, WINDOW_BLOCKS_DIM,
+                          WINDOW_SLOT_MAPPING, is_window_pool, kv_window)
 from models.cli import DoesNotFit
 from passes.plan_memory import MemoryPlan
 from runtime.worker.executables import ExecutableStore, num_backend_compiles  # noqa: F401  (re-exported)
@@ -53,29 +55,38 @@ def _log_probs(logits, targets):
     return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0], top_ids, top_lp
 
 
-def _copy_blocks(pools, src, dst, *, num_layers: int):
-    """Copy-on-write of KV blocks: dst[i] <- src[i] in every pool (every layer of a flat
-    multi-layer pool, whose layer l owns blocks [l*B, (l+1)*B)); dst -1 pairs are padding."""
-    total = next(iter(pools.values())).shape[0]
-    offsets = (jnp.arange(num_layers, dtype=jnp.int32) * (total // num_layers))[:, None]
-    src = (offsets + src[None, :]).reshape(-1)
-    dst = jnp.where(dst[None, :] < 0, total, offsets + dst[None, :]).reshape(-1)
-    return {k: v.at[dst].set(jnp.take(v, src, axis=0, mode="clip"), mode="drop") for k, v in pools.items()}
+def _copy_blocks(pools, src, dst, window_src, window_dst, *, num_layers: int, window_keys=frozenset()):
+    """Copy-on-write of KV blocks: dst[i] <- src[i] in every pool of the full group, window_dst[i] <-
+    window_src[i] in every pool of the window group (`window_keys`; ir.kv_groups), every layer of a
+    flat multi-layer pool, whose layer l owns blocks [l*B, (l+1)*B); dst -1 pairs are padding."""
+
+    def copy(pool, src, dst):
+        total = pool.shape[0]
+        offsets = (jnp.arange(num_layers, dtype=jnp.int32) * (total // num_layers))[:, None]
+        src = (offsets + src[None, :]).reshape(-1)
+        dst = jnp.where(dst[None, :] < 0, total, offsets + dst[None, :]).reshape(-1)
+        return pool.at[dst].set(jnp.take(pool, src, axis=0, mode="clip"), mode="drop")
+
+    return {k: copy(v, *((window_src, window_dst) if k in window_keys else (src, dst))) for k, v in pools.items()}
 
 
 def _advance_decode(inputs: dict, tokens, block_size: int) -> dict:
     """The next decode step's inputs on the device: token i (of sequence i) is the one just
-    sampled for row i, one position further, its KV slot looked up in its block table."""
-    real = inputs["slot_mapping"] >= 0
+    sampled for row i, one position further, its KV slot looked up in its block table (in each
+    KV cache group's table: ir.kv_groups)."""
+    real = inputs[SLOT_MAPPING] >= 0
     n = inputs["tokens"].shape[0]
     positions = jnp.where(real, inputs["positions"] + 1, inputs["positions"])
-    seq = jnp.minimum(jnp.arange(n), inputs["block_tables"].shape[0] - 1)
-    block = inputs["block_tables"][seq, jnp.minimum(positions // block_size, inputs["block_tables"].shape[1] - 1)]
-    slots = jnp.where(real, block * block_size + positions % block_size, -1)
     new_tokens = jnp.where(real, tokens[jnp.minimum(jnp.arange(n), tokens.shape[0] - 1)], inputs["tokens"])
     context_lens = jnp.where(inputs["context_lens"] > 0, inputs["context_lens"] + 1, 0)
-    return dict(inputs, tokens=new_tokens.astype(jnp.int32), positions=positions, slot_mapping=slots,
-                context_lens=context_lens)
+    out = dict(inputs, tokens=new_tokens.astype(jnp.int32), positions=positions, context_lens=context_lens)
+    for slots_name, tables_name in ((SLOT_MAPPING, BLOCK_TABLES), (WINDOW_SLOT_MAPPING, WINDOW_BLOCK_TABLES)):
+        if slots_name in inputs:
+            tables = inputs[tables_name]
+            seq = jnp.minimum(jnp.arange(n), tables.shape[0] - 1)
+            block = tables[seq, jnp.minimum(positions // block_size, tables.shape[1] - 1)]
+            out[slots_name] = jnp.where(real, block * block_size + positions % block_size, -1)
+    return out
 
 
 def on_every_rank(method):
@@ -158,6 +169,9 @@ class ModelRunner:
         self.block_size = engine.block_size
         self.max_blocks_per_seq = math.ceil(engine.max_model_len / engine.block_size)
         self.num_blocks = plan.num_kv_blocks
+        # The window group's pools (ir.kv_groups): their window and block count (0: no such group).
+        self.kv_window = kv_window(self.graph)
+        self.num_window_blocks = plan.memory.num_window_kv_blocks if self.kv_window is not None else 0
         self.max_model_len = engine.max_model_len
         self.vocab_size = plan.config.vocab_size
         if mesh is None and engine.tensor_parallel_size > 1:
@@ -240,7 +254,10 @@ class ModelRunner:
 
         self._multi_step = jax.jit(multi_step, donate_argnums=(1,))
         self.compiled_multi: dict[tuple[int, int], object] = {}
-        self._copy = jax.jit(partial(_copy_blocks, num_layers=self.layout.num_layers), donate_argnums=(0,))
+        by_name = {leaf.name: leaf for leaf in self.graph.runtime_inputs}
+        window_keys = frozenset(k for k, names in self.layout.state_groups.items() if is_window_pool(by_name[names[0]]))
+        self._copy = jax.jit(partial(_copy_blocks, num_layers=self.layout.num_layers, window_keys=window_keys),
+                             donate_argnums=(0,))
         self._copy_compiled = None
         # Prompt logprobs run the step graph's own LM head (ir.head: final norm + LM head as the
         # passes left them: int8, sharded), cut out as a graph over rows of hidden states.
@@ -283,7 +300,8 @@ class ModelRunner:
         def zeros(item):
             key, names = item
             leaf = by_name[names[0]]
-            shape = bind_shape(leaf.shape, {"B": self.num_blocks * len(names)})
+            shape = bind_shape(leaf.shape, {BLOCKS_DIM: self.num_blocks * len(names),
+                                            WINDOW_BLOCKS_DIM: self.num_window_blocks * len(names)})
             device = self.mesh.node_sharding(leaf) if self.mesh is not None else None
             dtype = kernels.pool_storage_dtype(JNP_DTYPES[leaf.dtype], resolve_backend(self.backend))
             return key, jax.block_until_ready(jnp.zeros(shape, dtype, device=device))
@@ -301,7 +319,7 @@ class ModelRunner:
 
     def input_specs(self, num_tokens: int, num_seqs: int) -> dict[str, jax.ShapeDtypeStruct]:
         env = {"T": num_tokens, "S": num_seqs, "R": num_seqs, "M": self.max_blocks_per_seq,
-               "B": self.num_blocks}
+               BLOCKS_DIM: self.num_blocks, WINDOW_BLOCKS_DIM: self.num_window_blocks}
         return {leaf.name: jax.ShapeDtypeStruct(bind_shape(leaf.shape, env), JNP_DTYPES[leaf.dtype])
                 for leaf in self.graph.runtime_inputs if leaf.name not in self.state_names}
 
@@ -393,8 +411,9 @@ class ModelRunner:
         """Runs each bucket's step once on all-padding inputs (nothing is written to the KV pools)."""
         for b in self.plan.buckets.pairs():
             args = {k: np.zeros(v.shape, v.dtype) for k, v in self.input_specs(*b).items()}
-            if "slot_mapping" in args:
-                args["slot_mapping"][:] = -1  # padding tokens write nothing
+            for name in (SLOT_MAPPING, WINDOW_SLOT_MAPPING):
+                if name in args:
+                    args[name][:] = -1  # padding tokens write nothing
             jax.block_until_ready(self.execute(b, args))
 
     def _measure(self, compiled) -> tuple[int, int]:
@@ -423,9 +442,8 @@ class ModelRunner:
         for b in sorted(self.multi_step_buckets):
             self.xla_memory_other[f"multi-step {b[0]}x{b[1]}"] = self._measure(self.compile_multi_step(b))
         n = self.max_num_copy_pairs
-        self._copy_compiled = self._compile(
-            "copy_blocks", self._copy, self._abstract(self.state), jax.ShapeDtypeStruct((n,), jnp.int32),
-            jax.ShapeDtypeStruct((n,), jnp.int32))
+        pair = jax.ShapeDtypeStruct((n,), jnp.int32)
+        self._copy_compiled = self._compile("copy_blocks", self._copy, self._abstract(self.state), pair, pair, pair, pair)
         self.xla_memory_other["copy_blocks"] = self._measure(self._copy_compiled)
         self._plp_compiled = self._compile(
             "prompt_logprobs", self._head_logprobs, self._abstract(self._head_params),
@@ -451,7 +469,7 @@ class ModelRunner:
                  memory.peak_activation_bytes / 2**20, measured / 2**20,
                  len(self.xla_memory) + len(self.xla_memory_other))
         engine = self.plan.engine
-        blocks = self.num_blocks
+        blocks, window_blocks = self.num_blocks, self.num_window_blocks
         fits = memory.blocks_that_fit(measured)
         within = memory.weight_bytes + memory.kv_cache_bytes + measured <= memory.budget_bytes
         if engine.num_kv_blocks is not None or not resize:
@@ -468,10 +486,9 @@ class ModelRunner:
                     "lower --max-num-batched-tokens or --max-num-seqs (the peak grows with the largest "
                     "bucket), or raise --memory-utilization")
             log.info("KV pool sized from the measured peak: %d blocks (the prediction gave %d)", fits, blocks)
-            blocks = fits
-        self.plan.memory = replace(memory, num_kv_blocks=blocks, planned_kv_blocks=planned,
-                                   max_concurrent_seqs=blocks // self.max_blocks_per_seq)
-        if blocks == self.num_blocks:
+            blocks, window_blocks = memory.kv_blocks_that_fit(measured)
+        self.plan.memory = memory.with_blocks(blocks, window_blocks, planned_kv_blocks=planned)
+        if blocks == self.num_blocks and window_blocks == self.num_window_blocks:
             return False
         self.state = None  # the old pools go before the new ones arrive
         self.compiled.clear()
@@ -479,7 +496,7 @@ class ModelRunner:
         self._copy_compiled = self._plp_compiled = None
         self.xla_memory.clear()
         self.xla_memory_other.clear()
-        self.num_blocks = blocks
+        self.num_blocks, self.num_window_blocks = blocks, window_blocks
         self.state = self._alloc_state()
         return True
 
@@ -500,16 +517,20 @@ class ModelRunner:
     # ------------------------------------------------------------ execution
 
     @on_every_rank
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
+        """Copy-on-write pairs (src, dst) of the full group's blocks and of the window group's."""
         n = self.max_num_copy_pairs
-        for i in range(0, len(copies), n):
-            part = copies[i:i + n]
+
+        def pairs(part):
             src = np.zeros(n, np.int32)
             dst = np.full(n, -1, np.int32)
             src[:len(part)] = [a for a, _ in part]
             dst[:len(part)] = [b for _, b in part]
+            return src, dst
+
+        for i in range(0, max(len(copies), len(window_copies)), n):
             fn = self._copy_compiled or self._copy
-            self.state = fn(self.state, src, dst)
+            self.state = fn(self.state, *pairs(copies[i:i + n]), *pairs(window_copies[i:i + n]))
 
     @on_every_rank
     def execute(self, bucket: tuple[int, int], inputs: dict[str, np.ndarray], sampling: dict | None = None,
