@@ -17,7 +17,7 @@ ties go to the lower expert id, as lax.top_k and torch.topk do.
 
 `moe_experts` is, for each token, sum_j weights[t, j] * down(act(x @ gate[e]) * (x @ up[e])) over
 its experts e = ids[t, j]. The reference below is the plain dense form, every expert over every
-token with a one-hot combine; the runtime's lowering (runtime.worker.kernels.moe_experts_grouped)
+token with a one-hot combine; the runtime's lowering (runtime.worker.moe.moe_experts_grouped)
 sorts the token-expert pairs by expert and runs grouped matmuls, work k/E of the dense form.
 With int8 weights (passes.quantize_int8) the op takes three more inputs, each expert's per-output-
 channel scales: w[e] ~= w_int8[e] * s[e][None, :].
@@ -96,7 +96,8 @@ def _moe_experts(inputs, attrs):
     _same_dim(x.shape[0], ids.shape[0], "moe_experts needs one row of ids per token")
     for w, what in ((wg, "w_gate [E, H, I]"), (wu, "w_up [E, H, I]"), (wd, "w_down [E, I, H]")):
         _rank(w, 3, f"moe_experts {what}")
-    _need(tuple(wg.shape) == tuple(wu.shape), f"moe_experts gate and up must agree: {list(wg.shape)} vs {list(wu.shape)}")
+    _need(tuple(wg.shape) == tuple(wu.shape),
+          f"moe_experts gate and up must agree: {list(wg.shape)} vs {list(wu.shape)}")
     e, h, i = wg.shape
     _same_dim(h, x.shape[1], "moe_experts gate/up rows must equal x's hidden size")
     _need(tuple(wd.shape) == (e, i, h), f"moe_experts w_down must be [E, I, H] = {[e, i, h]}, got {list(wd.shape)}")
@@ -107,7 +108,8 @@ def _moe_experts(inputs, attrs):
             _need(w.dtype == "i8", f"moe_experts with scales takes i8 weights, got {w.dtype}")
         for s, w, what in zip(inputs[6:], (wg, wu, wd), ("gate", "up", "down")):
             _need(s.dtype == "f32" and tuple(s.shape) == (w.shape[0], w.shape[2]),
-                  f"moe_experts {what} scale must be f32 [E, out] = {[w.shape[0], w.shape[2]]}, got {s.dtype}{list(s.shape)}")
+                  f"moe_experts {what} scale must be f32 [E, out] = {[w.shape[0], w.shape[2]]}, "
+                  f"got {s.dtype}{list(s.shape)}")
     else:
         _need(all(_float(w.dtype) for w in (wg, wu, wd)), "moe_experts without scales takes floating point weights")
     return tuple(x.shape), x.dtype

@@ -107,7 +107,7 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
 
 
 def _moe_workspace_bytes(node: Node, env: dict[str, int]) -> int:
-    """The grouped lowering's scratch (runtime.worker.kernels.moe_experts_grouped) on one device: its
+    """The grouped lowering's scratch (runtime.worker.moe.moe_experts_grouped) on one device: its
     T x k rows of x sorted by expert, the gate, up and activated products [T x k, I / tp] in f32, and
     the down product and its rows put back in order [T x k, H] in f32; the grouped products'
     own; plus, for int8 experts, the layer's stacks widened to the activations' dtype."""

@@ -14,7 +14,7 @@ Megatron's split, expressed as attributes that the runtime turns into `NamedShar
                       down [E, I, H] by I {sharding=[null, "tp", null]}; or, with expert_parallel,
                       the experts split among the devices: all three {sharding=["tp", null, null]}.
                       moe_experts carries all_reduce="tp" (one psum of [T, hidden], as the dense
-                      MLP's down; runtime.worker.kernels.moe_experts_on_device); the router replicated
+                      MLP's down; runtime.worker.moe.moe_experts_on_device); the router replicated
 
 A node's `sharding` is the layout its value has on the mesh (after its collective, for
 `all_reduce`; before it, for `all_gather`). A spec lists one entry per dim: null (replicated

@@ -63,7 +63,7 @@ def test_grouped_lowering_matches_one_hot_reference(t, e, k, empty):
     import jax
 
     from ir.moe_ops import moe_experts_reference
-    from runtime.worker.kernels import moe_experts_grouped
+    from runtime.worker.moe import moe_experts_grouped
     from runtime.worker.params import quantize_int8_weight
 
     x, ids, weights, ws = _case(t, e, k, empty)
@@ -94,7 +94,7 @@ def test_one_compile_for_every_routing():
     """Static shapes: the T x k rows are the same whatever the per-expert counts."""
     import jax
 
-    from runtime.worker.kernels import moe_experts_grouped
+    from runtime.worker.moe import moe_experts_grouped
 
     fn = jax.jit(lambda *a: moe_experts_grouped(*a))  # its own cache
     for empty in ((), (0, 1, 2, 3, 4, 5), (7,)):

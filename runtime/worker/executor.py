@@ -95,9 +95,9 @@ def tile_activations(engine) -> str | None:
 
 def _kernel_impls(backend: str) -> dict[str, Callable]:
     """Overrides of the jnp references for the attention ops, by backend."""
-    from runtime.worker import kernels
+    from runtime.worker import kernels, moe
 
-    return kernels.lowerings(backend)
+    return kernels.lowerings(backend) | moe.lowerings(backend)
 
 
 def _layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
@@ -214,7 +214,7 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
     other runtime inputs (tokens, positions, block tables...). `mesh_constraints(node, value)`
     may attach sharding constraints (tensor parallelism); `per_device(node, fn)` wraps an op that
     all-reduces its result (the shard pass's `all_reduce`) and has a per-device lowering
-    (kernels.per_device_lowerings) to run on each device's shards. Default layout: unrolled.
+    (worker.moe.per_device_lowerings) to run on each device's shards. Default layout: unrolled.
     """
     backend = resolve_backend(backend)
     overrides = _kernel_impls(backend)
@@ -231,9 +231,9 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
         impls[node.op] = fn
     local_impls = {}  # node id -> its per-device implementation
     if per_device is not None:
-        from runtime.worker import kernels
+        from runtime.worker import moe
 
-        on_device = kernels.per_device_lowerings(backend)
+        on_device = moe.per_device_lowerings(backend)
         local_impls = {id(n): per_device(n, on_device[n.op](n)) for n in graph.nodes()
                        if n.op in on_device and n.attr(ALL_REDUCE) is not None}
 
