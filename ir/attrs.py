@@ -56,6 +56,9 @@ class Role:
     Q_BIAS, K_BIAS, V_BIAS = "q_bias", "k_bias", "v_bias"
     GATE, UP, DOWN = "gate", "up", "down"  # SwiGLU MLP, [in, out]
     QKV, QKV_BIAS, GATE_UP = "qkv", "qkv_bias", "gate_up"  # made by fuse_matmuls
+    ROUTER = "router"  # mixture of experts: [hidden, experts], the router's logits
+    # The experts' stacked SwiGLU weights, each expert's [in, out]: gate/up [E, hidden, I], down [E, I, hidden].
+    EXPERT_GATE, EXPERT_UP, EXPERT_DOWN = "expert_gate", "expert_up", "expert_down"
 
 
 ROLES = frozenset(v for k, v in vars(Role).items() if k.isupper())

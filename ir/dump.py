@@ -29,7 +29,8 @@ from models.engine_config import CPU_DEVICE_MEMORY, EngineConfig
 # Engine flags shared with every other CLI (models.cli: names, units, dtype aliases). A dump
 # plans for the CPU budget and float32 unless told otherwise, so its output doesn't depend on the
 # machine it runs on.
-DUMP_ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "tensor_parallel_size", "quantization", "matmul_precision",
+DUMP_ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "tensor_parallel_size", "enable_expert_parallel", "quantization",
+                      "matmul_precision",
                       "block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
                       "memory_utilization", "device_memory", "gguf_blocks", "gguf_activations", "gguf_tiles")
 
@@ -133,7 +134,8 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
                            quantization=args.quantization, matmul_precision=args.matmul_precision,
                            kv_dtype=dtypes.kv_dtype(), block_formats=tuple(sorted(formats.items())),
                            block_tiles="q8" if args.gguf_activations == "q8" else "f32" if args.gguf_tiles else None,
-                           tensor_parallel_size=args.tensor_parallel_size)
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           expert_parallel=bool(args.enable_expert_parallel))
     graph = lower(config, dtypes.dtype)
     stages = [("lower", graph)]
     try:

@@ -244,6 +244,9 @@ _ENGINE_FLAGS = (
      dict(type=float, help="dynamic batching: the longest a request waits for its batch to fill"), "none"),
     ("tensor_parallel_size", ("--tensor-parallel-size", "-tp"),
      dict(type=int, help="shard the model over this many devices"), "--tensor-parallel-size"),
+    ("enable_expert_parallel", ("--enable-expert-parallel",),
+     dict(type=_bool, metavar="BOOL", help="mixture of experts under --tensor-parallel-size: split the experts "
+          "among the devices, not each expert's columns"), "--enable-expert-parallel"),
     ("quantization", ("--quantization",),
      dict(default=None, choices=QUANTIZATIONS, help="int8: int8 weights widened in the product; w8a8: int8 weights "
           "and per-token int8 activations, an int8 x int8 product"), "--quantization (other methods)"),

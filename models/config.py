@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 LAYER_TYPES = ("full", "sliding")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
+ROUTER_SCORINGS = ("softmax_topk", "topk_softmax")  # ir.moe_ops' router_weights scorings
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,16 @@ class ModelConfig:
     sliding_window: int | None = None  # the keys a sliding layer's query sees, itself included
     layer_types: tuple[str, ...] | None = None  # per layer, one of LAYER_TYPES; None: all full
     rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3); None: rope_theta
+    # Mixture of experts (Mixtral, Qwen3-MoE): a sparse layer's MLP is num_experts SwiGLU experts of
+    # moe_intermediate_size (None: intermediate_size), of which a router picks num_experts_per_tok
+    # per token, weighted as `router_scoring` says (ir.moe_ops). 0 experts: every layer dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    router_scoring: str = "softmax_topk"  # or "topk_softmax" (Mixtral)
+    norm_topk_prob: bool = False  # softmax_topk: renormalize the chosen weights to sum to 1
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers that keep a dense MLP
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is sparse when (i + 1) % step == 0
     # HF architecture name (Qwen3ForCausalLM...): which names the weight files use (models.weights).
     architecture: str = "LlamaForCausalLM"
 
@@ -90,6 +101,30 @@ class ModelConfig:
                                                        and self.sliding_window >= 1):
                 raise ValueError("ModelConfig.layer_types has sliding layers but sliding_window is "
                                  f"{self.sliding_window!r}")
+
+        if self.num_experts:
+            k = self.num_experts_per_tok
+            if not (isinstance(self.num_experts, int) and self.num_experts > 0 and isinstance(k, int)
+                    and 1 <= k <= self.num_experts):
+                raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                 f"got {k!r}")
+            if self.moe_intermediate_size is not None and not self.moe_intermediate_size > 0:
+                raise ValueError(f"ModelConfig.moe_intermediate_size must be > 0, got {self.moe_intermediate_size!r}")
+            if self.router_scoring not in ROUTER_SCORINGS:
+                raise ValueError(f"ModelConfig.router_scoring must be one of {ROUTER_SCORINGS}, "
+                                 f"got {self.router_scoring!r}")
+            if not (isinstance(self.decoder_sparse_step, int) and self.decoder_sparse_step >= 1):
+                raise ValueError(f"ModelConfig.decoder_sparse_step must be an int >= 1, got {self.decoder_sparse_step!r}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (HF Qwen3-MoE's rule; every layer for Mixtral)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def expert_size(self) -> int:
+        """Each expert's intermediate size."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends over a sliding window of `sliding_window` keys."""
@@ -138,12 +173,14 @@ class ModelConfig:
 
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         if self.qkv_bias:
             per_layer += self.q_size + 2 * self.kv_size
         per_layer += 2 * self.head_dim * self.qk_norm + 2 * h * self.sandwich_norms
+        sparse = sum(self.is_moe(j) for j in range(self.num_layers))
+        mlps = (self.num_layers - sparse) * 3 * h * i + sparse * self.num_experts * (3 * h * self.expert_size + h)
         embed = v * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return self.num_layers * per_layer + mlps + embed + h
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -158,6 +195,7 @@ class ModelConfig:
             d["rope_scaling"] = _freeze_scaling(d["rope_scaling"])
         if d.get("layer_types"):
             d["layer_types"] = tuple(d["layer_types"])
+        d["mlp_only_layers"] = tuple(d.get("mlp_only_layers") or ())
         return cls(**d)
 
     def replace(self, **kw) -> "ModelConfig":
@@ -181,6 +219,12 @@ def _qwen3(name, layers, hidden, inter, heads, kv_heads, tie_embeddings=False) -
                        num_kv_heads=kv_heads, head_dim=128, vocab_size=151936, rope_theta=1000000.0, rms_eps=1e-6,
                        tie_embeddings=tie_embeddings, max_position_embeddings=40960, bos_token_id=151643,
                        eos_token_id=151645, qk_norm=True, architecture="Qwen3ForCausalLM")
+
+
+def _qwen3_moe(name, layers, hidden, inter, moe_inter, heads, kv_heads) -> ModelConfig:
+    return _qwen3(name, layers, hidden, inter, heads, kv_heads).replace(
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=moe_inter, norm_topk_prob=True,
+        architecture="Qwen3MoeForCausalLM")
 
 
 # What every Gemma shares: (1 + w) norms, sandwich norms, GeGLU, tied embeddings.
@@ -220,6 +264,13 @@ PRESETS: dict[str, ModelConfig] = {
         _qwen3("qwen3-0.6b", 28, 1024, 3072, 16, 8, tie_embeddings=True),
         _qwen3("qwen3-8b", 36, 4096, 12288, 32, 8),
         _qwen3("qwen3-32b", 64, 5120, 25600, 64, 8),
+        # Mixture of experts: Mixtral (mistralai/Mixtral-8x7B-v0.1: 8 experts, top-2) and Qwen3-MoE
+        # (Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B: 128 experts of 768 / 1536, top-8, renormalized).
+        _llama("mixtral-8x7b", 32, 4096, 14336, 32, 8, 32000, rope_theta=1000000.0, max_position_embeddings=32768,
+               bos_token_id=1, eos_token_id=2, num_experts=8, num_experts_per_tok=2, router_scoring="topk_softmax",
+               architecture="MixtralForCausalLM"),
+        _qwen3_moe("qwen3-30b-a3b", 48, 2048, 6144, 768, 32, 4),
+        _qwen3_moe("qwen3-235b-a22b", 94, 4096, 12288, 1536, 64, 4),
         # Gemma 2 (google/gemma-2-9b): sliding and global layers alternate, softcaps 50 and 30.
         ModelConfig(name="gemma-2-9b", num_layers=42, hidden_size=3584, intermediate_size=14336, num_q_heads=16,
                     num_kv_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
@@ -252,7 +303,7 @@ def get_preset(name: str) -> ModelConfig:
 
 # HF architectures this engine lowers, and their defaults where config.json may be silent.
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                    "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -264,6 +315,8 @@ def _hf_layer_types(c: Mapping[str, Any], arch: str, num_layers: int) -> tuple[s
         return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
     if arch == "Gemma2ForCausalLM":
         return tuple("sliding" if (i + 1) % 2 else "full" for i in range(num_layers))
+    if arch == "MixtralForCausalLM" and c.get("sliding_window"):  # Mixtral's window, when set, is every layer's
+        return ("sliding",) * num_layers
     if arch == "Gemma3ForCausalLM":
         pattern = int(c.get("sliding_window_pattern", 6))
         return tuple("sliding" if (i + 1) % pattern else "full" for i in range(num_layers))
@@ -285,6 +338,20 @@ def _hf_rope(c: Mapping[str, Any], arch: str):
     theta = rope.pop("rope_theta", c.get("rope_theta", default))
     scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     return float(theta), _freeze_scaling(scaling), None if local is None else float(local)
+
+
+def _hf_moe(c: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config.json ({} for dense families)."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=c["num_local_experts"], num_experts_per_tok=c["num_experts_per_tok"],
+                    router_scoring="topk_softmax")
+    if arch == "Qwen3MoeForCausalLM":
+        return dict(num_experts=c.get("num_experts") or c["num_local_experts"],
+                    num_experts_per_tok=c["num_experts_per_tok"], moe_intermediate_size=c["moe_intermediate_size"],
+                    norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                    mlp_only_layers=tuple(c.get("mlp_only_layers") or ()),
+                    decoder_sparse_step=int(c.get("decoder_sparse_step", 1)))
+    return {}
 
 
 def config_from_hf(config: Mapping[str, Any] | str | Path, name: str | None = None) -> ModelConfig:
@@ -332,7 +399,7 @@ def config_from_hf(config: Mapping[str, Any] | str | Path, name: str | None = No
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             bos_token_id=c.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             norm_offset=1.0 if gemma else 0.0,
             sandwich_norms=gemma,
             hidden_act="gelu_tanh" if act in ("gelu_pytorch_tanh", "gelu_tanh") else act,
@@ -344,6 +411,7 @@ def config_from_hf(config: Mapping[str, Any] | str | Path, name: str | None = No
             layer_types=layer_types if sliding else None,
             rope_local_theta=local_theta if sliding else None,
             architecture=arch,
+            **_hf_moe(c, arch),
         )
     except KeyError as e:
         raise ValueError(f"HF config is missing required field {e.args[0]!r}") from None
@@ -351,7 +419,22 @@ def config_from_hf(config: Mapping[str, Any] | str | Path, name: str | None = No
 
 # GGUF architecture -> the HF architecture whose lowering it gets.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
+
+
+def _gguf_moe(arch: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The experts of a GGUF: llama.cpp writes Mixtral as architecture llama with `expert_count`
+    (softmax over the chosen k), and qwen3moe with the experts' own `expert_feed_forward_length` and
+    the chosen weights renormalized (llama.cpp's norm_w; `expert_weights_norm` where the file says)."""
+    experts = int(fields.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    moe = dict(num_experts=experts, num_experts_per_tok=int(fields[f"{arch}.expert_used_count"]))
+    if arch == "qwen3moe":
+        return moe | dict(moe_intermediate_size=int(fields[f"{arch}.expert_feed_forward_length"]),
+                          norm_topk_prob=bool(fields.get(f"{arch}.expert_weights_norm", True)))
+    return moe | dict(router_scoring="topk_softmax", architecture="MixtralForCausalLM")
 
 
 def _gguf_gemma(arch: str, fields: Mapping[str, Any], num_layers: int, hidden: int, heads: int,
@@ -402,8 +485,9 @@ def config_from_gguf_fields(fields: Mapping[str, Any], name: str = "gguf") -> Mo
     family = {}
     if arch in ("gemma2", "gemma3"):
         family = _gguf_gemma(arch, fields, num_layers, hidden, heads, head_dim)
-    elif arch == "qwen3":
+    elif arch in ("qwen3", "qwen3moe"):
         family = dict(qk_norm=True)
+    family = dict(architecture=GGUF_ARCHITECTURES[arch]) | family | _gguf_moe(arch, fields)
     return ModelConfig(
         name=name,
         num_layers=num_layers,
@@ -421,6 +505,5 @@ def config_from_gguf_fields(fields: Mapping[str, Any], name: str = "gguf") -> Mo
         max_position_embeddings=int(fields.get(f"{arch}.context_length", 2048)),
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
-        architecture=GGUF_ARCHITECTURES[arch],
         **family,
     )

@@ -174,6 +174,9 @@ class EngineConfig:
     max_waiting_ms: float = 50.0
     static_batch_size: int | None = None
     tensor_parallel_size: int = 1
+    # Mixture-of-experts models under tensor parallelism: split the experts among the devices (each
+    # holds E / tp whole experts) rather than each expert's intermediate dim (passes/shard.py).
+    enable_expert_parallel: bool = False
     quantization: str | None = None
     # The LM head under `quantization`: True puts it in int8 too (a tied head from an int8 copy of
     # the transposed embedding), False keeps it in the model's dtype. None: w8a8 quantizes it;

@@ -41,9 +41,16 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.sandwich_norms:
             shapes[p + "post_attn_norm"] = (c.hidden_size,)
         shapes[p + "mlp_norm"] = (c.hidden_size,)
-        shapes[p + "w_gate"] = (c.hidden_size, c.intermediate_size)
-        shapes[p + "w_up"] = (c.hidden_size, c.intermediate_size)
-        shapes[p + "w_down"] = (c.intermediate_size, c.hidden_size)
+        if c.is_moe(i):
+            e, inter = c.num_experts, c.expert_size
+            shapes[p + "router"] = (c.hidden_size, e)
+            shapes[p + "experts_gate"] = (e, c.hidden_size, inter)
+            shapes[p + "experts_up"] = (e, c.hidden_size, inter)
+            shapes[p + "experts_down"] = (e, inter, c.hidden_size)
+        else:
+            shapes[p + "w_gate"] = (c.hidden_size, c.intermediate_size)
+            shapes[p + "w_up"] = (c.hidden_size, c.intermediate_size)
+            shapes[p + "w_down"] = (c.intermediate_size, c.hidden_size)
         if c.sandwich_norms:
             shapes[p + "post_mlp_norm"] = (c.hidden_size,)
     shapes["final_norm"] = (c.hidden_size,)
@@ -61,6 +68,8 @@ WEIGHT_ROLES = {
     "wq": Role.Q, "wk": Role.K, "wv": Role.V, "wo": Role.O,
     "bq": Role.Q_BIAS, "bk": Role.K_BIAS, "bv": Role.V_BIAS,
     "w_gate": Role.GATE, "w_up": Role.UP, "w_down": Role.DOWN,
+    "router": Role.ROUTER, "experts_gate": Role.EXPERT_GATE, "experts_up": Role.EXPERT_UP,
+    "experts_down": Role.EXPERT_DOWN,
 }
 
 
@@ -86,6 +95,19 @@ def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
     def norm(x, w):
         attrs = {"eps": c.rms_eps} | ({"offset": c.norm_offset} if c.norm_offset else {})
         return make_node("rms_norm", (x, params[w]), attrs)
+
+    def dense_mlp(x, p):
+        g = make_node(c.hidden_act, (linear(x, p + "w_gate"),))
+        return linear(make_node("mul", (g, linear(x, p + "w_up"))), p + "w_down")
+
+    def moe_mlp(x, p):
+        """The router picks k experts per token (ids, f32 weights); the experts run on their tokens."""
+        logits = linear(x, p + "router")
+        ids = make_node("router_topk", (logits,), {"top_k": c.num_experts_per_tok})
+        scoring = {"scoring": c.router_scoring} | ({"norm_topk_prob": True} if c.norm_topk_prob else {})
+        weights = make_node("router_weights", (logits, ids), scoring)
+        experts = tuple(params[p + n] for n in ("experts_gate", "experts_up", "experts_down"))
+        return make_node("moe_experts", (x, ids, weights) + experts, {"act": c.hidden_act})
 
     n_rep = c.num_q_heads // c.num_kv_heads
     h = make_node("embedding", (params["embed"], tokens))
@@ -130,9 +152,7 @@ def lower(config: ModelConfig, dtype: str = "f32") -> Graph:
             o = norm(o, p + "post_attn_norm")
         h = make_node("add", (h, o))
         x = norm(h, p + "mlp_norm")
-        g = make_node(c.hidden_act, (linear(x, p + "w_gate"),))
-        u = linear(x, p + "w_up")
-        m = linear(make_node("mul", (g, u)), p + "w_down")
+        m = moe_mlp(x, p) if c.is_moe(i) else dense_mlp(x, p)
         if c.sandwich_norms:
             m = norm(m, p + "post_mlp_norm")
         h = make_node("add", (h, m))

@@ -33,12 +33,31 @@ WEIGHT_MAP: dict[str, tuple[str, str, bool]] = {
     "layers.{}.w_down": ("model.layers.{}.mlp.down_proj.weight", "blk.{}.ffn_down.weight", True),
     "layers.{}.post_mlp_norm": ("model.layers.{}.post_feedforward_layernorm.weight", "blk.{}.post_ffw_norm.weight",
                                 False),
+    # Mixture of experts (Qwen3-MoE's HF names; Mixtral's below): the router, and each layer's experts
+    # stacked [E, in, out] from one file tensor per expert (`{{}}`: the expert's index) or per layer (GGUF).
+    "layers.{}.router": ("model.layers.{}.mlp.gate.weight", "blk.{}.ffn_gate_inp.weight", True),
+    "layers.{}.experts_gate": ("model.layers.{}.mlp.experts.{{}}.gate_proj.weight", "blk.{}.ffn_gate_exps.weight", True),
+    "layers.{}.experts_up": ("model.layers.{}.mlp.experts.{{}}.up_proj.weight", "blk.{}.ffn_up_exps.weight", True),
+    "layers.{}.experts_down": ("model.layers.{}.mlp.experts.{{}}.down_proj.weight", "blk.{}.ffn_down_exps.weight",
+                               True),
     "final_norm": ("model.norm.weight", "output_norm.weight", False),
     "lm_head": ("lm_head.weight", "output.weight", True),
 }
 # With sandwich norms (Gemma), HF's `post_attention_layernorm` is the norm on the attention's
 # output, and the MLP's input norm is `pre_feedforward_layernorm`.
 SANDWICH_HF_NAMES = {"layers.{}.mlp_norm": "model.layers.{}.pre_feedforward_layernorm.weight"}
+# Mixtral's checkpoints name the MoE block `block_sparse_moe` and its experts' matrices w1 (gate), w3 (up), w2 (down).
+MIXTRAL_HF_NAMES = {"layers.{}.router": "model.layers.{}.block_sparse_moe.gate.weight",
+                    "layers.{}.experts_gate": "model.layers.{}.block_sparse_moe.experts.{{}}.w1.weight",
+                    "layers.{}.experts_up": "model.layers.{}.block_sparse_moe.experts.{{}}.w3.weight",
+                    "layers.{}.experts_down": "model.layers.{}.block_sparse_moe.experts.{{}}.w2.weight"}
+# The fused layout of transformers 5 (its modules' own state_dict, both families): per layer
+# gate_up_proj [E, 2I, H], the gate half first, and down_proj [E, H, I], and the router under
+# `mlp.gate` (Mixtral's too). Canonical name -> (tensor, which half of its rows: 0 gate, 1 up, None all).
+FUSED_EXPERT_HF_NAMES = {"layers.{}.router": ("model.layers.{}.mlp.gate.weight", None),
+                         "layers.{}.experts_gate": ("model.layers.{}.mlp.experts.gate_up_proj", 0),
+                         "layers.{}.experts_up": ("model.layers.{}.mlp.experts.gate_up_proj", 1),
+                         "layers.{}.experts_down": ("model.layers.{}.mlp.experts.down_proj", None)}
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -53,19 +72,37 @@ def pattern_of(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def file_name(canon: str, fmt: str, sandwich_norms: bool = False) -> tuple[str, bool]:
-    """(name in a file of format 'hf' or 'gguf', transposed?) of canonical weight `canon`."""
+def file_name(canon: str, fmt: str, sandwich_norms: bool = False, architecture: str | None = None) -> tuple[str, bool]:
+    """(name in a file of format 'hf' or 'gguf', transposed?) of canonical weight `canon`. A stacked
+    expert weight's HF name keeps a `{}` for the expert's index (`expert_names`); "transposed" swaps
+    the last two axes (each expert's [out, in] in the file)."""
     pattern, layer = pattern_of(canon)
     hf, gguf, transposed = WEIGHT_MAP[pattern]
     if fmt == "hf" and sandwich_norms:
         hf = SANDWICH_HF_NAMES.get(pattern, hf)
+    if fmt == "hf" and architecture == "MixtralForCausalLM":
+        hf = MIXTRAL_HF_NAMES.get(pattern, hf)
     src = {"hf": hf, "gguf": gguf}[fmt]
     return (src if layer is None else src.format(layer)), transposed
 
 
 def source_names(config: ModelConfig, fmt: str) -> dict[str, tuple[str, bool]]:
     """Canonical name -> (name in the file, transposed?) for fmt 'hf' or 'gguf'."""
-    return {name: file_name(name, fmt, config.sandwich_norms) for name in expected_shapes(config)}
+    return {name: file_name(name, fmt, config.sandwich_norms, config.architecture) for name in expected_shapes(config)}
+
+
+def expert_names(src: str, num_experts: int) -> list[str]:
+    """The per-expert file names of a stacked expert weight's name (itself alone if it has no `{}`)."""
+    return [src.format(e) for e in range(num_experts)] if "{}" in src else [src]
+
+
+def fused_expert_name(canon: str) -> tuple[str, int | None] | None:
+    """(transformers-5 fused tensor, half) holding stacked expert weight `canon`, or None."""
+    pattern, layer = pattern_of(canon)
+    if pattern not in FUSED_EXPERT_HF_NAMES:
+        return None
+    name, half = FUSED_EXPERT_HF_NAMES[pattern]
+    return name.format(layer), half
 
 
 def validate_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, source: str = "weights",

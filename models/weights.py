@@ -26,8 +26,8 @@ import numpy as np
 
 from ir.blocks import FORMAT_OF_TYPE, blocks_name, split_blocks_name
 from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
-from models.weight_names import (WEIGHT_MAP, expected_shapes, file_name, source_names,  # noqa: F401 (re-exported)
-                                 validate_weights)
+from models.weight_names import (WEIGHT_MAP, expected_shapes, expert_names,  # noqa: F401 (re-exported)
+                                 file_name, fused_expert_name, source_names, validate_weights)
 
 # GGUF architectures whose converter (llama.cpp's LlamaModel) permuted q/k rows for interleaved RoPE.
 _GGUF_PERMUTED_ARCHS = ("llama", "mistral")
@@ -183,9 +183,13 @@ def gguf_tensor_data(file: np.ndarray, t: GGUFTensor) -> np.ndarray:
 
 def gguf_config(fields: dict[str, Any], tensors: Mapping[str, GGUFTensor], name: str) -> ModelConfig:
     """The ModelConfig of a GGUF header (read_gguf_index): its metadata, plus what only the tensor
-    list says (tied embeddings: no `output.weight`; q/k/v biases)."""
+    list says (tied embeddings: no `output.weight`; q/k/v biases; dense layers among experts)."""
     config = config_from_gguf_fields(dict(fields, _tied="output.weight" not in tensors), name=name)
-    return config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
+    config = config.replace(qkv_bias="blk.0.attn_q.bias" in tensors)
+    if config.num_experts:  # a layer without a router keeps its dense MLP (HF's mlp_only_layers)
+        dense = tuple(i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors)
+        config = config.replace(mlp_only_layers=dense)
+    return config
 
 
 def _blocks_format(canon: str, t: GGUFTensor, transposed: bool) -> str | None:
@@ -254,7 +258,7 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
                 arr = unpermute_qk_rows(arr, config.num_q_heads)
             elif key in ("wk", "bk"):
                 arr = unpermute_qk_rows(arr, config.num_kv_heads)
-        weights[canon] = np.ascontiguousarray(arr.T if transposed else arr)
+        weights[canon] = _swap_last(arr) if transposed else np.ascontiguousarray(arr)
         fmt = _blocks_format(canon, t, transposed)
         if fmt is not None:
             rows = gguf_tensor_data(file, t)  # [file rows, row bytes]: the out features (vocab for embed)
@@ -333,12 +337,34 @@ def _safetensors_files(path: Path) -> dict[str, Path] | Path:
     return path
 
 
+def _hf_tensor(raw: Mapping[str, np.ndarray], canon: str, src: str, num_experts: int) -> np.ndarray | None:
+    """Canonical weight `canon` as the file holds it ([.., out, in] when transposed), or None: a plain
+    tensor; a stacked expert weight from one tensor per expert, or from transformers 5's fused layout."""
+    per_expert = expert_names(src, num_experts)
+    if all(n in raw for n in per_expert):
+        return raw[src] if len(per_expert) == 1 else np.stack([raw[n] for n in per_expert])
+    fused = fused_expert_name(canon)
+    if fused is None or fused[0] not in raw:
+        return None
+    arr, half = raw[fused[0]], fused[1]
+    if half is not None:
+        rows = arr.shape[1] // 2
+        arr = arr[:, half * rows:(half + 1) * rows]
+    return arr
+
+
+def _swap_last(arr: np.ndarray) -> np.ndarray:
+    """[.., out, in] -> [.., in, out]: a matrix transposed, each expert of a stack on its own."""
+    return np.ascontiguousarray(np.swapaxes(arr, -1, -2))
+
+
 def load_safetensors(path_or_dir: str | os.PathLike, config: ModelConfig) -> dict[str, np.ndarray]:
     """Loads HF safetensors (single file, directory, or sharded index) into canonical weights."""
     path = Path(path_or_dir)
     files = _safetensors_files(path)
     names = source_names(config, "hf")
-    wanted = {src for src, _ in names.values()}
+    wanted = {n for canon, (src, _) in names.items() for n in expert_names(src, config.num_experts)}
+    wanted |= {fused[0] for canon in names if (fused := fused_expert_name(canon)) is not None}
     if isinstance(files, Path):
         raw = _read_safetensors(files, wanted)
         source = str(files)
@@ -356,18 +382,21 @@ def load_safetensors(path_or_dir: str | os.PathLike, config: ModelConfig) -> dic
             raw.update(_read_safetensors(shard, shard_names))
     weights = {}
     for canon, (src, transposed) in names.items():
-        if src not in raw:
-            raise ValueError(f"{source}: missing tensor {canon!r} ({src})")
-        arr = raw[src]
-        weights[canon] = np.ascontiguousarray(arr.T) if transposed else arr
+        arr = _hf_tensor(raw, canon, src, config.num_experts)
+        if arr is None:
+            fused = fused_expert_name(canon)
+            also = f" or the fused {fused[0]}" if fused else ""
+            raise ValueError(f"{source}: missing tensor {canon!r} ({src.replace('{}', 'E')}{also})")
+        weights[canon] = _swap_last(arr) if transposed else arr
     validate_weights(weights, config, source=source, names={k: v[0] for k, v in names.items()})
     return weights
 
 
-def save_safetensors(weights: Mapping[str, np.ndarray], path: str | os.PathLike) -> None:
+def save_safetensors(weights: Mapping[str, np.ndarray], path: str | os.PathLike,
+                     architecture: str | None = None) -> None:
     """Writes canonical weights as one HF-named safetensors file (inverse of load_safetensors); GGUF
     blocks, which have no HF name, stay out. Weights with sandwich norms (`post_attn_norm`) take
-    Gemma's names."""
+    Gemma's names, `architecture` Mixtral's; stacked experts are written one tensor per expert."""
     from safetensors.numpy import save_file
 
     sandwich = any(k.endswith("post_attn_norm") for k in weights)
@@ -375,8 +404,11 @@ def save_safetensors(weights: Mapping[str, np.ndarray], path: str | os.PathLike)
     for canon, arr in weights.items():
         if split_blocks_name(canon) is not None:
             continue
-        src, transposed = file_name(canon, "hf", sandwich)
-        out[src] = np.ascontiguousarray(arr.T if transposed else arr)
+        src, transposed = file_name(canon, "hf", sandwich, architecture)
+        arr = _swap_last(arr) if transposed else np.ascontiguousarray(arr)
+        names = expert_names(src, arr.shape[0])
+        for e, name in enumerate(names):
+            out[name] = arr[e] if len(names) > 1 else arr
     save_file(out, str(path))
 
 

@@ -21,15 +21,15 @@ BF16_MIN_ROWS = 4
 
 
 def bf16_matmuls(graph: Graph, min_rows: int = BF16_MIN_ROWS) -> Graph:
-    """Every matmul whose weight is an f32 2-D param becomes a matmul_bf16 that also reads a bf16
-    copy of the weight, stored [in, out] (a tied LM head's copy is the transposed embedding, with
-    the LM head's role). The copy keeps its source's recipe (concat, role), so runtime.worker.params
+    """Every matmul whose weight is an f32 2-D param (but a MoE router) becomes a matmul_bf16 that
+    also reads a bf16 copy of the weight, stored [in, out] (a tied LM head's copy is the transposed
+    embedding, with the LM head's role). The copy keeps its source's recipe (concat, role), so runtime.worker.params
     rebuilds it and the shard pass splits it like its source."""
     copies: dict[str, Node] = {}
 
     def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
-        if node.op != "matmul" or ins[1].op != "param" or ins[1].dtype != "f32":
-            return None
+        if node.op != "matmul" or ins[1].op != "param" or ins[1].dtype != "f32" or role_of(ins[1]) == Role.ROUTER:
+            return None  # a MoE router stays f32: its logits pick the experts
         w = ins[1]
         tb = bool(node.attr("transpose_b"))
         if w.name not in copies:

@@ -36,6 +36,7 @@ class PipelineOptions:
     block_tiles_alone: bool = True  # the tiles replace their f32 weight (a kernel reads them: runtime.worker.executor)
     kv_dtype: str | None = None  # the KV pools' dtype (EngineConfig.kv_cache_dtype); None: the model's
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False  # MoE experts split among the tp devices, not each expert split
     # How the executor lowers paged_attention (see passes.plan_memory); sizes its workspace.
     paged_attention_lowering: str = "chunked"
 
@@ -61,7 +62,7 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
                                   lm_head=opts.quantize_lm_head) if opts.quantization in ("int8", "w8a8") else _identity),
         ("bf16_matmuls", bf16_matmuls if opts.matmul_precision == "bfloat16" else _identity),
         # Phase 4: distribution over devices.
-        ("shard", partial(shard, tp=opts.tensor_parallel_size)),
+        ("shard", partial(shard, tp=opts.tensor_parallel_size, expert_parallel=opts.expert_parallel)),
         # Phase 5: memory planning (sizes the KV pool).
         ("plan_memory", partial(plan_memory, **_memory_options(opts))),
     ]

@@ -56,6 +56,8 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
         # XLA:CPU has no half-precision dot: the weight is widened to f32 where the product runs
         # (runtime.worker.kernels.matmul_half_cpu), one weight at a time.
         return _nbytes(node.inputs[1], env) * F32 // DTYPE_BYTES[node.inputs[1].dtype]
+    if node.op == "moe_experts":
+        return _moe_workspace_bytes(node, env)
     if _ways(node, env) > 1:  # heads split: each device runs the lowering on its share
         return _workspace_bytes(node, {**env, "tp": 1}, lowering, chunk_blocks, scan_layers) // _ways(node, env)
     if node.op == "paged_attention":
@@ -102,6 +104,24 @@ def _workspace_bytes(node: Node, env: dict[str, int], lowering: str = "chunked",
         ctx, kvh = bind_shape(kc.shape, env)[1:3]
         return 2 * t * ctx * kvh * d * F32 + 2 * t * hq * ctx * F32
     return 0
+
+
+def _moe_workspace_bytes(node: Node, env: dict[str, int]) -> int:
+    """The grouped lowering's scratch (runtime.worker.moe.moe_experts_grouped) on one device: its
+    T x k rows of x sorted by expert, the gate, up and activated products [T x k, I / tp] in f32, and
+    the down product and its rows put back in order [T x k, H] in f32; the grouped products'
+    own; plus, for int8 experts, the layer's stacks widened to the activations' dtype."""
+    x, ids, wg = node.inputs[0], node.inputs[1], node.inputs[3]
+    t, h = bind_shape(x.shape, env)
+    rows = t * ids.shape[1]
+    inter = wg.shape[2] // (env.get("tp", 1) if (wg.attr(SHARDING) or (None,) * 3)[2] == TP_AXIS else 1)
+    scratch = rows * (h * DTYPE_BYTES[x.dtype] + 3 * inter * F32 + 2 * h * F32)
+    # The grouped products (kernels.grouped_matmul): on XLA:CPU a tile loop whose carries hold
+    # [T x k + tile, N] per product and whose tiles take their expert's matrix as a copy.
+    scratch += rows * (2 * inter + h) * F32 + 3 * h * inter * F32
+    if wg.dtype == "i8":  # measured: two of the three widened stacks live at once
+        scratch += 2 * max(_nbytes(w, env) for w in node.inputs[3:6]) * DTYPE_BYTES[x.dtype]
+    return scratch
 
 
 def activation_peak_bytes(graph: Graph, env: dict[str, int], lowering: str = "chunked",

@@ -21,7 +21,8 @@ from ir.graph import freeze_attrs
 
 
 def quantize_int8(graph: Graph, activations: str | None = None, lm_head: bool | None = None) -> Graph:
-    """Int8 weights for every matmul whose weight is a 2-D param; embeddings stay as they are.
+    """Int8 weights for every matmul whose weight is a 2-D param, and for the stacked experts of every
+    moe_experts (per expert and output channel); embeddings and MoE routers stay as they are.
 
     Symmetric per output channel: w ~= w_int8 * scale[None, :], computed at compile time by
     runtime.worker.params from the recipe each new param carries. A tied LM head (a transposed
@@ -38,8 +39,25 @@ def quantize_int8(graph: Graph, activations: str | None = None, lm_head: bool | 
     """
     new_leaves: dict[str, tuple[Node, Node]] = {}
 
+    def int8_pair(w: Node) -> tuple[Node, Node]:
+        """The int8 copy of stacked expert weight `w` [E, in, out] and its scales [E, out]."""
+        if w.name not in new_leaves:
+            recipe = {k: v for k, v in w.attrs if k != "name"}
+            wq = Node("param", (), freeze_attrs({**recipe, "name": w.name + ".int8", QUANTIZE_INT8: w.name}),
+                      tuple(w.shape), "i8")
+            sc = Node("param", (), freeze_attrs({**recipe, "name": w.name + ".scale", INT8_SCALE: w.name}),
+                      (w.shape[0], w.shape[2]), "f32")
+            new_leaves[w.name] = (wq, sc)
+        return new_leaves[w.name]
+
     def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
-        if node.op != "matmul" or ins[1].op != "param":
+        if node.op == "moe_experts" and len(ins) == 6 and all(w.op == "param" for w in ins[3:]):
+            # Experts: per expert and output channel; the op takes the scales as three more inputs.
+            pairs = [int8_pair(w) for w in ins[3:]]
+            return make_node("moe_experts", ins[:3] + tuple(q for q, _ in pairs) + tuple(s for _, s in pairs),
+                             dict(node.attrs))
+        if node.op != "matmul" or ins[1].op != "param" or role_of(ins[1]) == Role.ROUTER:
+            # The router stays in full precision: rounding its logits could change which experts run.
             return None
         transposed = bool(node.attr("transpose_b"))
         w = ins[1]

@@ -10,6 +10,11 @@ Megatron's split, expressed as attributes that the runtime turns into `NamedShar
                                      the step replicated, except the KV state)
     k/v pools         kv-head-split  {sharding=[null, null, "tp", null]}
     norms, residual   replicated
+    experts           each expert split inside: gate/up [E, H, I] by I {sharding=[null, null, "tp"]},
+                      down [E, I, H] by I {sharding=[null, "tp", null]}; or, with expert_parallel,
+                      the experts split among the devices: all three {sharding=["tp", null, null]}.
+                      moe_experts carries all_reduce="tp" (one psum of [T, hidden], as the dense
+                      MLP's down; runtime.worker.moe.moe_experts_on_device); the router replicated
 
 A node's `sharding` is the layout its value has on the mesh (after its collective, for
 `all_reduce`; before it, for `all_gather`). A spec lists one entry per dim: null (replicated
@@ -51,6 +56,8 @@ KV_COLUMN = (Role.K, Role.V, Role.K_BIAS, Role.V_BIAS)
 MLP_COLUMN = (Role.GATE_UP, Role.GATE, Role.UP)
 ATTN_ROW = (Role.O,)
 MLP_ROW = (Role.DOWN,)
+EXPERT_COLUMN = (Role.EXPERT_GATE, Role.EXPERT_UP)  # [E, H, I]: split I (their int8 scales [E, I] too)
+EXPERT_ROW = (Role.EXPERT_DOWN,)  # [E, I, H]: split I (its int8 scale [E, H] replicated)
 VOCAB_ROWS = (Role.EMBED,)  # [vocab, hidden]
 VOCAB_COLUMNS = (Role.LM_HEAD,)  # [hidden, vocab]
 
@@ -72,8 +79,9 @@ def _sharded(spec: Spec | None) -> bool:
 class TPPlan:
     """What gets split at this tp, and why the rest does not."""
 
-    def __init__(self, graph: Graph, tp: int):
+    def __init__(self, graph: Graph, tp: int, expert_parallel: bool = False):
         self.tp = tp
+        self.expert_parallel = expert_parallel
         self.notes: list[str] = []
         attn = [n for n in graph.nodes() if n.op in ("paged_attention", "attention")]
         down = next((p for p in graph.params_with_role(Role.DOWN) if not is_int8_scale(p)), None)
@@ -83,6 +91,15 @@ class TPPlan:
                 f"tensor_parallel_size={tp}: intermediate_size {inter} must divide by tp to split "
                 f"the MLP (gate/up by column, down by row); choose tp among "
                 f"{[d for d in range(1, inter + 1) if inter % d == 0 and d <= 64]}")
+        for p in graph.params_with_role(Role.EXPERT_DOWN):
+            if is_int8_scale(p):
+                continue
+            if expert_parallel and p.shape[0] % tp:
+                raise ValueError(f"tensor_parallel_size={tp}: the {p.shape[0]} experts must divide by tp to split "
+                                 f"them among the devices (expert parallelism)")
+            if not expert_parallel and p.shape[1] % tp:
+                raise ValueError(f"tensor_parallel_size={tp}: the experts' intermediate size {p.shape[1]} must "
+                                 f"divide by tp to split each expert (gate/up by column, down by row)")
         self.num_q_heads = attn[0].inputs[0].shape[1] if attn else None
         self.num_kv_heads = attn[0].attr("num_kv_heads") if attn else None
         self.head_dim = attn[0].attr("head_dim") if attn else None
@@ -153,9 +170,20 @@ def _vocab(plan: TPPlan, p: Node, rank: int) -> Spec:
     return _split(rank, 0) if role_of(p) in VOCAB_ROWS else _split(rank, -1)
 
 
-# role -> (plan, param, rank) -> its spec; a role not listed (norms) is replicated.
+def _expert_column(plan: TPPlan, p: Node, rank: int) -> Spec:
+    return _split(rank, 0) if plan.expert_parallel else _split(rank, -1)
+
+
+def _expert_row(plan: TPPlan, p: Node, rank: int) -> Spec:
+    if plan.expert_parallel:
+        return _split(rank, 0)  # the experts [E, I, H], and their scales [E, H]
+    return _rep(rank) if is_int8_scale(p) else _split(rank, 1)
+
+
+# role -> (plan, param, rank) -> its spec; a role not listed (norms, the router) is replicated.
 PARAM_RULES = ({r: _attn_column for r in QKV + ATTN_COLUMN} | {r: _mlp_column for r in MLP_COLUMN}
-               | {r: _row for r in ATTN_ROW + MLP_ROW} | {r: _vocab for r in VOCAB_ROWS + VOCAB_COLUMNS})
+               | {r: _row for r in ATTN_ROW + MLP_ROW} | {r: _vocab for r in VOCAB_ROWS + VOCAB_COLUMNS}
+               | {r: _expert_column for r in EXPERT_COLUMN} | {r: _expert_row for r in EXPERT_ROW})
 
 
 def _with_attrs(node: Node, **extra) -> Node:
@@ -319,6 +347,17 @@ def _attention(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Nod
     return sh.emit(node.op, ins, attrs, s[0])
 
 
+def _moe_experts(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
+    """Tokens, ids and router weights replicated; each expert split by its intermediate dim, or the
+    experts among the devices: every device sums its share of the tokens' expert outputs, and one
+    all-reduce adds the shares."""
+    if any(_sharded(x) for x in s[:3]):
+        raise ValueError(f"shard: moe_experts with split tokens or routing {s[:3]}")
+    if list(s[3:6]) in ([_split(3, -1), _split(3, -1), _split(3, 1)], [_split(3, 0)] * 3):
+        return sh.emit(node.op, ins, attrs, _rep(2), **{ALL_REDUCE: AXIS})
+    return _replicated(sh, node, ins, attrs, s)
+
+
 def _replicated(sh: _Sharder, node: Node, ins, attrs: dict, s: list[Spec]) -> Node:
     if any(_sharded(x) for x in s):
         raise ValueError(f"shard: no sharding rule for op {node.op!r} with split inputs {s}")
@@ -336,16 +375,17 @@ OP_RULES = {
     "gather_rows": _gather_rows,
     "kv_write": _kv_write, "kv_cache_update": _kv_write,
     "paged_attention": _attention, "attention": _attention,
+    "moe_experts": _moe_experts,
 }
 
 
-def shard(graph: Graph, tp: int = 1) -> Graph:
-    """Megatron split over `tp` devices; a no-op at tp=1."""
+def shard(graph: Graph, tp: int = 1, expert_parallel: bool = False) -> Graph:
+    """Megatron split over `tp` devices (MoE experts among them with `expert_parallel`); a no-op at tp=1."""
     if tp == 1:
         return graph
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-    plan = TPPlan(graph, tp)
+    plan = TPPlan(graph, tp, expert_parallel)
     specs: dict[int, Spec] = {}
     old_to_new: dict[int, Node] = {}
 
@@ -393,6 +433,8 @@ def shard(graph: Graph, tp: int = 1) -> Graph:
         if name not in state_names and _sharded(sh.specs[id(n)]) and n.attr(ALL_GATHER) is None:
             raise ValueError(f"shard: output {name} would leave the step split {sh.specs[id(n)]}")
     meta = dict(graph.meta) | {"tp": tp, "tp_attention": "split" if plan.shard_attention else "replicated"}
+    if expert_parallel and graph.params_with_role(Role.EXPERT_DOWN):
+        meta["tp_experts"] = "expert_parallel"
     if plan.kv_repeat > 1:
         meta["tp_kv_repeat"] = plan.kv_repeat
     if plan.notes:

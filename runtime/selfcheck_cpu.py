@@ -107,8 +107,10 @@ def _product_rows(features: dict[str, bool]):
     yield f"f32 rows 1, 4, 8 ({vec})", lambda: _stack(f32(m) for m in (1, 4, 8))
     yield f"weight-only int8 rows 1, 16, 64 ({vec})", lambda: _stack(int8_weights(m) for m in (1, 16, 64))
     yield f"W8A8 rows 1, 4, exact int32 ({vec})", lambda: _stack(w8a8(m) for m in (1, 4))
+    bvec = {"avx512bw": "AVX-512BW", "avx2": "AVX2+FMA+F16C"}.get(
+        features.get("blocks"), "scalar loop (no AVX-512BW or AVX2: the engine keeps XLA's product)")
     for fmt in BLOCK_FORMATS:
-        yield f"GGUF {fmt} blocks, rows 1, 8, 64 ({vec})", lambda fmt=fmt: _stack(blocks(fmt, m) for m in (1, 8, 64))
+        yield f"GGUF {fmt} blocks, rows 1, 8, 64 ({bvec})", lambda fmt=fmt: _stack(blocks(fmt, m) for m in (1, 8, 64))
     amx = "AMX-BF16 from 16 rows" if features["amx_bf16"] else "f32 multiply-adds (no AMX-BF16)"
     vnni = "AVX-512 VNNI" if features["vnni"] else "scalar loop (no AVX-512 VNNI)"
     for fmt in BLOCK_FORMATS:
@@ -116,6 +118,15 @@ def _product_rows(features: dict[str, bool]):
             lambda fmt=fmt: _stack(tiles(fmt, m, "f32") for m in (1, 16, 64))
         yield f"GGUF {fmt} tiles, q8 activations, rows 1, 64 ({vnni})", \
             lambda fmt=fmt: _stack(tiles(fmt, m, "q8") for m in (1, 64))
+
+
+def cpu_features() -> dict:
+    """The vector paths the C++ kernels' build has on this CPU, as cpu_checks names them."""
+    from runtime.worker import cpp_kernels as cpp
+
+    blocks = None if not cpp.blocks_vectorized() else "avx512bw" if cpp.matmul_vectorized() else "avx2"
+    return {"avx512bw": cpp.matmul_vectorized(), "blocks": blocks, "vnni": cpp.tiles_vectorized(),
+            "amx_bf16": cpp.tiles_amx_bf16()}
 
 
 def _stack(pairs) -> tuple:
@@ -163,9 +174,10 @@ def part_cpu(args) -> tuple[bool, str, dict]:
         why = "n.a.: the C++ kernels do not build here (above); the engine runs XLA's lowerings instead"
         return True, why, {"applies": False}
     build_s = time.perf_counter() - t0
-    features = {"avx512bw": cpp.matmul_vectorized(), "vnni": cpp.tiles_vectorized(), "amx_bf16": cpp.tiles_amx_bf16()}
-    print(f"C++ kernels ready in {build_s:.1f} s (built, or found in {cpp.cache_dir()}); this CPU: "
-          + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in features.items()), flush=True)
+    features = cpu_features()
+    print(f"C++ kernels ready in {build_s:.1f} s (built, or found in {cpp.cache_dir()}); "
+          f"JAXSERVE_CPU_TARGET={cpp.cpu_target()}: "
+          + ", ".join(f"{k} {v if isinstance(v, str) else 'yes' if v else 'no'}" for k, v in features.items()), flush=True)
     rows = [("check", "status", "max rel miss", "s")]
     results = []
     for name, run, attention in cpu_checks(features):

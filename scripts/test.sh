@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh dev
-exec .venv/bin/python -m pytest -q tests "$@"
+exec .venv/bin/python -m pytest -q --durations=40 tests "$@"

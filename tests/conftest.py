@@ -224,3 +224,50 @@ def pytest_collection_modifyitems(config, items):
         if (item.module.__name__.rpartition(".")[2] in SMOKE_MODULES and item.originalname not in NOT_SMOKE
                 and not item.get_closest_marker("slow")):
             item.add_marker(pytest.mark.smoke)
+
+
+# ------------------------------------------------------------------ the C++ kernels' CPU targets
+
+# The x86 builds the kernel and engine-numerics tests also run against, beside the default one
+# (JAXSERVE_CPU_TARGET as the environment has it): AVX2 and AVX-512 without VNNI or AMX. Each test
+# takes a few representative cases for them (cpu_target_cases), not its whole matrix.
+EXTRA_CPU_TARGETS = ("x86-64-v3", "x86-64-v4")
+
+
+def cpu_target_cases(cases, extra=None) -> list:
+    """pytest params: every case of `cases` (tuples, or single values) under the default build, then
+    those of `extra` (default: all of `cases`) under each of EXTRA_CPU_TARGETS; the last argument is
+    the `cpu_target` fixture's (indirect), None for the default."""
+    def as_tuple(c):
+        return c if isinstance(c, tuple) else (c,)
+    out = [pytest.param(*as_tuple(c), None, id="-".join(map(str, as_tuple(c))) + "-default") for c in cases]
+    for target in EXTRA_CPU_TARGETS:
+        out += [pytest.param(*as_tuple(c), target, id="-".join(map(str, as_tuple(c))) + f"-{target}")
+                for c in (cases if extra is None else extra)]
+    return out
+
+
+@pytest.fixture
+def cpu_target(request, monkeypatch):
+    """Runs the test with the C++ kernels built for `request.param` (JAXSERVE_CPU_TARGET; None: as
+    the environment has it), skipped where this CPU cannot run that target's code (a build that
+fails is a failure). JAX's
+    trace caches are cleared on the way in and out: a function traced under one target calls that
+    build's kernels."""
+    import jax
+
+    from runtime.worker import cpp_kernels
+
+    target = getattr(request, "param", None)
+    if target is None:
+        yield cpp_kernels.cpu_target()
+        return
+    try:
+        cpp_kernels._target_flags(target)
+    except cpp_kernels.KernelUnavailable as e:  # this CPU cannot run the target's code
+        pytest.skip(str(e))
+    monkeypatch.setenv("JAXSERVE_CPU_TARGET", target)
+    assert cpp_kernels.available(), f"the {target} build of the C++ kernels failed: {cpp_kernels._load()}"
+    jax.clear_caches()
+    yield target
+    jax.clear_caches()

@@ -8,6 +8,8 @@ stack read in place; and which products the cpp backend gives them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from pallas_kernels.testing import random_paged_cache
 from runtime.worker import cpp_kernels, executor
 from runtime.worker.kernels import (BF16_BITS, CPP_F32_MAX_ROWS, CPP_INT8_MAX_ROWS, CPP_INT8_WEIGHT_ONLY_MAX_ROWS,
                                     matmul_cpp, matmul_int8_cpp, paged_attention_xla)
+from conftest import cpu_target_cases
 from tolerances import KERNEL, SAME_MATH_F32
 
 # (query heads, kv heads, head_dim, block_size, contexts): GQA 3:1 like SmolLM2, 4:1 at head_dim 128
@@ -41,8 +44,9 @@ def _decode_case(rng, heads, kvh, d, bs, ctx):
     return q, jnp.asarray(k_pool), jnp.asarray(v_pool), tables, jnp.asarray(ctx, jnp.int32), cu
 
 
-@pytest.mark.parametrize("heads,kvh,d,bs,ctx", SHAPES)
-def test_decode_rows_match_the_reference(heads, kvh, d, bs, ctx):
+@pytest.mark.parametrize("heads,kvh,d,bs,ctx,cpu_target", cpu_target_cases(SHAPES, extra=SHAPES[:2]),
+                         indirect=["cpu_target"])
+def test_decode_rows_match_the_reference(heads, kvh, d, bs, ctx, cpu_target):
     """Decode rows (one new token each, its K/V already in the pool) through the kernel: the poisoned
     blocks and slots past each context are never read, and a row with no context gives zeros."""
     rng = np.random.default_rng(len(ctx) * 7 + d)
@@ -176,9 +180,10 @@ PROMPT_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("heads,kvh,d,bs,seqs", PROMPT_STEPS)
-@pytest.mark.parametrize("bf16", [False, True])
-def test_prompt_rows_walk_together(heads, kvh, d, bs, seqs, bf16):
+@pytest.mark.parametrize("heads,kvh,d,bs,seqs,bf16,cpu_target", cpu_target_cases(
+    [(*p, bf16) for p in PROMPT_STEPS for bf16 in (False, True)], extra=[(*PROMPT_STEPS[0], True)]),
+    indirect=["cpu_target"])
+def test_prompt_rows_walk_together(heads, kvh, d, bs, seqs, bf16, cpu_target):
     """A prompt's consecutive rows walk its blocks together (group_rows, GroupWalk): over poisoned
     pools, with prompts off block boundaries, continuations over earlier context, decode rows and a
     padding row in the same step, the state gives float64's attention within the kernel bar, the
@@ -274,14 +279,14 @@ def test_auto_takes_the_kernel_here_and_xla_without_a_compiler(monkeypatch, tmp_
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(cpp_kernels.KernelUnavailable, match="false"):
         cpp_kernels._build()
-    monkeypatch.setattr(cpp_kernels, "_load", lambda: "no C++ compiler (set CXX, or install g++)")
-    cpp_kernels.available.cache_clear()
+    monkeypatch.setattr(cpp_kernels, "_library_for", lambda target: "no C++ compiler (set CXX, or install g++)")
+    cpp_kernels._available.cache_clear()
     try:
         assert executor.resolve_backend("auto") == "xla"
         with pytest.raises(cpp_kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
             executor.resolve_backend("cpp")
     finally:
-        cpp_kernels.available.cache_clear()
+        cpp_kernels._available.cache_clear()
 
 
 def test_tensor_parallel_steps_keep_the_xla_walk():
@@ -323,7 +328,7 @@ def test_processes_starting_at_once_build_the_kernels_once(monkeypatch, tmp_path
     builds, results = [], []
     started = threading.Event()
 
-    def fake_compile(lib, cxx, include):
+    def fake_compile(lib, cxx, include, flags):
         builds.append(lib)
         started.set()
         threading.Event().wait(0.5)  # the build takes a while; the other caller arrives meanwhile
@@ -346,8 +351,13 @@ INT8_SHAPES = [(1, 576, 960), (4, 1536, 576), (2, 576, 3072), (3, 577, 1000), (1
                (4, 64, 4100), (7, 130, 2049), (5, 33, 7), (1, 1, 1)]
 
 
-@pytest.mark.parametrize("m,k,n", INT8_SHAPES)
-def test_int8_matmul_equals_xla_bit_for_bit(m, k, n):
+# The extra targets' cases: their scalar loops (x86-64-v3) and AVX-512BW paths without VNNI (v4).
+EXTRA_INT8_SHAPES = [(1, 576, 960), (3, 577, 1000), (5, 33, 7)]
+
+
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(INT8_SHAPES, extra=EXTRA_INT8_SHAPES),
+                         indirect=["cpu_target"])
+def test_int8_matmul_equals_xla_bit_for_bit(m, k, n, cpu_target):
     """Exact int32 sums, so exactly XLA's dot, at every shape and at the int8 extremes (-128 too)."""
     rng = np.random.default_rng(m * 7919 + k * 31 + n)
     x = rng.integers(-128, 128, (m, k), dtype=np.int8)
@@ -361,8 +371,9 @@ def test_int8_matmul_equals_xla_bit_for_bit(m, k, n):
     np.testing.assert_array_equal(np.asarray(got), x.astype(np.int64) @ w.astype(np.int64))
 
 
-@pytest.mark.parametrize("m,k,n", INT8_SHAPES)
-def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n):
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(INT8_SHAPES, extra=EXTRA_INT8_SHAPES),
+                         indirect=["cpu_target"])
+def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n, cpu_target):
     """Weight-only: f32 rows times int8 weights, within the error bound of a k-term f32 sum
     (k * 2^-24 of sum |x| |w|) of the exact float64 product, at every shape."""
     rng = np.random.default_rng(m * 7919 + k * 31 + n)
@@ -375,8 +386,9 @@ def test_int8_weight_matmul_is_the_f32_product_of_the_widened_weights(m, k, n):
     assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound)
 
 
-@pytest.mark.parametrize("m,k,n", INT8_SHAPES + [(8, 576, 960), (6, 1536, 576)])
-def test_f32_matmul_is_the_f32_product(m, k, n):
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(INT8_SHAPES + [(8, 576, 960), (6, 1536, 576)],
+                                                            extra=EXTRA_INT8_SHAPES), indirect=["cpu_target"])
+def test_f32_matmul_is_the_f32_product(m, k, n, cpu_target):
     """f32 rows times f32 weights, within the error bound of a k-term f32 sum of the exact float64
     product, at every shape (the int8 shapes' tails and splits, and the 8-row decode bucket)."""
     rng = np.random.default_rng(m * 7919 + k * 31 + n + 1)
@@ -488,17 +500,261 @@ def test_weight_only_bf16_rows_keep_xla():
     assert f(x, w, jnp.ones(128, jnp.float32)).dtype == jnp.bfloat16
 
 
-def test_the_sources_compile_for_a_cpu_without_avx512():
-    """The engine builds with -march=native, and CI machines differ: the library must also compile
-    where only the scalar and AVX2 code is there (x86-64-v3), or `auto` falls back to XLA there."""
+def test_cpu_target_setting(monkeypatch, tmp_path, caplog):
+    """JAXSERVE_CPU_TARGET: an unknown value is one clear error naming the choices; `none` and a
+    target this CPU cannot run build nothing, and `auto` falls back to XLA with one log line that
+    says why; the target is part of the cache key and of the FFI names; each named target has the
+    vector paths its instructions allow (the x86 builds, where this CPU runs them)."""
+    import logging
     import platform
+
+    monkeypatch.setenv("JAXSERVE_CPU_TARGET", "avx9")
+    with pytest.raises(cpp_kernels.BadCpuTarget, match="must be one of native, x86-64-v3, x86-64-v4, "
+                       "x86-64-v4-amx, none; got 'avx9'"):
+        executor.resolve_backend("auto")
+    monkeypatch.setenv("JAXSERVE_CPU_TARGET", "none")
+    with caplog.at_level(logging.WARNING, logger=cpp_kernels.__name__):
+        assert executor.resolve_backend("auto") == "xla"
+        assert executor.resolve_backend("auto") == "xla"
+    said = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(said) == 1 and "JAXSERVE_CPU_TARGET=none" in said[0] and "XLA" in said[0], said
+    assert not any(cpp_kernels.paths().values())
+    with pytest.raises(cpp_kernels.KernelUnavailable, match="none: no C\\+\\+ kernels"):
+        executor.resolve_backend("cpp")
+    # A CPU without the target's features (here: one that reports no AVX-512) builds nothing.
+    monkeypatch.setattr(cpp_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
+    if platform.machine() == "x86_64":
+        with pytest.raises(cpp_kernels.KernelUnavailable, match="x86-64-v4 needs avx512f, avx512bw"):
+            cpp_kernels._build("x86-64-v4")
+        assert cpp_kernels._target_flags("x86-64-v3")[-1] == "-march=x86-64-v3"
+    monkeypatch.undo()
+    # The cache key and the FFI names follow the target.
+    monkeypatch.setattr(cpp_kernels, "_compile_into", lambda lib, *a: lib)
+    monkeypatch.setattr(cpp_kernels, "_target_flags", lambda t: (*cpp_kernels.FLAGS, *cpp_kernels.CPU_TARGETS[t]))
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    libs = {t: cpp_kernels._build(t) for t in ("native", "x86-64-v3", "x86-64-v4", "x86-64-v4-amx")}
+    assert len(set(libs.values())) == 4
+    assert cpp_kernels.ffi_name("jaxserve_f32_matmul", "x86-64-v3") == "jaxserve_f32_matmul_x86_64_v3"
+    assert cpp_kernels.ffi_name("jaxserve_f32_matmul", "native") == "jaxserve_f32_matmul"
+    monkeypatch.undo()
+    want = {"x86-64-v3": dict(matmul_avx512bw=False, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_amx_bf16=False),
+            "x86-64-v4": dict(matmul_avx512bw=True, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_amx_bf16=False)}
+    for target, paths in want.items():
+        try:
+            cpp_kernels._target_flags(target)
+        except cpp_kernels.KernelUnavailable:
+            continue  # this CPU cannot run it
+        monkeypatch.setenv("JAXSERVE_CPU_TARGET", target)
+        assert cpp_kernels.paths() == dict(paged_decode=True, **paths), target
+
+
+def test_env_report_shows_the_target_and_its_paths(monkeypatch, tmp_path):
+    from runtime import collect_env
+
+    monkeypatch.setenv("JAXSERVE_CPU_TARGET", "none")
+    report = collect_env.format_report(collect_env.collect())
+    assert "JAXSERVE_CPU_TARGET=none" in report and "none live (XLA's lowerings only)" in report
+    monkeypatch.delenv("JAXSERVE_CPU_TARGET")
+    cpp_kernels.ensure()
+    info = collect_env.collect()["cpu_kernels"]
+    assert info["target"] == "native" and info["paths"] == cpp_kernels.paths() and info["paths"]["paged_decode"]
+    assert "gguf_blocks          live" in collect_env.format_report(collect_env.collect())
+    # A target not built yet is reported as such, and not compiled by the report.
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    info = collect_env.collect()["cpu_kernels"]
+    assert info["built"] is False and "paths" not in info and not list(tmp_path.glob("*.so"))
+
+
+# ------------------------------------------------- the standalone check (cpp/check_kernels.cc)
+
+_FFI_DTYPES = {np.dtype(np.int8): 2, np.dtype(np.int32): 4, np.dtype(np.uint8): 6, np.dtype(np.float32): 11}
+CHECK_SOURCE = cpp_kernels.SOURCES[0].with_name("check_kernels.cc")
+
+
+def _check_cases() -> bytes:
+    """Cases for cpp/check_kernels.cc: every kernel's FFI entry point on ragged shapes, with its
+    plain reference (numpy, float64): decode attention's state over poisoned pools (prompt rows
+    walking together, rows split into parts, windows, a softcap), the int8, weight-only and f32
+    products, and GGUF blocks in the file's rows and in tiles (q8 and f32 activations), plain and
+    from a layer stack."""
+    import struct
+
+    from ir.blocks import BLOCK_FORMATS, pack_tiles, round_q8
+    from test_gguf_blocks import _quantized
+
+    out, count = [b"JXCK", b""], 0
+
+    def s(text):
+        return struct.pack("<I", len(text)) + text.encode()
+
+    def buf(a):
+        a = np.ascontiguousarray(a)
+        return (struct.pack("<iI", _FFI_DTYPES[a.dtype], a.ndim) + struct.pack(f"<{a.ndim}q", *a.shape)
+                + struct.pack("<Q", a.nbytes) + a.tobytes())
+
+    def case(name, handler, args, attrs, rets):
+        nonlocal count
+        count += 1
+        body = s(name) + s(handler) + struct.pack("<I", len(args)) + b"".join(buf(a) for a in args)
+        body += struct.pack("<I", len(attrs))
+        for key in sorted(attrs):
+            v = attrs[key]
+            body += s(key) + (struct.pack("<iq", 5, v) if isinstance(v, int) else struct.pack("<if4x", 11, v))
+        body += struct.pack("<I", len(rets))
+        for want, atol, rtol in rets:
+            body += buf(want) + struct.pack("<dd", atol, rtol)
+        out.append(body)
+
+    rng = np.random.default_rng(53)
+    layer0 = np.zeros((), np.int32)
+
+    def f32_bound(x, w):  # a k-term f32 sum's error bound, per element
+        k = x.shape[1]
+        return (k * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)))).max() + 1e-30
+
+    for fmt, spec in BLOCK_FORMATS.items():
+        for m, k, n in [(1, 64, 17), (3, 96, 50), (5, 128, 64), (11, 576, 7)]:
+            blocks, values = _quantized(rng.standard_normal((n, k)) * 0.1, fmt)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            want = x.astype(np.float64) @ values.T.astype(np.float64)
+            case(f"block_matmul {fmt} rows {m}x{k}x{n}", "JaxserveBlockMatmul", [x, blocks, layer0],
+                 dict(format=spec.type_id, layout=0), [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
+        stack = [_quantized(rng.standard_normal((32, 96)) * 0.1, fmt) for _ in range(3)]
+        x = rng.standard_normal((4, 96)).astype(np.float32)
+        want = x.astype(np.float64) @ stack[2][1].T.astype(np.float64)
+        case(f"block_matmul {fmt} layer 2 of 3", "JaxserveBlockMatmul", [x, np.stack([b for b, _ in stack]),
+             np.int32(2)], dict(format=spec.type_id, layout=0),
+             [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
+        for m, k, n in [(3, 64, 48), (13, 160, 64), (33, 96, 16)]:
+            blocks, values = _quantized(rng.standard_normal((n, k)) * 0.1, fmt)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            for layout, xs in ((1, np.asarray(round_q8(jnp.asarray(x)))), (2, x)):
+                want = xs.astype(np.float64) @ values.T.astype(np.float64)
+                case(f"tiles {fmt} {'q8' if layout == 1 else 'f32'} {m}x{k}x{n}", "JaxserveBlockMatmul",
+                     [x, pack_tiles(blocks, fmt), layer0], dict(format=spec.type_id, layout=layout),
+                     [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
+    for m, k, n in [(1, 576, 960), (3, 577, 100), (5, 33, 7), (8, 130, 2049)]:
+        xi, wi = rng.integers(-128, 128, (m, k), dtype=np.int8), rng.integers(-128, 128, (k, n), dtype=np.int8)
+        case(f"int8_matmul {m}x{k}x{n}", "JaxserveInt8Matmul", [xi, wi, layer0], {},
+             [((xi.astype(np.int64) @ wi.astype(np.int64)).astype(np.int32), 0.0, 0.0)])
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        case(f"int8_weight_matmul {m}x{k}x{n}", "JaxserveInt8WeightMatmul", [x, wi, layer0], {},
+             [((x.astype(np.float64) @ wi).astype(np.float32), f32_bound(x, wi), 0.0)])
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        case(f"f32_matmul {m}x{k}x{n}", "JaxserveF32Matmul", [x, w, layer0], {},
+             [((x.astype(np.float64) @ w).astype(np.float32), f32_bound(x, w), 0.0)])
+    # Decode attention: prompt rows, decode rows and a padding row over poisoned pools.
+    for (kvh, rep, d, bs, seqs), window, softcap, parts, group in [
+            ((3, 3, 64, 16, [(0, 37), (45, 20), (7, 1), (130, 1)]), None, None, 0, cpp_kernels.GROUP_ROWS),
+            ((2, 4, 128, 16, [(0, 19), (300, 1)]), None, None, 16, 1),
+            ((2, 3, 32, 8, [(0, 21), (60, 1), (5, 1)]), 17, 2.5, 0, cpp_kernels.GROUP_ROWS)]:
+        ctx = [p + t for p, t in seqs]
+        kp, vp, tables, _ = random_paged_cache(rng, ctx, block_size=bs, num_kv_heads=kvh, head_dim=d,
+                                               dtype=jnp.float32, poison=True)
+        kp, vp, tables = np.asarray(kp), np.asarray(vp), np.asarray(tables)
+        seq = np.concatenate([np.full(t, i) for i, (_, t) in enumerate(seqs)] + [[0]]).astype(np.int32)
+        limit = np.concatenate([np.arange(p + 1, p + t + 1) for p, t in seqs] + [[0]]).astype(np.int32)
+        start = np.zeros_like(limit) if window is None else np.maximum(limit - window, 0).astype(np.int32)
+        qf = (rng.standard_normal((len(seq), kvh, rep, d)) * d ** -0.5).astype(np.float32)
+        mx, den, acc = _walk_state(qf, kp, vp, tables, seq, limit, start, softcap)
+        scale = np.abs(acc).max()
+        case(f"paged_decode kvh {kvh} rep {rep} d {d} bs {bs}{' window' if window else ''}", "JaxservePagedDecode",
+             [qf, kp, vp, tables, seq, limit, start],
+             dict(part_tokens=parts, group_rows=group, softcap=float(softcap or 0.0)),
+             [(mx, 1e-5, 1e-5), (den, 1e-5, 1e-4), (acc, 1e-4 * scale, 1e-4)])
+    out[1] = np.uint32(count).tobytes()
+    return b"".join(out)
+
+
+def _walk_state(qf, kp, vp, tables, seq, limit, start, softcap):
+    """The decode kernel's state per row, in float64: the max score, the sum of exp(score - max),
+    and that sum's weights times V (a row with no positions: -1e30, 0, 0)."""
+    t, kvh, rep, d = qf.shape
+    bs = kp.shape[1]
+    mx, den = np.full((t, kvh, rep), -1e30), np.zeros((t, kvh, rep))
+    acc = np.zeros((t, kvh, rep, d))
+    for i in range(t):
+        pos = np.arange(int(start[i]), int(limit[i]))
+        if not len(pos):
+            continue
+        blocks = tables[int(seq[i]), pos // bs]
+        k, v = kp[blocks, pos % bs].astype(np.float64), vp[blocks, pos % bs].astype(np.float64)
+        scores = np.einsum("hrd,nhd->hrn", qf[i].astype(np.float64), k)
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
+        mx[i] = scores.max(-1)
+        w = np.exp(scores - mx[i][..., None])
+        den[i], acc[i] = w.sum(-1), np.einsum("hrn,nhd->hrd", w, v)
+    return mx.astype(np.float32), den.astype(np.float32), acc.astype(np.float32)
+
+
+def _run_check(binary, cases, tmp_path, runner=()):
+    import subprocess
+
+    path = tmp_path / "cases.bin"
+    path.write_bytes(cases)
+    r = subprocess.run([*runner, str(binary), str(path)], capture_output=True, text=True, timeout=300)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[-1] == "0 failed", r.stdout[-4000:] + r.stderr[-2000:]
+    return lines
+
+
+def test_standalone_check_passes_against_the_loaded_kernels(tmp_path):
+    """cpp/check_kernels.cc, linked against this machine's kernel library (the build the engine
+    loads), calls every kernel's FFI entry point on the cases and finds them within their
+    references; a case whose reference is off fails, so the check can fail."""
     import shutil
     import subprocess
 
     cxx = shutil.which("g++")
-    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("needs g++ on x86-64")
-    flags = [f for f in cpp_kernels.FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3", "-fsyntax-only"]
-    for src in cpp_kernels.SOURCES:
-        res = subprocess.run([cxx, *flags, "-I", jax.ffi.include_dir(), str(src)], capture_output=True, text=True)
-        assert res.returncode == 0, f"{src.name}:\n{res.stderr[-2000:]}"
+    if cxx is None or not cpp_kernels.available():
+        pytest.skip("needs g++ and the C++ kernels")
+    lib, exe = cpp_kernels._build(), tmp_path / "check_kernels"
+    cmd = [cxx, "-O1", "-std=c++17", "-I", jax.ffi.include_dir(), str(CHECK_SOURCE), str(lib),
+           f"-Wl,-rpath,{lib.parent}", "-lpthread", "-o", str(exe)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    cases = _check_cases()
+    lines = _run_check(exe, cases, tmp_path)
+    assert sum(ln.startswith("PASS ") for ln in lines) == int(np.frombuffer(cases[4:8], np.uint32)[0]) > 40
+    bad = bytearray(cases)
+    bad[-16:] = np.float64([1e-12, 1e-12]).tobytes()  # the last case's last bounds (atol, rtol): tiny
+    (tmp_path / "bad.bin").write_bytes(bytes(bad))
+    r = subprocess.run([str(exe), str(tmp_path / "bad.bin")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "FAIL paged_decode" in r.stdout and r.stdout.endswith("1 failed\n"), r.stdout[-2000:]
+
+
+AARCH64_CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
+AARCH64_SYSROOT = "/usr/aarch64-linux-gnu"
+
+
+def test_kernels_cross_built_for_aarch64_pass_under_qemu(tmp_path):
+    """The C++ kernels compiled for aarch64 (NEON for the GGUF block products, the compiler's
+    vectors elsewhere) with Debian's cross compiler, and cpp/check_kernels.cc run under qemu-user:
+    every kernel within its reference. The binary is cached beside the kernel libraries, keyed by
+    the sources and flags."""
+    import hashlib
+    import shutil
+    import subprocess
+
+    if not (shutil.which(AARCH64_CXX) and shutil.which(QEMU) and Path(AARCH64_SYSROOT).is_dir()):
+        pytest.skip(f"needs {AARCH64_CXX} and {QEMU} with {AARCH64_SYSROOT} "
+                    "(apt-get install g++-aarch64-linux-gnu qemu-user)")
+    sources = (CHECK_SOURCE, *cpp_kernels.SOURCES)
+    flags = [f for f in cpp_kernels.FLAGS if f != "-fPIC"] + ["-march=armv8-a"]
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources + cpp_kernels.HEADERS),
+                                     " ".join(flags).encode()])).hexdigest()[:16]
+    exe = cpp_kernels.cache_dir() / f"check-aarch64-{key}"
+    if not exe.exists():
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        objs = [tmp_path / f"{src.stem}.o" for src in sources]
+        procs = [subprocess.Popen([AARCH64_CXX, *flags, "-I", jax.ffi.include_dir(), "-c", str(src), "-o", str(o)],
+                                  stderr=subprocess.PIPE, text=True) for src, o in zip(sources, objs)]
+        errors = [p.communicate()[1] for p in procs if p.wait() != 0]
+        assert not errors, errors[0][-3000:]
+        res = subprocess.run([AARCH64_CXX, *map(str, objs), "-lpthread", "-o", str(tmp_path / "check")],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-2000:]
+        shutil.move(tmp_path / "check", exe)
+    lines = _run_check(exe, _check_cases(), tmp_path, runner=(QEMU, "-L", AARCH64_SYSROOT))
+    assert lines[0] == "vector paths: matmul 0, blocks 1, tiles 0", lines[0]  # NEON block products

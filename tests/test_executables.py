@@ -174,6 +174,14 @@ def test_another_program_or_shape_never_loads_a_stored_executable(tmp_path):
     finally:
         monkeypatch.undo()
         executables.code_fingerprint.cache_clear()
+    # and so is another build of the C++ kernels (JAXSERVE_CPU_TARGET): its steps call other kernels
+    args = ("step", (jax.ShapeDtypeStruct((1,), np.int32),))
+    keys = set()
+    for target in ("native", "x86-64-v3", "none"):
+        monkeypatch.setenv("JAXSERVE_CPU_TARGET", target)
+        keys.add(executables.ExecutableStore(tmp_path, jax.devices()[0]).key(*args))
+    monkeypatch.undo()
+    assert len(keys) == 3
 
 
 def test_an_unreadable_entry_is_removed_and_replaced_by_the_next_compile(tmp_path, caplog):

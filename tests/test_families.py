@@ -74,16 +74,17 @@ def hf_logits(model, ids):
 _SAVED: dict[str, tuple] = {}
 
 
-def saved_family(kind: str, tmp_path_factory):
+def saved_family(kind: str, tmp_path_factory, build=None, forward=None):
     """(kind, HF model, its safetensors directory, our config, our weights, HF's logits of each
-    prompt and its next token), built once per module."""
+    prompt and its next token), built once per session; `build(kind)` and `forward(model, ids)`
+    default to this file's hf_tiny and hf_logits (tests/test_moe.py passes its own)."""
     if kind not in _SAVED:
-        model = hf_tiny(kind)
+        model = (build or hf_tiny)(kind)
         path = tmp_path_factory.mktemp(kind)
         model.save_pretrained(path, safe_serialization=True)
         config = config_from_hf(path)
         weights = load_safetensors(path, config)
-        expected = [hf_logits(model, p + [n]) for p, n in zip(PROMPTS, NEXT)]
+        expected = [(forward or hf_logits)(model, p + [n]) for p, n in zip(PROMPTS, NEXT)]
         _SAVED[kind] = kind, model, path, config, weights, expected
     return _SAVED[kind]
 

@@ -5,6 +5,7 @@ the loader's blocks against its f32 weights, and engines with and without the bl
 from __future__ import annotations
 
 import conftest
+from conftest import cpu_target_cases
 import gguf
 import jax
 import jax.numpy as jnp
@@ -37,12 +38,14 @@ def _quantized(rows_by_k: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m,k,n", [(1, 32, 1), (1, 64, 17), (2, 96, 50), (4, 576, 33), (5, 128, 64),
-                                   (8, 1536, 19), (11, 64, 7), (16, 160, 3)])
-def test_kernel_matches_gguf_dequantization(fmt, m, k, n):
-    """Ragged rows (1-16, past the kernel's 8-row passes), output columns off its 2-column pairs,
-    and K of 1 to 48 blocks, plain and from a layer stack; an f64 product of gguf's own
-    dequantized values is the reference."""
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(
+    [(1, 32, 1), (1, 64, 17), (2, 96, 50), (4, 576, 33), (5, 128, 64), (8, 1536, 19), (11, 64, 7), (16, 160, 3)],
+    extra=[(1, 64, 17), (3, 96, 50), (5, 128, 64), (11, 576, 7)]), indirect=["cpu_target"])
+def test_kernel_matches_gguf_dequantization(fmt, m, k, n, cpu_target):
+    """Ragged rows (1-16, past the kernel's 8-row passes of AVX-512 and 4-row ones of AVX2),
+    output columns off its 2-column pairs, and K of 1 to 48 blocks, plain and from a layer stack;
+    an f64 product of gguf's own dequantized values is the reference. The x86-64-v3 (AVX2) and
+    x86-64-v4 builds too."""
     rng = np.random.default_rng(m * 1000 + k + n)
     stack = [_quantized(rng.standard_normal((n, k)) * 0.1, fmt) for _ in range(3)]
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -65,12 +68,16 @@ def test_jnp_dequantization_matches_gguf(fmt):
 
 
 @needs_kernel
-@pytest.mark.parametrize("transpose_b", [False, True])
-def test_lowerings_read_the_blocks_only_for_few_rows(transpose_b):
+@pytest.mark.parametrize("transpose_b,cpu_target", cpu_target_cases([False, True], extra=[False]),
+                         indirect=["cpu_target"])
+def test_lowerings_read_the_blocks_only_for_few_rows(transpose_b, cpu_target):
     """The op's reference, and every backend but cpp, multiply by w; cpp's lowering reads the
     blocks for up to max_rows rows where the kernel has its vector path. A w that differs from the
-    blocks' values shows which one each product read."""
+    blocks' values shows which one each product read. AVX2 builds have the vector path too."""
     from runtime.worker.kernels import matmul_blocks_cpp
+
+    if cpu_target in ("x86-64-v3", "x86-64-v4"):
+        assert cpp_kernels.blocks_vectorized()
 
     rng = np.random.default_rng(0)
     blocks, values = _quantized(rng.standard_normal((24, 64)), "q4_1")  # [N, K]
@@ -81,9 +88,17 @@ def test_lowerings_read_the_blocks_only_for_few_rows(transpose_b):
         x = rng.standard_normal((rows, 64)).astype(np.float32)
         np.testing.assert_allclose(np.asarray(OPS["matmul_blocks"].impl(x, w, blocks, **attrs)), x @ other,
                                    rtol=1e-5, atol=1e-4)
-        want = x @ (values.T if rows <= 4 and cpp_kernels.matmul_vectorized() else other)
+        want = x @ (values.T if rows <= 4 and cpp_kernels.blocks_vectorized() else other)
         np.testing.assert_allclose(np.asarray(jax.jit(lambda a: matmul_blocks_cpp(a, w, blocks, **attrs))(x)), want,
                                    rtol=1e-5, atol=1e-4)
+    # The build's own bound: AVX2's (and NEON's) 4-row passes read the blocks for up to 16 rows.
+    cap = cpp_kernels.blocks_max_rows()
+    assert cap == {"x86-64-v3": 16, "x86-64-v4": 64}.get(cpu_target, cap)
+    for rows in {cap, cap + 1} - {0}:
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        got = jax.jit(lambda a: matmul_blocks_cpp(a, w, blocks, **(attrs | dict(max_rows=64))))(x)
+        want = x @ (values.T if rows <= cap else other)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
 def block_weights(cfg, seed: int, formats: dict[str, str]) -> dict[str, np.ndarray]:

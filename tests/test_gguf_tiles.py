@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import first_divergence, golden_free_running, golden_llm, golden_teacher_forced
+from conftest import cpu_target_cases, first_divergence, golden_free_running, golden_llm, golden_teacher_forced
 from ir import OPS, verify
 from ir.attrs import BLOCK_FORMAT, BLOCK_LAYOUT, GGUF_BLOCKS, Role, role_of
 from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS, pack_tiles, round_q8, tile_record_bytes
@@ -83,14 +83,15 @@ def test_round_q8():
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m,k,n", [(1, 32, 16), (3, 64, 48), (8, 96, 32), (12, 576, 16), (13, 160, 64),
-                                   (25, 1536, 32), (33, 64, 48), (64, 576, 192), (77, 96, 16)])
-def test_kernel_matches_rounded_product(fmt, m, k, n):
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(
+    [(1, 32, 16), (3, 64, 48), (8, 96, 32), (12, 576, 16), (13, 160, 64), (25, 1536, 32), (33, 64, 48),
+     (64, 576, 192), (77, 96, 16)], extra=[(1, 32, 16), (13, 160, 64), (33, 64, 48)]), indirect=["cpu_target"])
+def test_kernel_matches_rounded_product(fmt, m, k, n, cpu_target):
     """Ragged rows (1-77: past the VNNI path's 12-row passes and off them, and from 32 rows the AMX
     path's groups of 16, where the CPU has AMX), K of 1 to 48 blocks, plain and from a layer stack;
     an all-zero row stays zero. The int32 sums are exact, so the kernel equals the f64 product of
     the rounded activations up to f32 rounding, on whichever path runs (AMX, VNNI or the scalar
-    loop)."""
+    loop: the x86-64-v3 and x86-64-v4 builds')."""
     rng = np.random.default_rng(m * 1000 + k + n)
     stack = [_quantized(rng.standard_normal((n, k)) * 0.1, fmt) for _ in range(3)]
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -108,10 +109,11 @@ def test_kernel_matches_rounded_product(fmt, m, k, n):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m,k,n", [(1, 32, 16), (3, 64, 48), (12, 576, 16), (13, 160, 64), (15, 96, 32),
-                                   (16, 64, 16), (17, 96, 48), (33, 1536, 32), (40, 576, 80), (64, 96, 16),
-                                   (77, 160, 32), (130, 64, 16)])
-def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n):
+@pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(
+    [(1, 32, 16), (3, 64, 48), (12, 576, 16), (13, 160, 64), (15, 96, 32), (16, 64, 16), (17, 96, 48),
+     (33, 1536, 32), (40, 576, 80), (64, 96, 16), (77, 160, 32), (130, 64, 16)],
+    extra=[(3, 64, 48), (17, 96, 48)]), indirect=["cpu_target"])
+def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n, cpu_target):
     """activations="f32": x as it is. Ragged rows across the f32 multiply-adds (under 16 rows) and
     AMX-BF16's groups of 16 and 32 and its chunks of 128 (where the CPU has it), K of 1-48 blocks,
     plain and from a layer stack, rows of magnitudes 1e-3 to 1e3: within f32 rounding of the f64
@@ -286,9 +288,27 @@ def tiny_q8_llm(weights, **engine) -> LLM:
     return LLM.from_plan(compile_plan(None, EngineConfig(**args), weights=weights, config=cfg), check_invariants=True)
 
 
+# The x86-64-v3 build's q8 engine (no VNNI: round_q8, then XLA's f32 product, exactly the reference's
+# products) leaves the reference by 5.8e-3 in one decode logprob; with decode attention in XLA too it
+# equals the reference exactly. The C++ attention's f32 sums (within 4e-5 of f64, as the native
+# build's) move an activation across a q8 rounding edge, a whole step of max / 127: open, issue 53.
+_V3_Q8 = pytest.mark.xfail(strict=True, reason="decode attention's sum order moves a q8 rounding edge (issue 53)")
+
+
+def _engine_cases():
+    cases = cpu_target_cases([("q8", False), ("q8", True), ("f32", False), ("f32", True)], extra=[("q8", False)])
+    return [pytest.param(*c.values, id=c.id, marks=_V3_Q8) if c.values[2] == "x86-64-v3" else c for c in cases]
+
+
+# The XLA engine's outputs by activations, computed once: the same for every case (it calls no C++
+# kernel, and never scans), which saves two of the default cases' four XLA engines, the cost of the
+# extra builds' two.
+_XLA_OUTPUTS: dict[str, list] = {}
+
+
 @needs_kernel
-@pytest.mark.parametrize("activations,scan", [("q8", False), ("q8", True), ("f32", False), ("f32", True)])
-def test_engine_tiles_match_the_reference_numerics(activations, scan):
+@pytest.mark.parametrize("activations,scan,cpu_target", _engine_cases(), indirect=["cpu_target"])
+def test_engine_tiles_match_the_reference_numerics(activations, scan, cpu_target):
     """The cpp engine (the tiles kernel, scanned and unrolled) against the XLA engine (the op's
     reference: the activations, rounded for q8, times the f32 weights): decode batches, short and
     100-token prefills and a prefix hit give the same greedy tokens, logprobs within 1e-3 (q8: the
@@ -298,12 +318,16 @@ def test_engine_tiles_match_the_reference_numerics(activations, scan):
     got = {}
     engine = dict(gguf_activations="q8") if activations == "q8" else dict(gguf_activations="f32", gguf_tiles=True)
     for backend in ("xla", "cpp"):
+        if backend == "xla" and activations in _XLA_OUTPUTS:
+            got[backend] = _XLA_OUTPUTS[activations]
+            continue
         llm = tiny_q8_llm(weights, kernel_backend=backend, scan_layers=scan if backend == "cpp" else False, **engine)
         blocks = [n for n in llm.plan.graph.nodes() if n.op == "matmul_blocks"]
         assert blocks and all(n.attr("layout") == "tiles" and n.attr("activations") == activations for n in blocks)
         got[backend] = llm.generate(prompts, params)
         assert llm.engine.stats().num_recompiles == 0
         assert llm.engine.block_manager.num_used == 0
+    _XLA_OUTPUTS[activations] = got["xla"]
     for a, b in zip(got["xla"], got["cpp"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

@@ -92,8 +92,9 @@ def _paged_inputs(step, tables, window_tables=None):
     return inputs
 
 
-def run_steps(graph, weights, steps, *, num_seqs=2, cache_len=16, num_blocks=16, seed=0):
-    """Runs the steps; returns each step's logits (rows in token order)."""
+def run_steps(graph, weights, steps, *, num_seqs=2, cache_len=16, num_blocks=16, seed=0, keys=None):
+    """Runs the steps; returns each step's logits (rows in token order), or with `keys` each step's
+    outputs of those names."""
     params = to_device_params(graph, materialize(graph, weights))
     names = set(state_names(graph))
     env = {"S": num_seqs, "L": cache_len, "B": num_blocks, "BW": num_blocks}
@@ -111,7 +112,7 @@ def run_steps(graph, weights, steps, *, num_seqs=2, cache_len=16, num_blocks=16,
     for step in steps:
         inputs = _paged_inputs(step, tables, window_tables) if paged else _contiguous_inputs(step, num_seqs)
         outs, state = fn(params, state, inputs)
-        out.append(np.asarray(outs["logits"]))
+        out.append(np.asarray(outs["logits"]) if keys is None else {k: np.asarray(outs[k]) for k in keys})
     return out
 
 

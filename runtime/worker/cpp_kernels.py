@@ -4,10 +4,15 @@
 cpp/paged_decode.cc, which reads K/V from the paged pool in place, and products of a few rows
 (decode steps: W8A8, weight-only int8 and f32) in cpp/matmul.cc, and f32 rows against a GGUF
 file's own quantization blocks in cpp/block_matmul.cc; these read a scanned step's weights in place; everything else stays the XLA lowering of runtime.worker.kernels. The sources are compiled once per machine into one library with the
-system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, and cached
-under ~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the sources, the flags, the
-compiler, jaxlib and the CPU. Without a compiler, `auto` falls back to the plain XLA lowering and
-says why.
+system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, for the
+CPU class JAXSERVE_CPU_TARGET names (CPU_TARGETS: `native`, the default; `x86-64-v3`, AVX2;
+`x86-64-v4`, AVX-512 without VNNI or AMX; `x86-64-v4-amx`; `none`, no kernels), and cached under
+~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the sources, the target and its flags,
+the compiler, jaxlib and, for `native`, the CPU. Each vector path is in the library only where the
+target has its instructions, and the library says which it has (`paths()`), so every choice the
+engine makes from them follows the built target; a target this CPU cannot run is not built.
+Without a build (no compiler, a target this CPU lacks, `none`), `auto` falls back to the plain XLA
+lowering and says why, once.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.cli import UserError
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "matmul.cc",
@@ -46,7 +53,24 @@ TARGETS = {PAGED_DECODE_TARGET: "JaxservePagedDecode", INT8_MATMUL_TARGET: "Jaxs
 # (its running max starts at -1e30, as the XLA lowering's does). It is a compile flag only: linked
 # with it, gcc adds crtfastmath.o, which on load turns on flush-to-zero for the whole process
 # (numpy's and XLA's subnormals too), so the object is linked in a second step without it.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
+# JAXSERVE_CPU_TARGET -> the compiler's target flags: the CPU class the kernels are built for, and so
+# which of their vector paths exist (each source picks its path from the compiler's macros, so a
+# path is live only where the build has it). `none`: no C++ kernels, XLA's lowerings only.
+CPU_TARGETS = {
+    "native": ("-march=native",),
+    "x86-64-v3": ("-march=x86-64-v3",),  # AVX2, FMA, F16C
+    "x86-64-v4": ("-march=x86-64-v4",),  # AVX-512 F/BW/CD/DQ/VL, no VNNI, no AMX
+    "x86-64-v4-amx": ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16"),
+    "none": None,
+}
+DEFAULT_CPU_TARGET = "native"
+# What a named target's code executes, as /proc/cpuinfo names it: a host without all of it cannot
+# load that build (its first AVX-512 instruction would be SIGILL), and stays on XLA.
+_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
+_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+TARGET_NEEDS = {"x86-64-v3": _V3, "x86-64-v4": _V4,
+                "x86-64-v4-amx": _V4 + ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")}
 LINK_FLAGS = ("-shared",)
 # What the kernel's fixed-size scratch holds (cpp/paged_decode.cc); wider shapes take the XLA walk.
 MAX_HEADS, MAX_BLOCK, MAX_DIM = 128, 64, 256
@@ -56,8 +80,28 @@ class KernelUnavailable(RuntimeError):
     """The C++ kernels cannot be built or loaded here."""
 
 
+class BadCpuTarget(UserError, ValueError):
+    """JAXSERVE_CPU_TARGET names no target we build (one `error:` line on the command line)."""
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", Path.home() / ".cache" / "jaxserve" / "kernels"))
+
+
+def cpu_target() -> str:
+    """JAXSERVE_CPU_TARGET, checked: the CPU class the kernels are built for (CPU_TARGETS)."""
+    target = os.environ.get("JAXSERVE_CPU_TARGET") or DEFAULT_CPU_TARGET
+    if target not in CPU_TARGETS:
+        raise BadCpuTarget(f"JAXSERVE_CPU_TARGET must be one of {', '.join(CPU_TARGETS)}; got {target!r}")
+    return target
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {f for ln in lines if ln.startswith("flags") for f in ln.split(":", 1)[1].split()}
 
 
 def _cpu_id() -> bytes:
@@ -70,6 +114,24 @@ def _cpu_id() -> bytes:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
 
 
+def _target_flags(target: str) -> tuple[str, ...]:
+    """The compiler flags for `target`, or KernelUnavailable where this machine cannot run its code."""
+    import platform
+
+    flags = CPU_TARGETS[target]
+    if flags is None:
+        raise KernelUnavailable(f"JAXSERVE_CPU_TARGET={target}: no C++ kernels")
+    if target in TARGET_NEEDS:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise KernelUnavailable(f"JAXSERVE_CPU_TARGET={target} is an x86-64 target; this CPU is "
+                                    f"{platform.machine()}")
+        missing = [f for f in TARGET_NEEDS[target] if f not in _cpu_flags()]
+        if missing:
+            raise KernelUnavailable(f"JAXSERVE_CPU_TARGET={target} needs {', '.join(missing)}, which this CPU "
+                                    "lacks (its code would stop on an illegal instruction)")
+    return (*FLAGS, *flags)
+
+
 def _compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
@@ -77,18 +139,10 @@ def _compiler() -> str:
     return cxx
 
 
-def _build() -> Path:
-    """The shared library for this machine, compiled if the cache has none."""
-    cxx = _compiler()
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
-    include = jax.ffi.include_dir()
-    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(FLAGS + LINK_FLAGS).encode(),
-             version.encode(), include.encode(), jax.__version__.encode(), _cpu_id()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    lib = cache_dir() / f"kernels-{key}.so"
+def _build(target: str | None = None) -> Path:
+    """The shared library for `target` (None: JAXSERVE_CPU_TARGET) on this machine, compiled if the
+    cache has none."""
+    lib, cxx, include, flags = library_path(target)
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -99,35 +153,81 @@ def _build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if lib.exists():
             return lib
-        return _compile_into(lib, cxx, include)
+        return _compile_into(lib, cxx, include, flags)
 
 
-def _compile_into(lib: Path, cxx: str, include: str) -> Path:
-    log.warning("compiling the C++ CPU kernels into %s (once per machine; about a minute on 2 cores)", lib)
+def library_path(target: str | None = None) -> tuple[Path, str, str, tuple[str, ...]]:
+    """(where the cache keeps `target`'s library, the compiler, jaxlib's FFI include dir, the flags),
+    built or not; KernelUnavailable where it cannot be built."""
+    target = target or cpu_target()
+    flags = _target_flags(target)
+    cxx = _compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
+    include = jax.ffi.include_dir()
+    # A named target's code runs on any CPU that has its features; native code only on this one.
+    cpu = _cpu_id() if target == "native" else b""
+    parts = [*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(flags + LINK_FLAGS).encode(),
+             target.encode(), version.encode(), include.encode(), jax.__version__.encode(), cpu]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return cache_dir() / f"kernels-{key}.so", cxx, include, flags
+
+
+def _compile_into(lib: Path, cxx: str, include: str, flags: tuple[str, ...] = ()) -> Path:
+    log.warning("compiling the C++ CPU kernels (%s) into %s (once per machine; about a minute on 2 cores)",
+                " ".join(flags[len(FLAGS):]), lib)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         objs = [Path(tmp) / (src.stem + ".o") for src in SOURCES]
         out = Path(tmp) / lib.name
-        cmds = [[cxx, *FLAGS, "-I", include, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
-        for cmd in cmds + [[cxx, *LINK_FLAGS, *map(str, objs), "-o", str(out)]]:
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                raise KernelUnavailable(f"building the C++ kernels failed:\n{' '.join(cmd)}\n{res.stderr[-2000:]}")
+        # The sources compile side by side (one compiler per core, at most).
+        cmds = [[cxx, *flags, "-I", include, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
+        width = max(1, min(len(cmds), os.cpu_count() or 1))
+        for i in range(0, len(cmds), width):
+            _run_all(cmds[i:i + width])
+        _run_all([[cxx, *LINK_FLAGS, *map(str, objs), "-o", str(out)]])
         os.replace(out, lib)  # atomic: a reader never sees a partial file
     log.warning("C++ CPU kernels built in %.0f s", time.perf_counter() - t0)
     return lib
 
 
+def _run_all(cmds: list[list[str]]) -> None:
+    procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+             for cmd in cmds]
+    failed = None
+    for cmd, p in procs:
+        _, err = p.communicate()
+        if p.returncode != 0 and failed is None:
+            failed = f"building the C++ kernels failed:\n{' '.join(cmd)}\n{err[-2000:]}"
+    if failed:
+        raise KernelUnavailable(failed)
+
+
+def ffi_name(name: str, target: str | None = None) -> str:
+    """The FFI target under which `target`'s build (None: JAXSERVE_CPU_TARGET) registers the kernel
+    `name`: builds for several targets can be loaded side by side in one process (the tests' matrix),
+    and XLA's FFI registry takes each name once."""
+    target = target or cpu_target()
+    return name if target == DEFAULT_CPU_TARGET else f"{name}_{target.replace('-', '_')}"
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | str:
-    """Builds, loads and registers the kernels once per process: the library, or why it failed."""
+def _library_for(target: str) -> ctypes.CDLL | str:
+    """Builds, loads and registers `target`'s kernels once per process: the library, or why it failed."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        lib = ctypes.cdll.LoadLibrary(str(_build(target)))
+        for name, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(ffi_name(name, target), jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
     except (KernelUnavailable, OSError, AttributeError) as e:
         return str(e)
     return lib
+
+
+def _library() -> ctypes.CDLL | str:
+    return _library_for(cpu_target())
 
 
 def _load() -> str | None:
@@ -144,14 +244,64 @@ def ensure() -> None:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernels can run here: on the CPU platform, with a working build (said once if not)."""
+def _available(target: str) -> bool:
     if jax.default_backend() != "cpu":
         return False
-    error = _load()
+    lib = _library_for(target)
+    error = lib if isinstance(lib, str) else None
     if error is not None:
-        log.warning("C++ CPU kernels unavailable, decode attention stays in XLA: %s", error)
+        log.warning("C++ CPU kernels unavailable, the engine runs XLA's lowerings only: %s", error)
     return error is None
+
+
+def available() -> bool:
+    """Whether the kernels can run here: on the CPU platform, with a working build for
+    JAXSERVE_CPU_TARGET (said once if not)."""
+    return _available(cpu_target())
+
+
+@functools.cache
+def _has(target: str, symbol: str) -> bool:
+    return _available(target) and bool(getattr(_library_for(target), symbol)())
+
+
+def matmul_vectorized() -> bool:
+    """Whether int8_matmul, int8_weight_matmul and f32_matmul have their vector paths in this build
+    (AVX-512BW); without them the engine keeps XLA's products (the scalar loops are there for
+    correctness only)."""
+    return _has(cpu_target(), "JaxserveMatmulVectorized")
+
+
+def blocks_vectorized() -> bool:
+    """Whether block_matmul (GGUF blocks in the file's rows) has a vector path in this build
+    (AVX-512BW, AVX2 with FMA and F16C, or aarch64 NEON); without it the engine multiplies by the f32
+    weights."""
+    return _has(cpu_target(), "JaxserveBlocksVectorized")
+
+
+def blocks_max_rows() -> int:
+    """The most rows of a step whose product reads the GGUF blocks in this build (64 with AVX-512BW,
+    16 with AVX2 or NEON; 0 without the vector path): wider steps multiply by the f32 weights."""
+    return int(_available(cpu_target()) and _library_for(cpu_target()).JaxserveBlocksMaxRows())
+
+
+def tiles_amx_bf16() -> bool:
+    """Whether tile_matmul takes f32 activations' wide products on AMX-BF16 here (the build has it,
+    and Linux grants the tile state): then those products run several times f32's rate."""
+    return _has(cpu_target(), "JaxserveTilesAmxBf16")
+
+
+def tiles_vectorized() -> bool:
+    """Whether tile_matmul has its vector path in this build (AVX-512 VNNI)."""
+    return _has(cpu_target(), "JaxserveTilesVectorized")
+
+
+def paths() -> dict[str, bool]:
+    """Which kernel paths are live for JAXSERVE_CPU_TARGET on this machine (`jaxserve env`,
+    selfcheck): each is in the build and runs on this CPU."""
+    return {"paged_decode": available(), "matmul_avx512bw": matmul_vectorized(),
+            "gguf_blocks": blocks_vectorized(), "gguf_tiles_vnni": tiles_vectorized(),
+            "gguf_tiles_amx_bf16": tiles_amx_bf16()}
 
 
 def fits(num_kv_heads: int, n_rep: int, block_size: int, head_dim: int) -> bool:
@@ -182,21 +332,11 @@ def paged_decode(qf, k_pool, v_pool, tables, seq, limit, part_tokens=PART_TOKENS
     out = (jax.ShapeDtypeStruct((t, kvh, rep), f32), jax.ShapeDtypeStruct((t, kvh, rep), f32),
            jax.ShapeDtypeStruct((t, kvh, rep, d), f32))
     start = jnp.zeros_like(limit) if start is None else start
-    return jax.ffi.ffi_call(PAGED_DECODE_TARGET, out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
+    return jax.ffi.ffi_call(ffi_name(PAGED_DECODE_TARGET), out)(qf.astype(f32), k_pool, v_pool, tables.astype(jnp.int32),
                                                       seq.astype(jnp.int32), limit.astype(jnp.int32),
                                                       start.astype(jnp.int32), part_tokens=np.int64(part_tokens),
                                                       group_rows=np.int64(group_rows),
                                                       softcap=np.float32(softcap or 0.0))
-
-
-@functools.cache
-def matmul_vectorized() -> bool:
-    """Whether int8_matmul, int8_weight_matmul, f32_matmul and block_matmul have their vector paths on this CPU
-    (AVX-512BW); without them the engine keeps XLA's products (the scalar loops are there for
-    correctness only)."""
-    if not available():
-        return False
-    return bool(_library().JaxserveMatmulVectorized())
 
 
 def _layer_operand(w, layer):
@@ -213,7 +353,7 @@ def int8_matmul(x, w, layer=None):
     traced or not), w is a stack [L, K, N] and the product takes its layer `layer` where it lies."""
     ensure()
     m, n = x.shape[0], w.shape[-1]
-    return jax.ffi.ffi_call(INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32))(
+    return jax.ffi.ffi_call(ffi_name(INT8_MATMUL_TARGET), jax.ShapeDtypeStruct((m, n), jnp.int32))(
         x, w, _layer_operand(w, layer))
 
 
@@ -223,7 +363,7 @@ def int8_weight_matmul(x, w, layer=None):
     `layer` as in int8_matmul."""
     ensure()
     m, n = x.shape[0], w.shape[-1]
-    return jax.ffi.ffi_call(INT8_WEIGHT_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+    return jax.ffi.ffi_call(ffi_name(INT8_WEIGHT_MATMUL_TARGET), jax.ShapeDtypeStruct((m, n), jnp.float32))(
         x, w, _layer_operand(w, layer))
 
 
@@ -233,7 +373,7 @@ def f32_matmul(x, w, layer=None):
     what it is for, since XLA's own product would take a scanned step's layer as a copy."""
     ensure()
     m, n = x.shape[0], w.shape[-1]
-    return jax.ffi.ffi_call(F32_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+    return jax.ffi.ffi_call(ffi_name(F32_MATMUL_TARGET), jax.ShapeDtypeStruct((m, n), jnp.float32))(
         x, w, _layer_operand(w, layer))
 
 
@@ -246,25 +386,8 @@ def block_matmul(x, w, fmt: str, layer=None):
 
     ensure()
     m, n = x.shape[0], w.shape[-2]
-    return jax.ffi.ffi_call(BLOCK_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+    return jax.ffi.ffi_call(ffi_name(BLOCK_MATMUL_TARGET), jax.ShapeDtypeStruct((m, n), jnp.float32))(
         x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[fmt].type_id), layout=np.int64(0))
-
-
-@functools.cache
-def tiles_amx_bf16() -> bool:
-    """Whether tile_matmul takes f32 activations' wide products on AMX-BF16 here (the CPU has it,
-    and Linux grants the tile state): then those products run several times f32's rate."""
-    if not available():
-        return False
-    return bool(_library().JaxserveTilesAmxBf16())
-
-
-@functools.cache
-def tiles_vectorized() -> bool:
-    """Whether tile_matmul has its vector path on this CPU (AVX-512 VNNI)."""
-    if not available():
-        return False
-    return bool(_library().JaxserveTilesVectorized())
 
 
 def tile_matmul(x, w, fmt: str, layer=None, activations: str = "q8"):
@@ -279,6 +402,6 @@ def tile_matmul(x, w, fmt: str, layer=None, activations: str = "q8"):
         raise ValueError(f"tile_matmul activations must be one of {TILE_ACTIVATIONS}, got {activations!r}")
     ensure()
     m, n = x.shape[0], w.shape[-2] * TILE_COLUMNS
-    return jax.ffi.ffi_call(BLOCK_MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+    return jax.ffi.ffi_call(ffi_name(BLOCK_MATMUL_TARGET), jax.ShapeDtypeStruct((m, n), jnp.float32))(
         x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[fmt].type_id),
         layout=np.int64(TILE_ACTIVATIONS[activations]))

@@ -12,7 +12,7 @@ is made from, all known before any tracing:
   and the kernel backend;
 - the source of every module that shapes the traced program (ir/, passes/, pallas_kernels/,
   runtime/worker/, C++ kernels included);
-- jax and jaxlib, the device, the CPU's features, XLA_FLAGS and the jax options that change a trace;
+- jax and jaxlib, the device, the CPU's features and JAXSERVE_CPU_TARGET, XLA_FLAGS and the jax options that change a trace;
 
 and keeps `jax.experimental.serialize_executable`'s bytes in one file per key. A miss (a new key,
 an unreadable file, which is removed) lowers and compiles as before, and saves the result only if
@@ -145,8 +145,11 @@ class ExecutableStore:
         not on every device the backend has)."""
         self.directory = Path(directory)
         self.device = device
-        self._base = hashlib.sha256("\0".join((code_fingerprint(), f"device {device.id}") + key_parts)
-                                    .encode()).hexdigest()
+        from runtime.worker.cpp_kernels import cpu_target
+
+        # The C++ kernels' target picks which kernels a step calls (and their FFI names).
+        parts = (code_fingerprint(), f"device {device.id}", f"cpu target {cpu_target()}") + key_parts
+        self._base = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         self.hits = 0
         self.misses = 0
         self.uncompiled = 0  # misses that JAX's persistent cache served, not stored

@@ -14,7 +14,7 @@ from ir import OPS, Graph
 from ir.layers import Layers, find_layers
 from models.engine_config import target_platform
 from runtime.config import KERNEL_BACKENDS
-from ir.attrs import ANNOTATION_ATTRS, NEW_KV_WRITTEN
+from ir.attrs import ALL_REDUCE, ANNOTATION_ATTRS, NEW_KV_WRITTEN
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
               "i8": jnp.int8, "u8": jnp.uint8, "bool": jnp.bool_}
@@ -65,13 +65,13 @@ def widens_half_weights(engine) -> bool:
 
 
 def reads_gguf_blocks(engine, has_blocks: bool) -> bool:
-    """EngineConfig.reads_gguf_blocks, told whether this CPU's C++ kernels have their vector path
-    (kernel backend cpp)."""
+    """EngineConfig.reads_gguf_blocks, told whether this CPU's C++ kernels have the GGUF blocks'
+    vector path (kernel backend cpp; AVX-512BW or AVX2)."""
     from runtime.worker import cpp_kernels
 
     sharded = engine.tensor_parallel_size > 1
     ready = (has_blocks and not sharded and resolve_backend(engine.kernel_backend) == "cpp"
-             and cpp_kernels.matmul_vectorized())
+             and cpp_kernels.blocks_vectorized())
     return engine.reads_gguf_blocks(has_blocks, ready)
 
 
@@ -95,9 +95,9 @@ def tile_activations(engine) -> str | None:
 
 def _kernel_impls(backend: str) -> dict[str, Callable]:
     """Overrides of the jnp references for the attention ops, by backend."""
-    from runtime.worker import kernels
+    from runtime.worker import kernels, moe
 
-    return kernels.lowerings(backend)
+    return kernels.lowerings(backend) | moe.lowerings(backend)
 
 
 def _layer_indexed_inputs(backend: str) -> dict[str, tuple[int, ...]]:
@@ -207,12 +207,14 @@ def _in_place_roles(graph: Graph, layers: Layers, roles: list[str], indexed: dic
 
 
 def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | None = None,
-               layout: StepLayout | None = None):
+               layout: StepLayout | None = None, per_device: Callable | None = None):
     """Returns `step(params, state, inputs) -> (outputs, new_state)`, not yet jitted.
 
     params: weights by `layout` key; state: the donated KV buffers by layout key; inputs: the
     other runtime inputs (tokens, positions, block tables...). `mesh_constraints(node, value)`
-    may attach sharding constraints (tensor parallelism). Default layout: unrolled.
+    may attach sharding constraints (tensor parallelism); `per_device(node, fn)` wraps an op that
+    all-reduces its result (the shard pass's `all_reduce`) and has a per-device lowering
+    (worker.moe.per_device_lowerings) to run on each device's shards. Default layout: unrolled.
     """
     backend = resolve_backend(backend)
     overrides = _kernel_impls(backend)
@@ -227,6 +229,13 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
         if fn is None:
             raise ValueError(f"op {node.op!r} has no implementation")
         impls[node.op] = fn
+    local_impls = {}  # node id -> its per-device implementation
+    if per_device is not None:
+        from runtime.worker import moe
+
+        on_device = moe.per_device_lowerings(backend)
+        local_impls = {id(n): per_device(n, on_device[n.op](n)) for n in graph.nodes()
+                       if n.op in on_device and n.attr(ALL_REDUCE) is not None}
 
     def run(nodes, env, fns, extra_attrs=None):
         for node in nodes:
@@ -239,7 +248,8 @@ def build_step(graph: Graph, backend: str = "xla", mesh_constraints: Callable | 
                 # The pools arrive written by this step's kv_write nodes; their new K/V go to the
                 # lowering too, so a prefill attends over its own tokens without reading them back.
                 attrs["k_new"], attrs["v_new"] = (env[id(w.inputs[1])] for w in node.inputs[1:3])
-            val = fns[node.op](*(env[id(i)] for i in node.inputs), **attrs)
+            fn = local_impls.get(id(node)) or fns[node.op]
+            val = fn(*(env[id(i)] for i in node.inputs), **attrs)
             if mesh_constraints is not None:
                 val = mesh_constraints(node, val)
             env[id(node)] = val

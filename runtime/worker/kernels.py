@@ -415,7 +415,8 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
                       layer=None):
     """matmul_blocks under kernel_backend="cpp": a product of at most `max_rows` rows reads the GGUF
     blocks in our C++ kernel where it has its vector path: the file's rows or tiles with f32
-    activations (the same values as w, f32 sums in another order), or tiles with q8 activations
+    activations (the same values as w, f32 sums in another order; the file's rows up to the build's
+    cpp_kernels.blocks_max_rows() too), or tiles with q8 activations
     (int8 products of the rounded activations, exact int32 sums per block). Anything else
     multiplies by w as matmul_cpp does (the tiles: by their values, ir.blocks.dequantize_tiles),
     after the same rounding for q8. `layer` as in matmul_int8_cpp, for whichever weight arrives as
@@ -423,7 +424,8 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     rows = math.prod(x.shape[:-1])
     tiles = layout == "tiles"
     w_blocks = weights[-1]
-    if rows > max_rows or not (cpp_kernels.tiles_vectorized() if tiles else cpp_kernels.matmul_vectorized()):
+    if rows > (max_rows if tiles else min(max_rows, cpp_kernels.blocks_max_rows())) or not (
+            cpp_kernels.tiles_vectorized() if tiles else cpp_kernels.blocks_vectorized()):
         if len(weights) == 1:  # the tiles alone: the op's reference, on the layer's tiles
             if layer is not None and w_blocks.ndim == 3:
                 w_blocks = jax.lax.dynamic_index_in_dim(w_blocks, layer, keepdims=False)

@@ -198,6 +198,7 @@ class ModelRunner:
         self.xla_memory: dict[tuple[int, int], tuple[int, int]] = {}
         self.xla_memory_other: dict[str, tuple[int, int]] = {}
         model_step = build_step(self.graph, self.backend, mesh_constraints=getattr(mesh, "constrain", None),
+                                per_device=getattr(mesh, "per_device", None),
                                 layout=self.layout)
 
         def step(params, state, inputs, sampling):

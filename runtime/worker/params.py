@@ -19,11 +19,12 @@ from ir.blocks import blocks_name, pack_tiles
 
 
 def quantize_int8_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-output-channel int8 for a [in, out] weight: w ≈ q * scale[None, :]."""
+    """Symmetric per-output-channel int8 for a [in, out] weight: w ≈ q * scale[None, :]; for stacked
+    experts [E, in, out], per expert and output channel: w[e] ≈ q[e] * scale[e][None, :]."""
     w = np.asarray(w, np.float32)
-    amax = np.max(np.abs(w), axis=0)
+    amax = np.max(np.abs(w), axis=-2)
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale[None, :]), -127, 127).astype(np.int8)
+    q = np.clip(np.rint(w / scale[..., None, :]), -127, 127).astype(np.int8)
     return q, scale
 
 

@@ -18,6 +18,7 @@ shards its local devices own. Every process runs the same engine loop on the sam
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -103,6 +104,21 @@ class TensorParallelMesh:
             # replicated so the sampler sees whole rows.
             value = jax.lax.with_sharding_constraint(value, self.replicated)
         return value
+
+    def per_device(self, node: Node, fn):
+        """`fn` (taking one device's shards and `axis`, and all-reducing its own result) run in
+        shard_map over the inputs' specs: the step calls it as the op's implementation, and its
+        output is replicated. For ops whose partial result XLA's partitioner would reduce too early
+        or could not split at all (moe_experts: the experts' rows before their per-token sum; the
+        experts split among the devices)."""
+        in_specs = tuple(partition_spec(i.attr(SHARDING)) for i in node.inputs)
+
+        def run(*args, **attrs):
+            body = functools.partial(fn, axis=AXIS, **attrs)
+            return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=PartitionSpec(),
+                                 check_vma=False)(*args)
+
+        return run
 
     def local_copy(self, value):
         """A replicated step output as a single-device array on this process's first device.
