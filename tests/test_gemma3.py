@@ -44,6 +44,17 @@ def hf():
 
 
 @pytest.fixture(scope="module")
+def hf_tokenizer():
+    """HF's tokenizer of the same GGUF (about a minute to build: once per module)."""
+    from transformers import AutoTokenizer
+
+    from models.weights import find_gemma3_270m_gguf
+
+    path = find_gemma3_270m_gguf()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
 def prompts(gemma):
     """700 tokens of prose (this repo's architecture notes), and three short prompts."""
     tok = gemma[2]
@@ -98,13 +109,8 @@ def test_weights_are_hfs_dequantized_weights(gemma, hf):
     assert abs(float(np.mean(weights["final_norm"]))) > 1.0  # w, not 1 + w, for this model's final norm
 
 
-def test_tokenizer_matches_hfs(gemma, prompts):
-    from transformers import AutoTokenizer
-
-    from models.weights import find_gemma3_270m_gguf
-
-    path = find_gemma3_270m_gguf()
-    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def test_tokenizer_matches_hfs(gemma, hf_tokenizer):
+    theirs = hf_tokenizer
     ours = gemma[2]
     texts = [(ROOT / "docs" / "ARCHITECTURE.md").read_text(), "  two  spaces\n\n\tand tabs", "naïve café 東京 🤖",
              "Old Italic: 𐌀𐌁𐌂𐌃", "<start_of_turn>user\nhi<end_of_turn>\n", "12345 x=3.14e-7 ꙮ"]
@@ -183,3 +189,20 @@ def test_sse_stream_joins_multibyte_pieces(server, gemma):
     byte_ids = range(tok.token_to_id("<0x00>"), tok.token_to_id("<0xFF>") + 1)
     ids = tok.encode(whole)
     assert sum(i in byte_ids for i in ids) >= 4  # the text is made of byte pieces
+
+
+def test_text_prompts_continue_as_hfs_greedy(server, hf, hf_tokenizer):
+    """A text prompt, as a user sends it, gets Gemma's <bos> and decodes HF's greedy tokens, step after
+    step (without <bos> the model answered " France. The The The")."""
+    import torch
+
+    for text in ["The capital of France is"]:  # HF's generate costs about 1 s a token here
+        ids = hf_tokenizer(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            want = hf.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+        r = server.post("/v1/completions", json={"model": "gemma-3-270m", "prompt": text, "max_tokens": 12,
+                                                 "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["prompt_token_ids"] == ids[0].tolist(), text
+        assert choice["token_ids"] == want, text
