@@ -35,7 +35,7 @@ from models.config import ModelConfig, get_preset  # noqa: E402
 from models.llama import lower  # noqa: E402
 from models.weights import load_safetensors  # noqa: E402
 from passes.pipeline import PipelineOptions, run_pipeline  # noqa: E402
-from test_families import NEXT, PROMPTS, WINDOW, saved_family  # noqa: E402
+from test_families import NEXT, PROMPTS, WINDOW, _steps, saved_family  # noqa: E402
 from test_lowering import BLOCK_SIZE, run_steps  # noqa: E402
 from tolerances import HF_LOGITS, SAME_MATH_F32  # noqa: E402
 
@@ -299,11 +299,6 @@ def saved_moe(kind: str, tmp_path_factory):
 @pytest.fixture(scope="module", params=KINDS)
 def moe(request, tmp_path_factory):
     return saved_moe(request.param, tmp_path_factory)
-
-
-def _steps():
-    return [[(i, 0, p) for i, p in enumerate(PROMPTS)],
-            [(i, len(p), [t]) for i, (p, t) in enumerate(zip(PROMPTS, NEXT))]]
 
 
 def test_config_read_from_hf(moe):
