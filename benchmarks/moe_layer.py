@@ -7,23 +7,23 @@ grouped layer takes at most 0.3x the time of running every expert densely).
 The layer (Qwen3-MoE's expert shape by default: hidden 2048, intermediate 768 per expert):
 router logits, softmax over all experts in f32, top-k, renormalized weights; then either
 
-- grouped: the rows' k assignments sorted by expert, one grouped product by the fused gate/up
-  weights [E, H, 2I], SiLU(gate) * up, one grouped product by the down weights [E, I, H], and the
-  weighted rows added back to their tokens (unsort + combine). The work grows with k, not E.
-- dense: every expert on every row ([E, T, 2I] and [E, T, H]), combined with one-hot weights
+- grouped: the engine's own lowering of moe_experts (runtime.worker.moe.moe_experts_grouped): the
+  rows' k assignments sorted by expert, grouped products by the gate, up and down weights through
+  runtime.worker.kernels.grouped_matmul, and the weighted rows summed back per token. The work
+  grows with k, not E.
+- dense: every expert on every row ([E, T, I] and [E, T, H]), combined with one-hot weights
   that are zero for the experts a row did not choose.
 
-The grouped product runs in each of these forms (--products picks them), each checked against
-the dense layer's output before it is timed:
+The grouped layer runs under each of these kernel backends (--products picks them), each checked
+against the dense layer's output before it is timed:
 
-- `ragged_dot`: XLA's jax.lax.ragged_dot (kernel backends xla and cpp off the CPU);
-- `tile_loop`: runtime.worker.kernels.grouped_matmul_tiles, a loop over (expert, tile of rows)
-  work items, each a dynamic slice of the sorted rows times its expert's matrix (exact; the
-  kernel backend xla on XLA:CPU), which XLA takes as a copy;
-- `tile_loop_cpp`: the same loop with each product in our C++ row kernel, which reads the
-  expert's matrix where it lies (kernel backend cpp on a CPU with AVX-512BW, f32, tiles of at
-  most 8 rows);
-- `pallas`: our Pallas kernel (kernel backend pallas; on a GPU only).
+- `xla`: on XLA:CPU a loop over (expert, tile of rows) work items, each a dynamic slice of the
+  sorted rows times its expert's matrix (exact), which XLA takes as a copy; elsewhere XLA's
+  jax.lax.ragged_dot (on XLA:CPU ragged_dot runs every expert on every row: 2.55x dense on
+  2026-12-06, docs/benchmarks/2026-12-06-quiet-window-llama-cpp-gemma-moe.md);
+- `cpp`: the same loop with each product in our C++ row kernel, which reads the expert's matrix
+  where it lies (a CPU with AVX-512BW, f32, tiles of at most 8 rows);
+- `pallas`: our Pallas kernel (on a GPU only).
 
 Times are medians of --repeats calls, rounds interleaved (--rounds); the ratio of each grouped
 layer to the dense one is printed per round and for the medians. Run it on a quiet machine
@@ -33,7 +33,6 @@ layer to the dense one is printed per round and for the medians. Run it on a qui
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -46,10 +45,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.worker import cpp_kernels, kernels  # noqa: E402
+from runtime.worker import cpp_kernels  # noqa: E402
+from runtime.worker.moe import moe_experts_grouped  # noqa: E402
 
 TARGET_RATIO = 0.3
-PRODUCTS = ("ragged_dot", "tile_loop", "tile_loop_cpp", "pallas")
+PRODUCTS = ("xla", "cpp", "pallas")
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # Grouped against dense: the same math in another order (f32) or with bf16 roundings of the
 # intermediate activations.
@@ -64,43 +64,19 @@ def route(x, w_router, top_k: int):
     return ids, weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def product_fn(name: str):
-    if name == "ragged_dot":
-        return lambda lhs, rhs, gs: jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32
-                                                       ).astype(lhs.dtype)
-    if name == "tile_loop":
-        return kernels.grouped_matmul_tiles
-    if name == "tile_loop_cpp":
-        return functools.partial(kernels.grouped_matmul_tiles, cpp=True)
-    if name == "pallas":
-        return lambda lhs, rhs, gs: kernels.grouped_matmul(lhs, rhs, gs, backend="pallas")
-    raise ValueError(name)
-
-
-def grouped_layer(product):
-    def layer(x, w_router, w_gate_up, w_down, *, top_k: int):
-        t, num_experts = x.shape[0], w_router.shape[1]
-        inter = w_down.shape[1]
+def grouped_layer(backend: str):
+    def layer(x, w_router, w_gate, w_up, w_down, *, top_k: int):
         ids, weights = route(x, w_router, top_k)
-        flat = ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
-        token = order // top_k
-        group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-        gate_up = product(x[token], w_gate_up, group_sizes)  # [T * k, 2I]
-        h = (jax.nn.silu(gate_up[:, :inter].astype(jnp.float32))
-             * gate_up[:, inter:].astype(jnp.float32)).astype(x.dtype)
-        y = product(h, w_down, group_sizes)  # [T * k, H]
-        y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
+        return moe_experts_grouped(x, ids, weights, w_gate, w_up, w_down, backend=backend)
     return layer
 
 
-def dense_layer(x, w_router, w_gate_up, w_down, *, top_k: int):
-    inter = w_down.shape[1]
+def dense_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int):
     ids, weights = route(x, w_router, top_k)
     one_hot = jnp.sum(jax.nn.one_hot(ids, w_router.shape[1]) * weights[..., None], axis=1)  # [T, E]
-    gate_up = jnp.einsum("th,ehi->eti", x, w_gate_up, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(gate_up[..., :inter]) * gate_up[..., inter:]).astype(x.dtype)
+    gate = jnp.einsum("th,ehi->eti", x, w_gate, preferred_element_type=jnp.float32)
+    up = jnp.einsum("th,ehi->eti", x, w_up, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
     y = jnp.einsum("eti,eih->eth", h, w_down, preferred_element_type=jnp.float32)
     return jnp.einsum("te,eth->th", one_hot, y).astype(x.dtype)
 
@@ -125,37 +101,38 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=20, help="calls per timing (median)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every form")
     ap.add_argument("--products", default=None,
-                    help=f"comma-separated grouped products from {','.join(PRODUCTS)} (default: "
-                         "ragged_dot,tile_loop, and pallas on a GPU, tile_loop_cpp where it runs)")
+                    help=f"comma-separated kernel backends from {','.join(PRODUCTS)} (default: xla, and pallas "
+                         "on a GPU, cpp where its vector path runs)")
     args = ap.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     cpp = not on_gpu and args.dtype == "f32" and cpp_kernels.matmul_vectorized()
     names = (args.products.split(",") if args.products else
-             ["ragged_dot", "tile_loop"] + (["pallas"] if on_gpu else []) + (["tile_loop_cpp"] if cpp else []))
+             ["xla"] + (["pallas"] if on_gpu else []) + (["cpp"] if cpp else []))
     for name in names:
         if name not in PRODUCTS:
             ap.error(f"unknown product {name!r}; choose from {', '.join(PRODUCTS)}")
     if "pallas" in names and not on_gpu:
         ap.error(f"the pallas product needs a GPU (JAX's backend here: {jax.default_backend()})")
-    if "tile_loop_cpp" in names and not cpp:
-        ap.error("the tile_loop_cpp product needs f32 and our C++ kernels' vector path (AVX-512BW) on a CPU")
+    if "cpp" in names and not cpp:
+        ap.error("the cpp backend's products need f32 and our C++ kernels' vector path (AVX-512BW) on a CPU")
     dtype = DTYPES[args.dtype]
     e, h, i = args.experts, args.hidden, args.intermediate
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((args.rows, h)), dtype)
     w_router = jnp.asarray(rng.standard_normal((h, e)) / np.sqrt(h), jnp.float32)
-    w_gate_up = jnp.asarray(rng.standard_normal((e, h, 2 * i)) / np.sqrt(h), dtype)
+    w_gate = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(h), dtype)
+    w_up = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(h), dtype)
     w_down = jnp.asarray(rng.standard_normal((e, i, h)) / np.sqrt(i), dtype)
-    params = (x, w_router, w_gate_up, w_down)
+    params = (x, w_router, w_gate, w_up, w_down)
     print(json.dumps({"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
                       "experts": e, "top_k": args.top_k, "rows": args.rows, "hidden": h,
                       "intermediate": i, "dtype": args.dtype,
-                      "expert_weights_MiB": round((w_gate_up.nbytes + w_down.nbytes) / 2**20)}),
+                      "expert_weights_MiB": round((w_gate.nbytes + w_up.nbytes + w_down.nbytes) / 2**20)}),
           flush=True)
 
     forms = {"dense": jax.jit(dense_layer, static_argnames="top_k")}
     for name in names:
-        forms[f"grouped[{name}]"] = jax.jit(grouped_layer(product_fn(name)), static_argnames="top_k")
+        forms[f"grouped[{name}]"] = jax.jit(grouped_layer(name), static_argnames="top_k")
     calls = {form: (lambda f=f: f(*params, top_k=args.top_k)) for form, f in forms.items()}
     dense_out = np.asarray(jax.block_until_ready(calls["dense"]()).astype(jnp.float32))
     for form, call in calls.items():  # compile, and check each against the dense layer

@@ -199,8 +199,8 @@ def test_backend_entry_point_errors():
 
 
 def test_moe_layer_harness_checks_grouped_against_dense(capsys):
-  # benchmarks/moe_layer.py at a tiny shape: the grouped layer (route, sort, two grouped products,
-  # unsort, combine) must equal every expert run densely before anything is timed.
+  # benchmarks/moe_layer.py at a tiny shape: the grouped layer (the engine's moe_experts lowering:
+  # sort, grouped products, unsort, combine) must equal every expert run densely before anything is timed.
   path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_layer.py"
   spec = importlib.util.spec_from_file_location("moe_layer", path)
   harness = importlib.util.module_from_spec(spec)
@@ -209,8 +209,8 @@ def test_moe_layer_harness_checks_grouped_against_dense(capsys):
           "--repeats", "1", "--rounds", "1"]
   assert harness.main(args) == 0
   out = capsys.readouterr().out
-  forms = ["grouped[ragged_dot]", "grouped[tile_loop]"]
-  forms += ["grouped[tile_loop_cpp]"] if cpp_kernels.matmul_vectorized() else []
+  forms = ["grouped[xla]"]
+  forms += ["grouped[cpp]"] if cpp_kernels.matmul_vectorized() else []
   for form in forms:
     assert f'"form": "{form}", "max_abs_diff_vs_dense"' in out and f'"form": "{form}", "ms"' in out
   assert '"ratio_vs_dense"' in out
