@@ -41,6 +41,11 @@ class BlockFormat:
 BLOCK_FORMATS = {f.name: f for f in (BlockFormat("q4_0", 2, 18), BlockFormat("q4_1", 3, 20),
                                       BlockFormat("q8_0", 8, 34))}
 FORMAT_OF_TYPE = {f.type_id: f.name for f in BLOCK_FORMATS.values()}
+# GGML types whose blocks are rewritten, value for value, into a format above (repack_blocks): Q5_0
+# (f16 d, 4 bytes of high bits qh, 16 bytes of low nibbles; value = d * (q - 16), q of 5 bits) is
+# Q8_0 with q - 16 as its int8, so Gemma 3's Q5_0 projections read the Q8_0 kernels.
+REPACKED_TYPES = {6: "q8_0"}
+KEPT_FORMAT_OF_TYPE = FORMAT_OF_TYPE | REPACKED_TYPES
 
 # A weights dict's key for tensor `name`'s blocks: "<name>:<format>" (":" is in no tensor's name).
 _SEP = ":"
@@ -71,6 +76,27 @@ def dequantize_blocks(w, fmt: str):
         q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.float32)
         vals = d * q + _half(blocks[..., 2:4]) if fmt == "q4_1" else d * (q - 8.0)
     return vals.reshape(lead + (-1,))
+
+
+def repack_blocks(rows, type_id: int):
+    """A GGUF tensor's rows of blocks (u8 [N, row bytes]) in KEPT_FORMAT_OF_TYPE[type_id], in numpy:
+    the rows themselves for a format of BLOCK_FORMATS, Q5_0's as the Q8_0 blocks of the same values."""
+    import numpy as np
+
+    rows = np.asarray(rows, np.uint8)
+    if type_id in FORMAT_OF_TYPE:
+        return rows
+    if REPACKED_TYPES.get(type_id) != "q8_0" or rows.shape[-1] % 22:
+        raise ValueError(f"repack_blocks: no repacking of GGML type {type_id} rows {rows.shape}")
+    b = rows.reshape(rows.shape[:-1] + (-1, 22))
+    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [..., blocks, 1]: bit j is value j's fifth bit
+    qs = b[..., 6:]
+    j = np.arange(16, dtype=np.uint32)
+    lo = (qs & 0x0F) | (((qh >> j) & 1) << 4).astype(np.uint8)
+    hi = (qs >> 4) | (((qh >> (j + 16)) & 1) << 4).astype(np.uint8)
+    q = (np.concatenate([lo, hi], axis=-1).astype(np.int16) - 16).astype(np.int8)
+    out = np.concatenate([b[..., 0:2], q.view(np.uint8)], axis=-1)
+    return np.ascontiguousarray(out.reshape(rows.shape[:-1] + (-1,)))
 
 
 def _half(two_bytes):

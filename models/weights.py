@@ -5,7 +5,7 @@ weights stored [in_features, out_features] so the model computes `x @ w`, and q/
 rotate-half RoPE layout. One declarative table (models.weight_names.WEIGHT_MAP) names every tensor
 in each format.
 The GGUF loader also keeps each matrix stored in a block format of ir.blocks (Q4_0, Q4_1, Q8_0) as
-the file's own blocks, uint8 [rows of the file's matrix, row bytes] under `blocks_name(name,
+the file's own blocks (Q5_0's rewritten as the Q8_0 blocks of the same values), uint8 [rows of the file's matrix, row bytes] under `blocks_name(name,
 format)`: decode steps read those (passes.gguf_blocks).
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ir.blocks import FORMAT_OF_TYPE, blocks_name, split_blocks_name
+from ir.blocks import KEPT_FORMAT_OF_TYPE, blocks_name, repack_blocks, split_blocks_name
 from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
 from models.weight_names import (WEIGHT_MAP, expected_shapes, expert_names,  # noqa: F401 (re-exported)
                                  file_name, fused_expert_name, source_names, validate_weights)
@@ -195,7 +195,7 @@ def gguf_config(fields: dict[str, Any], tensors: Mapping[str, GGUFTensor], name:
 def _blocks_format(canon: str, t: GGUFTensor, transposed: bool) -> str | None:
     """The block format (ir.blocks) a GGUF tensor is kept in beside its f32 values, or None: the
     matrices of a matmul (a linear layer's [out, in], or the embedding, a tied LM head)."""
-    fmt = FORMAT_OF_TYPE.get(t.tensor_type)
+    fmt = KEPT_FORMAT_OF_TYPE.get(t.tensor_type)
     return fmt if fmt is not None and len(t.shape) == 2 and (transposed or canon == "embed") else None
 
 
@@ -261,7 +261,8 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
         weights[canon] = _swap_last(arr) if transposed else np.ascontiguousarray(arr)
         fmt = _blocks_format(canon, t, transposed)
         if fmt is not None:
-            rows = gguf_tensor_data(file, t)  # [file rows, row bytes]: the out features (vocab for embed)
+            # [file rows, row bytes]: the out features (vocab for embed), in format fmt's blocks
+            rows = repack_blocks(gguf_tensor_data(file, t), t.tensor_type)
             if arch in _GGUF_PERMUTED_ARCHS and canon.rsplit(".", 1)[-1] in ("wq", "wk"):
                 heads = config.num_q_heads if canon.endswith("wq") else config.num_kv_heads
                 rows = np.ascontiguousarray(unpermute_qk_rows(rows, heads))

@@ -67,6 +67,26 @@ def test_jnp_dequantization_matches_gguf(fmt):
     assert np.asarray(dequantize_blocks(jnp.asarray(np.stack([blocks] * 2)), fmt)).shape == (2, 5, 96)
 
 
+@pytest.mark.parametrize("shape", [(1, 32), (3, 96), (17, 64), (5, 640)])
+def test_q5_0_repacks_into_the_q8_0_blocks_of_its_values(shape):
+    """Q5_0 rows (Gemma 3's q, k, gate and up) become Q8_0 blocks of the same values, exactly:
+    gguf's own quantizer and dequantizer on random rows, every bit of qh exercised, ragged N."""
+    from ir.blocks import KEPT_FORMAT_OF_TYPE, repack_blocks
+
+    q5 = gguf.GGMLQuantizationType.Q5_0
+    assert KEPT_FORMAT_OF_TYPE[int(q5)] == "q8_0"
+    rng = np.random.default_rng(shape[0] * 7 + shape[1])
+    raw = quantize(rng.standard_normal(shape).astype(np.float32), q5)
+    raw.reshape(shape[0], -1, 22)[..., 2:6] = rng.integers(0, 256, raw.shape[:-1] + (shape[1] // 32, 4))
+    blocks = repack_blocks(raw, int(q5))
+    assert blocks.shape == (shape[0], shape[1] // 32 * 34)
+    np.testing.assert_array_equal(np.asarray(dequantize_blocks(jnp.asarray(blocks), "q8_0")),
+                                  dequantize(raw, q5).astype(np.float32))
+    np.testing.assert_array_equal(repack_blocks(blocks, int(gguf.GGMLQuantizationType.Q8_0)), blocks)
+    with pytest.raises(ValueError, match="no repacking"):
+        repack_blocks(raw, int(gguf.GGMLQuantizationType.Q4_K))
+
+
 @needs_kernel
 @pytest.mark.parametrize("transpose_b,cpu_target", cpu_target_cases([False, True], extra=[False]),
                          indirect=["cpu_target"])
