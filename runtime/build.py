@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.user_cache import user_cache_dir
 from runtime.plan import Plan
 
-DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
 NO_CACHE = ("none", "")
 
 
@@ -24,7 +24,12 @@ def compilation_cache_dir(plan: Plan, cache_dir: str | Path | None = None) -> Pa
 
     if jax.config.jax_compilation_cache_dir:  # already chosen in this process (a test session, a user)
         return None
-    return DEFAULT_COMPILATION_CACHE
+    return default_compilation_cache()
+
+
+def default_compilation_cache() -> Path:
+    """The per-user cache of in-memory plans: $XDG_CACHE_HOME/jaxserve/xla, else ~/.cache/jaxserve/xla."""
+    return user_cache_dir("xla")
 
 
 def build_runner(plan: Plan, cache_dir: str | Path | None = None, **runner_kwargs):

@@ -7,7 +7,7 @@ file's own quantization blocks in cpp/block_matmul.cc; these read a scanned step
 system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, for the
 CPU class JAXSERVE_CPU_TARGET names (CPU_TARGETS: `native`, the default; `x86-64-v3`, AVX2;
 `x86-64-v4`, AVX-512 without VNNI or AMX; `x86-64-v4-amx`; `none`, no kernels), and cached under
-~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the sources, the target and its flags,
+$XDG_CACHE_HOME/jaxserve/kernels (default ~/.cache/jaxserve/kernels; `JAXSERVE_KERNEL_CACHE` names another), keyed by the sources, the target and its flags,
 the compiler, jaxlib and, for `native`, the CPU. Each vector path is in the library only where the
 target has its instructions, and the library says which it has (`paths()`), so every choice the
 engine makes from them follows the built target; a target this CPU cannot run is not built.
@@ -34,8 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.cli import UserError
+from models.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
+
+KERNEL_CACHE_ENV = "JAXSERVE_KERNEL_CACHE"
 
 SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "matmul.cc",
                                                                           "block_matmul.cc", "tile_matmul.cc"))
@@ -85,7 +88,9 @@ class BadCpuTarget(UserError, ValueError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", Path.home() / ".cache" / "jaxserve" / "kernels"))
+    """Where the built libraries are kept (models.user_cache: JAXSERVE_KERNEL_CACHE, else
+    $XDG_CACHE_HOME/jaxserve/kernels, else ~/.cache/jaxserve/kernels)."""
+    return user_cache_dir("kernels", KERNEL_CACHE_ENV)
 
 
 def cpu_target() -> str:

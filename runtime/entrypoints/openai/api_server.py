@@ -427,7 +427,7 @@ def parse_args(argv=None):
                     help="seconds between stats log lines (0: off)")
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX persistent compilation cache (default: the plan's xla_cache/ with --plan, "
-                         "else ~/.cache/jaxserve/xla; 'none' to disable)")
+                         "else $XDG_CACHE_HOME/jaxserve/xla (~/.cache/jaxserve/xla); 'none' to disable)")
     ap.add_argument("--enable-prompt-tokens-details", action="store_true",
                     help="usage.prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache")
     ap.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
