@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -180,30 +181,40 @@ def library_path(target: str | None = None) -> tuple[Path, str, str, tuple[str, 
     return cache_dir() / f"kernels-{key}.so", cxx, include, flags
 
 
+# A first build is progress, not a problem: an INFO line and a bar on stderr (where the bucket bars
+# are). A failed one is the WARNING that _available logs: the engine runs XLA's lowerings instead.
+BUILD_BAR = "build C++ kernels (one time per machine, ~50 s on 2 cores)"
+
+
 def _compile_into(lib: Path, cxx: str, include: str, flags: tuple[str, ...] = ()) -> Path:
-    log.warning("compiling the C++ CPU kernels (%s) into %s (once per machine; about a minute on 2 cores)",
-                " ".join(flags[len(FLAGS):]), lib)
+    from tqdm import tqdm
+
+    log.info("building the C++ CPU kernels (%s) into %s: one time per machine, about 50 s on 2 cores",
+             " ".join(flags[len(FLAGS):]) or "no vector paths", lib)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         objs = [Path(tmp) / (src.stem + ".o") for src in SOURCES]
         out = Path(tmp) / lib.name
-        # The sources compile side by side (one compiler per core, at most).
+        # The sources compile side by side (one compiler per core, at most), then one link.
         cmds = [[cxx, *flags, "-I", include, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
         width = max(1, min(len(cmds), os.cpu_count() or 1))
-        for i in range(0, len(cmds), width):
-            _run_all(cmds[i:i + width])
-        _run_all([[cxx, *LINK_FLAGS, *map(str, objs), "-o", str(out)]])
+        with tqdm(total=len(cmds) + 1, desc=BUILD_BAR, unit="step", file=sys.stderr) as bar:
+            for i in range(0, len(cmds), width):
+                _run_all(cmds[i:i + width], bar)
+            _run_all([[cxx, *LINK_FLAGS, *map(str, objs), "-o", str(out)]], bar)
         os.replace(out, lib)  # atomic: a reader never sees a partial file
-    log.warning("C++ CPU kernels built in %.0f s", time.perf_counter() - t0)
+    log.info("C++ CPU kernels built in %.0f s", time.perf_counter() - t0)
     return lib
 
 
-def _run_all(cmds: list[list[str]]) -> None:
+def _run_all(cmds: list[list[str]], bar=None) -> None:
     procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
              for cmd in cmds]
     failed = None
     for cmd, p in procs:
         _, err = p.communicate()
+        if bar is not None:
+            bar.update()
         if p.returncode != 0 and failed is None:
             failed = f"building the C++ kernels failed:\n{' '.join(cmd)}\n{err[-2000:]}"
     if failed:
@@ -254,8 +265,12 @@ def _available(target: str) -> bool:
         return False
     lib = _library_for(target)
     error = lib if isinstance(lib, str) else None
-    if error is not None:
-        log.warning("C++ CPU kernels unavailable, the engine runs XLA's lowerings only: %s", error)
+    if error is not None:  # one line; a compiler's output follows at DEBUG (selfcheck's cpu part prints it)
+        first, _, rest = error.partition("\n")
+        log.warning("C++ CPU kernels unavailable, the engine falls back to XLA's lowerings: %s%s", first,
+                    " (the compiler's output: `jaxserve selfcheck --only cpu`)" if rest else "")
+        if rest:
+            log.debug("%s", rest)
     return error is None
 
 
