@@ -467,7 +467,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         plan, source = _load_plan(ap, args)
-        log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
+        # The memory plan is printed once, below, as the start measured it.
+        log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe(memory=False))
         if group is not None and not group.is_leader:
             return _follow(group, plan, source, args)
         if group is not None:
