@@ -7,10 +7,11 @@ file's own quantization blocks in cpp/block_matmul.cc; these read a scanned step
 system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, for the
 CPU class JAXSERVE_CPU_TARGET names (CPU_TARGETS: `native`, the default; `x86-64-v3`, AVX2;
 `x86-64-v4`, AVX-512 without VNNI or AMX; `x86-64-v4-amx`; `none`, no kernels), and cached under
-$XDG_CACHE_HOME/jaxserve/kernels (default ~/.cache/jaxserve/kernels; `JAXSERVE_KERNEL_CACHE` names another), keyed by the sources, the target and its flags,
-the compiler, jaxlib and, for `native`, the CPU. Each vector path is in the library only where the
-target has its instructions, and the library says which it has (`paths()`), so every choice the
-engine makes from them follows the built target; a target this CPU cannot run is not built.
+$XDG_CACHE_HOME/jaxserve/kernels (default ~/.cache/jaxserve/kernels; `JAXSERVE_KERNEL_CACHE` names
+another), keyed by the sources, the target and its flags, the compiler, jaxlib and, for `native`,
+the CPU. Each vector path is in the library only where the target has its instructions, and the
+library says which it has (`paths()`), so every choice the engine makes from them follows the built
+target; a target this CPU cannot run is not built.
 Without a build (no compiler, a target this CPU lacks, `none`), `auto` falls back to the plain XLA
 lowering and says why, once.
 """

@@ -240,8 +240,9 @@ class ExecutableStore:
         except Exception as e:  # noqa: BLE001  an unserializable executable costs the next start only
             log.warning("executable store: could not save %s (%s: %s)", path.name, type(e).__name__, e)
             return compiled
-        if self._keep(blob, None, path) and self.shared is not None:
-            self._keep(blob, path, self.shared / path.name)
+        kept = self._keep(blob, None, path)
+        if self.shared is not None:
+            self._keep(blob, path if kept else None, self.shared / path.name)
         return compiled
 
     def _keep(self, blob: bytes, source: Path | None, path: Path) -> bool:
