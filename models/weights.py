@@ -26,6 +26,7 @@ import numpy as np
 
 from ir.blocks import KEPT_FORMAT_OF_TYPE, blocks_name, repack_blocks, split_blocks_name
 from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
+from models.user_cache import user_cache_dir
 from models.weight_names import (WEIGHT_MAP, expected_shapes, expert_names,  # noqa: F401 (re-exported)
                                  file_name, fused_expert_name, source_names, validate_weights)
 
@@ -67,8 +68,8 @@ def decode_gguf_fields(reader) -> dict[str, Any]:
 # The GGUF header's index, cached. gguf.GGUFReader parses every metadata value into its own numpy
 # view: SmolLM2's 147k tokenizer entries take it about 2 s, on every start. The index (the plain
 # metadata and each tensor's type, shape and place in the file) is the same for as long as the file
-# is, so it is kept as JSON under ~/.cache/jaxserve/gguf (JAXSERVE_GGUF_CACHE; "none" turns the
-# cache off), keyed by the file's path, size and mtime and the gguf package's version; the
+# is, so it is kept as JSON under $XDG_CACHE_HOME/jaxserve/gguf (models.user_cache; default
+# ~/.cache/jaxserve/gguf; JAXSERVE_GGUF_CACHE names another, "none" turns the cache off), keyed by the file's path, size and mtime and the gguf package's version; the
 # tensors are read from the file itself at the recorded offsets. JSON, not pickle: a cache file
 # is data, never code.
 GGUF_INDEX_VERSION = 1
@@ -90,7 +91,7 @@ def gguf_cache_dir() -> Path | None:
     raw = os.environ.get(GGUF_CACHE_ENV)
     if raw is not None and raw.strip().lower() in ("", "0", "none", "off"):
         return None
-    return Path(raw) if raw else Path.home() / ".cache" / "jaxserve" / "gguf"
+    return user_cache_dir("gguf", GGUF_CACHE_ENV)
 
 
 def _index_path(path: Path, stat: os.stat_result) -> Path | None:

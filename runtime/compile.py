@@ -3,7 +3,9 @@
     python -m runtime.compile --model smollm2-135m --out plans/smollm2
     python -m runtime.compile --model smollm2-135m --dry-run --max-model-len 4096 --memory-utilization 0.5
 
-Writes the plan (runtime.plan.Plan.save), then compiles every bucket into the plan's xla_cache/.
+Writes the plan (runtime.plan.Plan.save), then compiles every bucket into the plan's xla_cache/, or
+loads it from the per-user executable store where `jaxserve serve --model` (or an earlier compile)
+already compiled it with the same flags.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def _main(args) -> int:
     out = plan.save(args.out)
     from runtime.build import build_runner
 
-    runner = build_runner(plan, out / "xla_cache")
+    # Backed by the per-user store: what `serve --model` compiled for these flags loads, not compiles.
+    runner = build_runner(plan, out / "xla_cache", share_user_store=True)
     runner.warmup(progress=True)  # sizes the KV pool from XLA's measured peak (plan.memory)
     plan.save(out, weights=False)  # rewrite plan.json with XLA's own numbers next to ours
     print(plan.describe())

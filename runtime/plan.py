@@ -146,18 +146,21 @@ class Plan:
             h.update(str(w.shape).encode())
         return h.hexdigest()[:16]
 
-    def describe(self) -> str:
+    def describe(self, memory: bool = True) -> str:
+        """The model, the bucket table and, unless `memory=False` (the server prints the memory plan
+        once, after the start measured it), the memory plan with the fit advice."""
         lines = [f"model {self.config.name}: {self.config.num_params() / 1e6:.1f}M params, "
                  f"{self.config.num_layers} layers, {self.config.num_q_heads} q heads / "
                  f"{self.config.num_kv_heads} kv heads, dtype {self.engine.dtype}",
-                 f"buckets (tokens x seqs): {' '.join(f'{t}x{s}' for t, s in self.buckets.pairs())}",
-                 self.memory.table()]
+                 f"buckets (tokens x seqs): {' '.join(f'{t}x{s}' for t, s in self.buckets.pairs())}"]
+        if memory:
+            lines.append(self.memory.table())
         tp = self.graph.meta_value("tp", 1)
         if tp > 1:
             lines.append(f"  tensor parallel over {tp} devices: attention {self.graph.meta_value('tp_attention')}, "
                          f"MLP and vocab split; replicated weights count fully on every device")
             lines += [f"  note: {n}" for n in self.graph.meta_value("tp_notes", ()) or ()]
-        if self.memory.num_kv_blocks * self.engine.block_size < self.engine.max_model_len:
+        if memory and self.memory.num_kv_blocks * self.engine.block_size < self.engine.max_model_len:
             # Only advice that changes something: no "--dtype bfloat16" for a bf16 plan, no int8 twice.
             shrink = [opt for opt, done in (("--dtype bfloat16", self.engine.dtype != "f32"),
                                             ("--quantization int8", self.engine.quantization is not None)) if not done]

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import jax
 
-from runtime.build import DEFAULT_COMPILATION_CACHE, compilation_cache_dir
+from runtime.build import compilation_cache_dir, default_compilation_cache
 
 
 class _Plan:
@@ -27,8 +27,33 @@ def test_in_memory_plans_share_the_per_user_cache_unless_one_is_set():
     before = jax.config.jax_compilation_cache_dir
     try:
         jax.config.update("jax_compilation_cache_dir", None)
-        assert compilation_cache_dir(_Plan()) == DEFAULT_COMPILATION_CACHE
+        assert compilation_cache_dir(_Plan()) == default_compilation_cache()
         jax.config.update("jax_compilation_cache_dir", "/tmp/session-cache")
         assert compilation_cache_dir(_Plan()) is None  # keep what this process already chose
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_every_per_user_cache_honours_xdg_cache_home(tmp_path, monkeypatch):
+    """The kernel builds, the XLA cache of in-memory plans and the GGUF index all follow
+    XDG_CACHE_HOME (models.user_cache), and each cache's own variable still wins."""
+    from models.weights import gguf_cache_dir
+    from runtime.worker import cpp_kernels
+
+    for env in ("JAXSERVE_KERNEL_CACHE", "JAXSERVE_GGUF_CACHE"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cpp_kernels.cache_dir() == tmp_path / "xdg" / "jaxserve" / "kernels"
+    assert default_compilation_cache() == tmp_path / "xdg" / "jaxserve" / "xla"
+    assert gguf_cache_dir() == tmp_path / "xdg" / "jaxserve" / "gguf"
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "k"))
+    monkeypatch.setenv("JAXSERVE_GGUF_CACHE", "none")
+    assert cpp_kernels.cache_dir() == tmp_path / "k"
+    assert gguf_cache_dir() is None
+    # Unset, empty or relative: ignored, as the XDG base-directory rule says.
+    for value in (None, "", "relative/cache"):
+        if value is None:
+            monkeypatch.delenv("XDG_CACHE_HOME")
+        else:
+            monkeypatch.setenv("XDG_CACHE_HOME", value)
+        assert default_compilation_cache() == Path.home() / ".cache" / "jaxserve" / "xla"

@@ -758,3 +758,48 @@ def test_kernels_cross_built_for_aarch64_pass_under_qemu(tmp_path):
         shutil.move(tmp_path / "check", exe)
     lines = _run_check(exe, _check_cases(), tmp_path, runner=(QEMU, "-L", AARCH64_SYSROOT))
     assert lines[0] == "vector paths: matmul 0, blocks 1, tiles 0", lines[0]  # NEON block products
+
+
+# Stand-in compilers: each says a version; one writes an empty file wherever -o points, the other fails.
+FAKE_CXX = """#!/bin/sh
+[ "$1" = "--version" ] && { echo "fake-c++ 1.0"; exit 0; }
+while [ $# -gt 0 ]; do [ "$1" = "-o" ] && : > "$2"; shift; done
+"""
+BROKEN_CXX = """#!/bin/sh
+[ "$1" = "--version" ] && { echo "broken-c++ 1.0"; exit 0; }
+echo "fatal error: no room" >&2; exit 1
+"""
+
+
+def test_a_first_build_is_progress_and_a_failed_one_one_warning(monkeypatch, tmp_path, caplog, capsys):
+    """A first build logs INFO and shows a bar on stderr (no WARNING: nothing is wrong); a build that
+    fails is one WARNING line saying the engine falls back to XLA."""
+    import logging
+
+    for name, script in (("fake-cxx", FAKE_CXX), ("broken-cxx", BROKEN_CXX)):
+        (tmp_path / name).write_text(script)
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("CXX", str(tmp_path / "fake-cxx"))
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    caplog.set_level(logging.DEBUG, logger=cpp_kernels.__name__)
+    lib = cpp_kernels._build(cpp_kernels.DEFAULT_CPU_TARGET)
+    assert lib.exists() and lib.parent == tmp_path / "cache"
+    levels = {r.levelno for r in caplog.records}
+    assert levels == {logging.INFO}, [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert "building the C++ CPU kernels" in caplog.records[0].getMessage()
+    assert f"{cpp_kernels.BUILD_BAR}: 100%" in capsys.readouterr().err
+
+    caplog.clear()
+    monkeypatch.setenv("CXX", str(tmp_path / "broken-cxx"))
+    with pytest.raises(cpp_kernels.KernelUnavailable) as failed:
+        cpp_kernels._build(cpp_kernels.DEFAULT_CPU_TARGET)
+    assert "fatal error: no room" in str(failed.value) and "\n" in str(failed.value)
+    # what the engine says of that build (the process's own library stays loaded: no reload here)
+    monkeypatch.setattr(cpp_kernels, "_library_for", lambda target: str(failed.value))
+    cpp_kernels._available.cache_clear()
+    try:
+        assert not cpp_kernels._available(cpp_kernels.DEFAULT_CPU_TARGET)
+    finally:
+        cpp_kernels._available.cache_clear()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0] and "falls back to XLA" in warnings[0], warnings

@@ -252,6 +252,11 @@ def test_build_runner_keeps_a_store_only_in_a_cache_it_chooses(tmp_path, monkeyp
     # the test session chose its cache (conftest): its tests may patch what a trace sees
     assert jax.config.jax_compilation_cache_dir
     assert build_runner(plan).executables is None
+    # `jaxserve compile`: the plan's store is backed by the per-user one that `serve --model` fills
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    store = build_runner(plan, tmp_path / "c", share_user_store=True).executables
+    assert store.shared == tmp_path / "xdg" / "jaxserve" / "xla" / "executables"
+    assert build_runner(plan, tmp_path / "c").executables.shared is None
 
 
 def test_a_warm_execute_runs_each_bucket_once_and_writes_no_kv(monkeypatch):
@@ -327,6 +332,38 @@ def test_the_store_is_bounded_and_evicts_what_was_used_least_recently(tmp_path):
     assert store.load("b", x) is None  # an evicted entry is a miss, not an error
     np.testing.assert_allclose(np.asarray(store.load("c", x)(np.ones(8, np.float32))), np.sin(1.0) * 4,
                                rtol=1e-6)
+
+
+def test_a_store_backed_by_a_shared_one_loads_its_entries_and_keeps_copies(tmp_path):
+    """`jaxserve compile` after `jaxserve serve --model` with the same flags: the plan directory's
+    store finds what the per-user store holds (the key names no directory), keeps its own copy, and
+    what it compiles itself goes to both (so a later serve loads it)."""
+    device = jax.devices()[0]
+    user, plan_a, plan_b = tmp_path / "user", tmp_path / "plan_a", tmp_path / "plan_b"
+    x = jax.ShapeDtypeStruct((8,), np.float32)
+    served = executables.ExecutableStore(user, device, "program")
+    served.compile("step", jax.jit(lambda v: jax.numpy.sin(v) * 3), x)
+    assert served.misses == 1 and len(list(user.glob("*.bin"))) == 1
+
+    compiled = executables.ExecutableStore(plan_a, device, "program", shared=user)
+    got = compiled.compile("step", NeverLowered("step"), x)  # found in the shared store: no trace
+    assert (compiled.hits, compiled.shared_hits, compiled.misses) == (1, 1, 0)
+    np.testing.assert_allclose(np.asarray(got(np.ones(8, np.float32))), np.sin(1.0) * 3, rtol=1e-6)
+    assert sorted(p.name for p in plan_a.glob("*.bin")) == sorted(p.name for p in user.glob("*.bin"))
+    # compiled here: kept in the plan directory and in the shared store
+    compiled.compile("copy", jax.jit(lambda v: v + 1), x)
+    assert compiled.misses == 1
+    assert {p.name for p in plan_a.glob("*.bin")} == {p.name for p in user.glob("*.bin")}
+    assert len(list(user.glob("*.bin"))) == 2 and not list(user.glob("*.tmp"))
+
+    # the plan directory alone is enough: the shared store gone, its copies still load
+    for p in user.glob("*.bin"):
+        p.unlink()
+    alone = executables.ExecutableStore(plan_a, device, "program")
+    assert alone.load("step", x) is not None and alone.load("copy", x) is not None
+    # another program never takes the shared store's entries
+    other = executables.ExecutableStore(plan_b, device, "another program", shared=plan_a)
+    assert other.load("step", x) is None and not plan_b.exists()
 
 
 def test_the_bound_comes_from_the_environment(monkeypatch):

@@ -49,8 +49,10 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
   # Every sequence equal, or split only where two tokens tie to within rounding.
   for r in tiny["dtypes"].values():
     assert r["ok"] and r["equal"] + r["near_ties"] == 5
-  thr = parts["throughput"]["data"]
+  thr = parts["throughput"]["data"]  # on a CPU: what a CPU engine runs, our C++ kernels against XLA
   assert not thr["full_shape"] and "(--quick)" in thr["shape"]
+  assert thr["against_xla"] == "cpp" and set(thr["results"]) == {"xla", "cpp"}
+  assert "pallas/xla n.a. (needs a GPU)" in parts["throughput"]["summary"]
   for r in thr["results"].values():
     assert r["batch1"] > 0 and r["batch64"] > 0 and r["recompiles"] == 0
     assert r["async"] is False and r["batch1_async_flipped"] > 0  # auto: off on CPU; the flipped run matched
@@ -90,6 +92,23 @@ def test_cpu_part_is_na_off_the_cpu(monkeypatch, tmp_path):
   monkeypatch.setitem(selfcheck.PART_FUNCTIONS, "cpu", selfcheck_cpu.part_cpu)
   assert selfcheck.run_child(SimpleNamespace(part="cpu", result=str(tmp_path / "r.json"))) == 0
   assert json.loads((tmp_path / "r.json").read_text())["status"] == "n.a."
+
+
+def test_throughput_on_a_cpu_times_what_the_cpu_runs(monkeypatch, tmp_path):
+  """On a CPU the throughput part times our C++ kernels against XLA (Pallas's interpreter times
+  nothing a CPU runs); without the C++ kernels it is n.a., never a ratio of the interpreter."""
+  from runtime.worker import cpp_kernels
+
+  monkeypatch.setattr(selfcheck_parts, "_on_gpu", lambda: False)
+  monkeypatch.setattr(cpp_kernels, "available", lambda: True)
+  assert selfcheck_parts.throughput_rival(False)[0] == "cpp"
+  assert selfcheck_parts.throughput_rival(True)[0] == "pallas"
+  monkeypatch.setattr(cpp_kernels, "available", lambda: False)
+  assert selfcheck_parts.throughput_rival(False)[0] is None
+  monkeypatch.setitem(selfcheck.PART_FUNCTIONS, "throughput", selfcheck_parts.part_throughput)
+  assert selfcheck.run_child(SimpleNamespace(part="throughput", quick=True, result=str(tmp_path / "r.json"))) == 0
+  result = json.loads((tmp_path / "r.json").read_text())
+  assert result["status"] == "n.a." and "needs a GPU" in result["summary"]
 
 
 def test_a_hang_is_a_timeout_and_the_exit_status_is_1(tmp_path, capsys):

@@ -587,6 +587,11 @@ def test_cli_sigterm_drains(tmp_path):
         assert re.search(r"request cmpl-\S+ finished: prompt_tokens=4 output_tokens=96 ttft=\S+ total=\S+ "
                          r"finish_reason=length", out)
         assert "Avg generation throughput" in out
+        # The start-up output says the bucket table and the memory plan once each (the memory plan
+        # as the start measured it; it was printed predicted first, with a per-bucket table).
+        start = out.split("serving ", 1)[0]
+        assert start.count("buckets (tokens x seqs)") == 1 and start.count("memory plan") == 1, start
+        assert "measured by XLA" in start and "bucket (tokens x seqs)" not in start
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,10 +7,11 @@ file's own quantization blocks in cpp/block_matmul.cc; these read a scanned step
 system's C++ compiler (`$CXX`, else g++) against the FFI headers that ship with jaxlib, for the
 CPU class JAXSERVE_CPU_TARGET names (CPU_TARGETS: `native`, the default; `x86-64-v3`, AVX2;
 `x86-64-v4`, AVX-512 without VNNI or AMX; `x86-64-v4-amx`; `none`, no kernels), and cached under
-~/.cache/jaxserve/kernels (`JAXSERVE_KERNEL_CACHE`), keyed by the sources, the target and its flags,
-the compiler, jaxlib and, for `native`, the CPU. Each vector path is in the library only where the
-target has its instructions, and the library says which it has (`paths()`), so every choice the
-engine makes from them follows the built target; a target this CPU cannot run is not built.
+$XDG_CACHE_HOME/jaxserve/kernels (default ~/.cache/jaxserve/kernels; `JAXSERVE_KERNEL_CACHE` names
+another), keyed by the sources, the target and its flags, the compiler, jaxlib and, for `native`,
+the CPU. Each vector path is in the library only where the target has its instructions, and the
+library says which it has (`paths()`), so every choice the engine makes from them follows the built
+target; a target this CPU cannot run is not built.
 Without a build (no compiler, a target this CPU lacks, `none`), `auto` falls back to the plain XLA
 lowering and says why, once.
 """
@@ -25,6 +26,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,8 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.cli import UserError
+from models.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
+
+KERNEL_CACHE_ENV = "JAXSERVE_KERNEL_CACHE"
 
 SOURCES = tuple(Path(__file__).with_name("cpp") / name for name in ("paged_decode.cc", "matmul.cc",
                                                                           "block_matmul.cc", "tile_matmul.cc"))
@@ -85,7 +90,9 @@ class BadCpuTarget(UserError, ValueError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", Path.home() / ".cache" / "jaxserve" / "kernels"))
+    """Where the built libraries are kept (models.user_cache: JAXSERVE_KERNEL_CACHE, else
+    $XDG_CACHE_HOME/jaxserve/kernels, else ~/.cache/jaxserve/kernels)."""
+    return user_cache_dir("kernels", KERNEL_CACHE_ENV)
 
 
 def cpu_target() -> str:
@@ -175,30 +182,40 @@ def library_path(target: str | None = None) -> tuple[Path, str, str, tuple[str, 
     return cache_dir() / f"kernels-{key}.so", cxx, include, flags
 
 
+# A first build is progress, not a problem: an INFO line and a bar on stderr (where the bucket bars
+# are). A failed one is the WARNING that _available logs: the engine runs XLA's lowerings instead.
+BUILD_BAR = "build C++ kernels (one time per machine, ~50 s on 2 cores)"
+
+
 def _compile_into(lib: Path, cxx: str, include: str, flags: tuple[str, ...] = ()) -> Path:
-    log.warning("compiling the C++ CPU kernels (%s) into %s (once per machine; about a minute on 2 cores)",
-                " ".join(flags[len(FLAGS):]), lib)
+    from tqdm import tqdm
+
+    log.info("building the C++ CPU kernels (%s) into %s: one time per machine, about 50 s on 2 cores",
+             " ".join(flags[len(FLAGS):]) or "no vector paths", lib)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         objs = [Path(tmp) / (src.stem + ".o") for src in SOURCES]
         out = Path(tmp) / lib.name
-        # The sources compile side by side (one compiler per core, at most).
+        # The sources compile side by side (one compiler per core, at most), then one link.
         cmds = [[cxx, *flags, "-I", include, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
         width = max(1, min(len(cmds), os.cpu_count() or 1))
-        for i in range(0, len(cmds), width):
-            _run_all(cmds[i:i + width])
-        _run_all([[cxx, *LINK_FLAGS, *map(str, objs), "-o", str(out)]])
+        with tqdm(total=len(cmds) + 1, desc=BUILD_BAR, unit="step", file=sys.stderr) as bar:
+            for i in range(0, len(cmds), width):
+                _run_all(cmds[i:i + width], bar)
+            _run_all([[cxx, *LINK_FLAGS, *map(str, objs), "-o", str(out)]], bar)
         os.replace(out, lib)  # atomic: a reader never sees a partial file
-    log.warning("C++ CPU kernels built in %.0f s", time.perf_counter() - t0)
+    log.info("C++ CPU kernels built in %.0f s", time.perf_counter() - t0)
     return lib
 
 
-def _run_all(cmds: list[list[str]]) -> None:
+def _run_all(cmds: list[list[str]], bar=None) -> None:
     procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
              for cmd in cmds]
     failed = None
     for cmd, p in procs:
         _, err = p.communicate()
+        if bar is not None:
+            bar.update()
         if p.returncode != 0 and failed is None:
             failed = f"building the C++ kernels failed:\n{' '.join(cmd)}\n{err[-2000:]}"
     if failed:
@@ -249,8 +266,12 @@ def _available(target: str) -> bool:
         return False
     lib = _library_for(target)
     error = lib if isinstance(lib, str) else None
-    if error is not None:
-        log.warning("C++ CPU kernels unavailable, the engine runs XLA's lowerings only: %s", error)
+    if error is not None:  # one line; a compiler's output follows at DEBUG (selfcheck's cpu part prints it)
+        first, _, rest = error.partition("\n")
+        log.warning("C++ CPU kernels unavailable, the engine falls back to XLA's lowerings: %s%s", first,
+                    " (the compiler's output: `jaxserve selfcheck --only cpu`)" if rest else "")
+        if rest:
+            log.debug("%s", rest)
     return error is None
 
 

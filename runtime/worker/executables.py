@@ -29,6 +29,12 @@ Entries of older code never load again, so the store is bounded: after each save
 recently used entries (a load or a save is a use) go until the directory holds at most
 JAXSERVE_EXECUTABLE_STORE_MAX_GB (default 4; the default SmolLM2 engine's entries take 110 MB).
 
+A store may be backed by a `shared` one (`jaxserve compile` backs a plan directory's store with
+the per-user store that `jaxserve serve --model` fills, runtime.build): a miss in its own directory
+loads the entry from the shared one and keeps a copy (a hard link where the file system allows),
+so that the plan directory still holds all it needs, and an executable it compiles goes to both.
+The key names no directory, so the same model and flags find the same entries either way.
+
 Code that changes a trace without changing those sources (a test's monkeypatch, a benchmark's
 swapped module) must not use the store: `JAXSERVE_EXECUTABLE_STORE=0` turns it off, and
 runtime.build uses it only where it chooses the compilation cache itself.
@@ -137,13 +143,27 @@ def _describe(args) -> str:
     return repr(tree) + "".join(f"|{tuple(x.shape)}:{x.dtype}" for x in leaves)
 
 
+def _link(source: Path, tmp: str) -> bool:
+    """Puts a hard link to `source` at `tmp` (a file of ours, replaced); False where the file system
+    will not (another device, no links): then the caller writes a copy."""
+    try:
+        os.unlink(tmp)
+        os.link(source, tmp)
+        return True
+    except OSError:
+        return False
+
+
 class ExecutableStore:
     """Executables of one plan on one device, under `directory`, keyed as the module says."""
 
-    def __init__(self, directory: str | os.PathLike, device, *key_parts: str):
+    def __init__(self, directory: str | os.PathLike, device, *key_parts: str,
+                 shared: str | os.PathLike | None = None):
         """`device`: the one device the executables run on (a loaded executable is placed there,
-        not on every device the backend has)."""
+        not on every device the backend has). `shared`: another store's directory that this one
+        reads on a miss and also saves into (the module's docstring)."""
         self.directory = Path(directory)
+        self.shared = Path(shared) if shared is not None and Path(shared) != self.directory else None
         self.device = device
         from runtime.worker.cpp_kernels import cpu_target
 
@@ -151,6 +171,7 @@ class ExecutableStore:
         parts = (code_fingerprint(), f"device {device.id}", f"cpu target {cpu_target()}") + key_parts
         self._base = hashlib.sha256("\0".join(parts).encode()).hexdigest()
         self.hits = 0
+        self.shared_hits = 0  # hits found in the shared store only
         self.misses = 0
         self.uncompiled = 0  # misses that JAX's persistent cache served, not stored
         self.evicted = 0
@@ -169,25 +190,30 @@ class ExecutableStore:
         from jax.experimental import serialize_executable
 
         path = self._path(what, args)
-        try:
-            blob = path.read_bytes()
-        except FileNotFoundError:  # never stored, or evicted (by another process, too)
-            return None
-        try:
-            compiled = serialize_executable.deserialize_and_load(
-                *pickle.loads(blob), backend=self.device.client, execution_devices=[self.device])
-        except Exception as e:  # noqa: BLE001  an unreadable entry is a miss, never a failed start
-            log.warning("executable store: %s unreadable (%s: %s); removed, compiling again", path.name,
-                        type(e).__name__, e)
-            path.unlink(missing_ok=True)  # the next compile XLA does in front of the store replaces it
-            return None
-        with self._count:
-            self.hits += 1
-        try:
-            os.utime(path)  # a use: the eviction keeps what was used last
-        except OSError:
-            pass
-        return compiled
+        for source in (path, *([self.shared / path.name] if self.shared is not None else [])):
+            try:
+                blob = source.read_bytes()
+            except FileNotFoundError:  # never stored, or evicted (by another process, too)
+                continue
+            try:
+                compiled = serialize_executable.deserialize_and_load(
+                    *pickle.loads(blob), backend=self.device.client, execution_devices=[self.device])
+            except Exception as e:  # noqa: BLE001  an unreadable entry is a miss, never a failed start
+                log.warning("executable store: %s unreadable (%s: %s); removed, compiling again", source,
+                            type(e).__name__, e)
+                source.unlink(missing_ok=True)  # the next compile XLA does in front of the store replaces it
+                continue
+            with self._count:
+                self.hits += 1
+                self.shared_hits += source != path
+            try:
+                os.utime(source)  # a use: the eviction keeps what was used last
+            except OSError:
+                pass
+            if source != path:
+                self._keep(blob, source, path)
+            return compiled
+        return None
 
     def compile(self, what: str, jitted, *args):
         """`jitted.lower(*args).compile()`, or the same executable loaded from the store."""
@@ -209,27 +235,42 @@ class ExecutableStore:
             self.uncompiled += 1
             return compiled
         path = self._path(what, args)
-        tmp = None
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
-            self.directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False, suffix=".tmp") as f:
-                tmp = f.name
-                f.write(blob)
-            os.replace(tmp, path)  # atomic: processes filling the store at once each write a whole file
-            self._evict(keep=path)
-        except Exception as e:  # noqa: BLE001  a full disk or an unserializable executable costs the next start only
+        except Exception as e:  # noqa: BLE001  an unserializable executable costs the next start only
             log.warning("executable store: could not save %s (%s: %s)", path.name, type(e).__name__, e)
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
+            return compiled
+        kept = self._keep(blob, None, path)
+        if self.shared is not None:
+            self._keep(blob, path if kept else None, self.shared / path.name)
         return compiled
 
-    def _evict(self, keep: Path) -> None:
-        """Removes the least recently used entries (a load or a store is a use) until the directory
+    def _keep(self, blob: bytes, source: Path | None, path: Path) -> bool:
+        """Writes the entry `blob` to `path` (a hard link to `source` where there is one and the file
+        system allows), then bounds path's directory; whether it was written. A full disk or a
+        read-only directory (a plan shipped read-only) costs the next start only."""
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            os.close(fd)
+            if source is None or not _link(source, tmp):
+                Path(tmp).write_bytes(blob)
+            os.replace(tmp, path)  # atomic: processes filling the store at once each write a whole file
+            self._evict(path.parent, keep=path)
+            return True
+        except Exception as e:  # noqa: BLE001
+            log.warning("executable store: could not save %s (%s: %s)", path, type(e).__name__, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return False
+
+    def _evict(self, directory: Path, keep: Path) -> None:
+        """Removes the least recently used entries (a load or a store is a use) until `directory`
         holds at most `max_bytes`; never `keep`, the entry just written. Entries of older code
         never load again (the code is in their key), so this is what bounds the directory."""
         entries = []
-        for p in self.directory.glob("*.bin"):
+        for p in directory.glob("*.bin"):
             try:
                 st = p.stat()
             except FileNotFoundError:  # another process evicted it meanwhile

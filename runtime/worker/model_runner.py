@@ -151,11 +151,12 @@ class ModelRunner:
     """Owns the device state of a plan and executes one bucketed step at a time."""
 
     def __init__(self, plan, backend: str | None = None, mesh=None, executables: str | Path | None = None,
-                 release_host_weights: bool = False):
+                 release_host_weights: bool = False, shared_executables: str | Path | None = None):
         """The persistent compilation cache is set by runtime.build.build_runner, not here; so is
         `executables`, the directory of an ExecutableStore (runtime.worker.executables), which
         saves this runner's compiled executables whole (not under tensor parallelism: a sharded
-        executable's devices are not part of the store's key).
+        executable's devices are not part of the store's key). `shared_executables`: another
+        store that backs it (ExecutableStore's `shared`).
 
         `release_host_weights`: once the weights are on the device, drop the plan's host copy
         (`plan.weights = None`), for an owner that will neither save the plan nor build another
@@ -190,7 +191,8 @@ class ModelRunner:
         self.executables = None
         if executables is not None and mesh is None:
             (device,) = next(iter(self.params.values())).devices()
-            self.executables = ExecutableStore(executables, device, plan.program_hash(), self.backend)
+            self.executables = ExecutableStore(executables, device, plan.program_hash(), self.backend,
+                                               shared=shared_executables)
         self.compiled: dict[tuple[int, int], object] = {}
         # XLA's memory analysis of each compiled executable, per device: (temporaries, the
         # executable's own argument and result buffers less weights and KV pools). Steps by bucket;

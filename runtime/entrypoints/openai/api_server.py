@@ -427,7 +427,7 @@ def parse_args(argv=None):
                     help="seconds between stats log lines (0: off)")
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX persistent compilation cache (default: the plan's xla_cache/ with --plan, "
-                         "else ~/.cache/jaxserve/xla; 'none' to disable)")
+                         "else $XDG_CACHE_HOME/jaxserve/xla (~/.cache/jaxserve/xla); 'none' to disable)")
     ap.add_argument("--enable-prompt-tokens-details", action="store_true",
                     help="usage.prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache")
     ap.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
@@ -467,7 +467,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         plan, source = _load_plan(ap, args)
-        log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe())
+        # The memory plan is printed once, below, as the start measured it.
+        log.info("plan ready in %.1fs\n%s", time.perf_counter() - t0, plan.describe(memory=False))
         if group is not None and not group.is_leader:
             return _follow(group, plan, source, args)
         if group is not None:
