@@ -65,6 +65,7 @@ def tile_format(fmt: str) -> str:
     """The format of BLOCK_FORMATS whose tile record (and tile kernel) holds `fmt`'s tiles."""
     return KEPT_FORMATS[fmt].tiles_as or fmt
 
+
 # A weights dict's key for tensor `name`'s blocks: "<name>:<format>" (":" is in no tensor's name).
 _SEP = ":"
 
