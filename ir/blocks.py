@@ -11,6 +11,13 @@ read here, each named by its GGML type id:
 A byte of 4-bit q holds value j of its block in its low nibble and value j + 16 in its high one.
 A weight in blocks is a u8 array [N, K / 32 * block bytes]: N output columns, K inputs.
 
+One more format is read as tiles only (TILE_ONLY_FORMATS: the rows kernel has no path for it):
+
+- Q4_K: super-blocks of 256 values in 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales sc and
+  mins m for its 8 sub-blocks of 32, 128 bytes of 4-bit q; value = (d * sc_j) * q - (dmin * m_j).
+  d * sc_j and dmin * m_j are exact in f32, so each sub-block is a Q4_1 block with f32 d and m,
+  and pack_tiles writes it into Q4_1's tile record: the Q4_1 tile kernel multiplies it as it is.
+
 Loaders put a tensor's blocks beside its f32 values under `blocks_name(name, format)`
 (models.weights), and the gguf_blocks pass gives the matmuls whose weights have them a second
 input, read by decode steps (runtime.worker.kernels). The f32 values are the blocks dequantized, so
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-BLOCK_VALUES = 32  # values per block, in every format here
+BLOCK_VALUES = 32  # values per block of a tile record, and of every rows format here
 
 
 @dataclass(frozen=True)
@@ -32,20 +39,32 @@ class BlockFormat:
     name: str
     type_id: int  # GGML's type id (gguf.GGMLQuantizationType)
     block_bytes: int
+    block_values: int = BLOCK_VALUES  # values per block of the file (a K-quant's super-block: 256)
+    tiles_as: str | None = None  # a tile-only format: the format of BLOCK_FORMATS whose tile record holds it
 
     def row_bytes(self, k: int) -> int:
         """Bytes of one output column's K weights."""
-        return k // BLOCK_VALUES * self.block_bytes
+        return k // self.block_values * self.block_bytes
 
 
+# Formats the rows kernel (cpp/block_matmul.cc) and the tiles read.
 BLOCK_FORMATS = {f.name: f for f in (BlockFormat("q4_0", 2, 18), BlockFormat("q4_1", 3, 20),
                                       BlockFormat("q8_0", 8, 34))}
-FORMAT_OF_TYPE = {f.type_id: f.name for f in BLOCK_FORMATS.values()}
+# Formats read as tiles only, in the record of the format `tiles_as` (pack_tiles).
+TILE_ONLY_FORMATS = {f.name: f for f in (BlockFormat("q4_k", 12, 144, 256, tiles_as="q4_1"),)}
+KEPT_FORMATS = BLOCK_FORMATS | TILE_ONLY_FORMATS  # every format a loader keeps blocks of
+FORMAT_OF_TYPE = {f.type_id: f.name for f in KEPT_FORMATS.values()}  # GGML types kept as they are
 # GGML types whose blocks are rewritten, value for value, into a format above (repack_blocks): Q5_0
 # (f16 d, 4 bytes of high bits qh, 16 bytes of low nibbles; value = d * (q - 16), q of 5 bits) is
 # Q8_0 with q - 16 as its int8, so Gemma 3's Q5_0 projections read the Q8_0 kernels.
 REPACKED_TYPES = {6: "q8_0"}
 KEPT_FORMAT_OF_TYPE = FORMAT_OF_TYPE | REPACKED_TYPES
+
+
+def tile_format(fmt: str) -> str:
+    """The format of BLOCK_FORMATS whose tile record (and tile kernel) holds `fmt`'s tiles."""
+    return KEPT_FORMATS[fmt].tiles_as or fmt
+
 
 # A weights dict's key for tensor `name`'s blocks: "<name>:<format>" (":" is in no tensor's name).
 _SEP = ":"
@@ -58,7 +77,7 @@ def blocks_name(name: str, fmt: str) -> str:
 def split_blocks_name(key: str) -> tuple[str, str] | None:
     """(tensor name, format) of a blocks key; None for a plain tensor's key."""
     name, sep, fmt = key.rpartition(_SEP)
-    return (name, fmt) if sep and fmt in BLOCK_FORMATS else None
+    return (name, fmt) if sep and fmt in KEPT_FORMATS else None
 
 
 def dequantize_blocks(w, fmt: str):
@@ -80,7 +99,7 @@ def dequantize_blocks(w, fmt: str):
 
 def repack_blocks(rows, type_id: int):
     """A GGUF tensor's rows of blocks (u8 [N, row bytes]) in KEPT_FORMAT_OF_TYPE[type_id], in numpy:
-    the rows themselves for a format of BLOCK_FORMATS, Q5_0's as the Q8_0 blocks of the same values."""
+    the rows themselves for a format of KEPT_FORMATS, Q5_0's as the Q8_0 blocks of the same values."""
     import numpy as np
 
     rows = np.asarray(rows, np.uint8)
@@ -117,50 +136,79 @@ def blocks_shape(fmt: str, n: int, k: int, layout: str = "rows") -> tuple[int, i
     """The u8 shape of an [N outputs, K inputs] weight's blocks in `layout`."""
     if layout == "tiles":
         return n // TILE_COLUMNS, k // BLOCK_VALUES * tile_record_bytes(fmt)
-    return n, BLOCK_FORMATS[fmt].row_bytes(k)
+    return n, KEPT_FORMATS[fmt].row_bytes(k)
 
 
 def tile_record_bytes(fmt: str) -> int:
     """Bytes of one tile's record for one block of 32 inputs: 16 f32 scales d, 16 f32 offsets c,
     then the 16 x 32 unsigned values q (4 or 8 bits each); value = d * q + c."""
-    return 2 * TILE_COLUMNS * 4 + TILE_COLUMNS * BLOCK_VALUES * (2 if fmt == "q8_0" else 1) // 2
+    return 2 * TILE_COLUMNS * 4 + TILE_COLUMNS * BLOCK_VALUES * (2 if tile_format(fmt) == "q8_0" else 1) // 2
 
 
 def pack_tiles(blocks, fmt: str):
-    """GGUF blocks u8 [N, K / 32 * block bytes] (N a multiple of 16) -> tiles u8
-    [N / 16, K / 32 * tile_record_bytes(fmt)], in numpy: for each tile of 16 columns and each block,
-    the columns' d and c (f32), then q in the order the int8 product reads it: 4-bit formats keep
-    the file's nibble bytes, a vector j of 64 bytes holding byte 4j + t of column col's block at
-    4 * col + t; Q8_0's values + 128 (unsigned), vector j holding value 4j + t of column col at
-    4 * col + t. The values are the blocks' exactly: d * q + c = dequantize_blocks."""
+    """GGUF blocks u8 [N, row bytes] of format `fmt` (N a multiple of 16) -> tiles u8
+    [N / 16, K / 32 * tile_record_bytes(fmt)], in numpy: for each tile of 16 columns and each block
+    of 32 inputs, the columns' d and c (f32), then q in the order the int8 product reads it: 4-bit
+    formats keep Q4's nibble bytes (byte t: value t low, value t + 16 high), a vector j of 64 bytes
+    holding byte 4j + t of column col's block at 4 * col + t; Q8_0's values + 128 (unsigned), vector
+    j holding value 4j + t of column col at 4 * col + t. The values are the blocks' exactly:
+    d * q + c = dequantize_blocks (for Q4_K, gguf's dequantization)."""
     import numpy as np
 
-    f = BLOCK_FORMATS[fmt]
+    f = KEPT_FORMATS[fmt]
     blocks = np.asarray(blocks, np.uint8)
     n, row = blocks.shape
     if n % TILE_COLUMNS or row % f.block_bytes:
-        raise ValueError(f"pack_tiles needs [N, K / 32 * {f.block_bytes}] blocks with N a multiple of "
-                         f"{TILE_COLUMNS}, got {blocks.shape}")
-    nb, g = row // f.block_bytes, n // TILE_COLUMNS
-    b = blocks.reshape(g, TILE_COLUMNS, nb, f.block_bytes)
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    if fmt == "q4_1":
-        c = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-        q = b[..., 4:]
-    elif fmt == "q4_0":
-        c, q = -8.0 * d, b[..., 2:]
-    else:
-        c, q = -128.0 * d, b[..., 2:] ^ np.uint8(0x80)  # int8 + 128 as unsigned
+        raise ValueError(f"pack_tiles needs [N, K / {f.block_values} * {f.block_bytes}] {fmt} blocks with N a "
+                         f"multiple of {TILE_COLUMNS}, got {blocks.shape}")
+    d, c, q = _blocks_of_32(blocks.reshape(n, row // f.block_bytes, f.block_bytes), fmt)  # [N, nb(, bytes)]
+    nb, g = d.shape[1], n // TILE_COLUMNS
     vectors = q.shape[-1] // 4
     q = q.reshape(g, TILE_COLUMNS, nb, vectors, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
-    scales = np.stack([d.transpose(0, 2, 1), c.transpose(0, 2, 1)], axis=2).astype("<f4").reshape(g, nb, -1)
+    d, c = (a.reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1) for a in (d, c))
+    scales = np.stack([d, c], axis=2).astype("<f4").reshape(g, nb, -1)
     return np.ascontiguousarray(np.concatenate([scales.view(np.uint8), q], axis=-1).reshape(g, -1))
+
+
+def _blocks_of_32(b, fmt: str):
+    """A format's blocks u8 [N, blocks, block bytes] as blocks of 32 values d * q + c, in numpy: d and
+    c f32 [N, K / 32], q u8 [N, K / 32, bytes] in the tile format's byte layout (pack_tiles)."""
+    import numpy as np
+
+    half = lambda two: np.ascontiguousarray(two).view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    if fmt == "q4_k":
+        n, nsb = b.shape[:2]
+        sc, m = _q4_k_scales(b[..., 4:16])  # [N, nsb, 8] each, 6 bits
+        d = half(b[..., 0:2])[..., None] * sc.astype(np.float32)  # exact: 11-bit x 6-bit mantissas
+        c = -(half(b[..., 2:4])[..., None] * m.astype(np.float32))
+        qs = b[..., 16:].reshape(n, nsb, 4, 1, 32)  # 32 bytes per pair of sub-blocks: 2i low, 2i + 1 high
+        v = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, nsb * 8, 32)
+        return d.reshape(n, -1), c.reshape(n, -1), v[..., :16] | (v[..., 16:] << 4)
+    d = half(b[..., 0:2])
+    if fmt == "q4_1":
+        return d, half(b[..., 2:4]), b[..., 4:]
+    if fmt == "q4_0":
+        return d, -8.0 * d, b[..., 2:]
+    return d, -128.0 * d, b[..., 2:] ^ np.uint8(0x80)  # Q8_0: int8 + 128 as unsigned
+
+
+def _q4_k_scales(s):
+    """Q4_K's 12 bytes of scales u8 [..., 12] -> (sc, m) u8 [..., 8]: sub-blocks 0-3 take the low 6
+    bits of bytes 0-3 (sc) and 4-7 (m); sub-blocks 4-7 their low 4 bits from bytes 8-11 (sc low
+    nibble, m high) and their top 2 bits from the top bits of bytes 0-3 (sc) and 4-7 (m)."""
+    import numpy as np
+
+    a, b, lo = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (lo & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    m = np.concatenate([b & 0x3F, (lo >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, m
 
 
 def dequantize_tiles(t, fmt: str):
     """Tiles u8 [..., N / 16, K / 32 * tile_record_bytes(fmt)] (pack_tiles) -> f32 [..., K, N], in
-    jnp: d * q + c per value, the same values as dequantize_blocks of the blocks they were packed
-    from (each product and sum is exact in f32), laid out for x @ w."""
+    jnp: d * q + c per value, the same values as dequantize_blocks (for Q4_K gguf's dequantization)
+    of the blocks they were packed from (d * q is exact in f32, and the one sum rounds as theirs
+    does), laid out for x @ w."""
     lead, (g, row) = t.shape[:-2], t.shape[-2:]
     rec_bytes = tile_record_bytes(fmt)
     nb = row // rec_bytes
@@ -171,7 +219,7 @@ def dequantize_tiles(t, fmt: str):
     vectors = q.shape[-1] // (4 * TILE_COLUMNS)  # of 64 bytes: byte 4 * col + t of vector j
     q = q.reshape(lead + (g, nb, vectors, TILE_COLUMNS, 4))
     q = jnp.moveaxis(q, -2, -3).reshape(lead + (g, nb, TILE_COLUMNS, 4 * vectors))  # [.., col, 4j + t]
-    if fmt != "q8_0":  # low nibbles are values 0-15 of the block, high ones 16-31
+    if tile_format(fmt) != "q8_0":  # low nibbles are values 0-15 of the block, high ones 16-31
         q = jnp.concatenate([q & 0x0F, q >> 4], axis=-1)
     vals = d[..., None] * q.astype(jnp.float32) + c[..., None]  # [..., g, nb, 16 col, 32]
     n = len(lead)

@@ -10,8 +10,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ir.blocks import (BLOCK_FORMATS, BLOCK_LAYOUTS, BLOCK_VALUES, TILE_ACTIVATIONS, TILE_COLUMNS, blocks_shape,
-                       dequantize_tiles, round_q8)
+from ir.blocks import (BLOCK_FORMATS, BLOCK_LAYOUTS, BLOCK_VALUES, KEPT_FORMATS, TILE_ACTIVATIONS, TILE_COLUMNS,
+                       blocks_shape, dequantize_tiles, round_q8)
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.rope import rope_inv_freq
@@ -208,9 +208,11 @@ def _matmul_bf16_impl(x, w, w_bf16, *, min_rows, transpose_b=False):
 
 @op("matmul_blocks", None, required_attrs=("format", "max_rows"))
 def _matmul_blocks(inputs, attrs):
-    fmt, layout = BLOCK_FORMATS.get(attrs["format"]), attrs.get("layout", "rows")
-    _need(fmt is not None, f"matmul_blocks format must be one of {sorted(BLOCK_FORMATS)}, got {attrs['format']!r}")
+    fmt, layout = KEPT_FORMATS.get(attrs["format"]), attrs.get("layout", "rows")
+    _need(fmt is not None, f"matmul_blocks format must be one of {sorted(KEPT_FORMATS)}, got {attrs['format']!r}")
     _need(layout in BLOCK_LAYOUTS, f"matmul_blocks layout must be one of {BLOCK_LAYOUTS}, got {layout!r}")
+    _need(layout == "tiles" or fmt.name in BLOCK_FORMATS,
+          f"matmul_blocks' {fmt.name} blocks are read as tiles only (layout=\"tiles\"), got layout {layout!r}")
     n = len(inputs)  # tiles: (x, w, tiles), or (x, tiles) in w's place
     _need(n == 3 or (n == 2 and layout == "tiles"), f"matmul_blocks in {layout} takes (x, w, blocks), got {n} inputs")
     x, wb, k = inputs[0], inputs[-1], inputs[0].shape[-1]

@@ -7,7 +7,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ir.blocks import BLOCK_FORMATS, split_blocks_name
+from ir.blocks import KEPT_FORMATS, split_blocks_name
 from models.config import ModelConfig
 from models.llama import weight_shapes
 
@@ -125,7 +125,7 @@ def validate_weights(weights: Mapping[str, np.ndarray], config: ModelConfig, sou
         want = None
         if name in shapes and len(shapes[name]) == 2:
             rows, k = shapes[name] if name == "embed" else shapes[name][::-1]  # the file's [out, in]
-            want = (rows, BLOCK_FORMATS[fmt].row_bytes(k))
+            want = (rows, KEPT_FORMATS[fmt].row_bytes(k))
         if want is None or tuple(weights[key].shape) != want or weights[key].dtype != np.uint8:
             raise ValueError(f"{source}: {fmt} blocks {key!r} are {weights[key].dtype}{tuple(weights[key].shape)}, "
                              f"expected uint8{want} for config {config.name!r}")

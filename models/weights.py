@@ -4,9 +4,10 @@ Every loader returns the canonical layout: a flat dict name -> float32 numpy arr
 weights stored [in_features, out_features] so the model computes `x @ w`, and q/k in HF's
 rotate-half RoPE layout. One declarative table (models.weight_names.WEIGHT_MAP) names every tensor
 in each format.
-The GGUF loader also keeps each matrix stored in a block format of ir.blocks (Q4_0, Q4_1, Q8_0) as
-the file's own blocks (Q5_0's rewritten as the Q8_0 blocks of the same values), uint8 [rows of the file's matrix, row bytes] under `blocks_name(name,
-format)`: decode steps read those (passes.gguf_blocks).
+The GGUF loader also keeps each matrix stored in a block format of ir.blocks (Q4_0, Q4_1, Q8_0, and
+Q4_K, read as tiles only) as the file's own blocks (Q5_0's rewritten as the Q8_0 blocks of the same
+values), uint8 [rows of the file's matrix, row bytes] under `blocks_name(name, format)`: the
+matmuls read those (passes.gguf_blocks).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ir.blocks import KEPT_FORMAT_OF_TYPE, blocks_name, repack_blocks, split_blocks_name
+from ir.blocks import KEPT_FORMAT_OF_TYPE, TILE_COLUMNS, TILE_ONLY_FORMATS, blocks_name, repack_blocks, split_blocks_name
 from models.config import PRESETS, ModelConfig, config_from_gguf_fields, config_from_hf, get_preset
 from models.user_cache import user_cache_dir
 from models.weight_names import (WEIGHT_MAP, expected_shapes, expert_names,  # noqa: F401 (re-exported)
@@ -195,9 +196,12 @@ def gguf_config(fields: dict[str, Any], tensors: Mapping[str, GGUFTensor], name:
 
 def _blocks_format(canon: str, t: GGUFTensor, transposed: bool) -> str | None:
     """The block format (ir.blocks) a GGUF tensor is kept in beside its f32 values, or None: the
-    matrices of a matmul (a linear layer's [out, in], or the embedding, a tied LM head)."""
+    matrices of a matmul (a linear layer's [out, in], or the embedding, a tied LM head); in a
+    tile-only format (Q4_K) only where the tiles can hold them, the file's rows a multiple of 16."""
     fmt = KEPT_FORMAT_OF_TYPE.get(t.tensor_type)
-    return fmt if fmt is not None and len(t.shape) == 2 and (transposed or canon == "embed") else None
+    if fmt is None or len(t.shape) != 2 or not (transposed or canon == "embed"):
+        return None
+    return fmt if fmt not in TILE_ONLY_FORMATS or int(t.shape[1]) % TILE_COLUMNS == 0 else None
 
 
 def gguf_block_formats(spec: str | os.PathLike) -> dict[str, str]:

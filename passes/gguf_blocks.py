@@ -6,7 +6,9 @@ ir.blocks, as the file's own blocks too. Wide steps (prefill chunks, many decodi
 bound by the f32 GEMM and keep w; steps of at most `max_rows` rows are bound by the weight bytes
 they stream, and read the blocks (runtime.worker.kernels, our C++ kernel). The values are the same,
 so the outputs differ only by the order of f32 sums. Weight memory grows by the blocks' bytes
-(84 MB on SmolLM2-135M's 538 MB of f32), and the memory plan counts them.
+(84 MB on SmolLM2-135M's 538 MB of f32), and the memory plan counts them. A tile-only format
+(ir.blocks.TILE_ONLY_FORMATS: Q4_K) has no rows kernel: where its weight would keep the file's rows
+it stays a plain matmul on w.
 
 With `tiles` the blocks are repacked into tiles of 16 columns (ir.blocks.pack_tiles) and every
 step, prefill chunks included, multiplies by them. Where a kernel reads them (`tiles_alone`: the cpp
@@ -28,7 +30,7 @@ from typing import Mapping
 
 from ir import Graph, Node, add_params, make_node, rewrite
 from ir.attrs import BLOCK_FORMAT, BLOCK_LAYOUT, CONCAT, GGUF_BLOCKS, ROLE, Role, role_of
-from ir.blocks import BLOCK_FORMATS, BLOCK_VALUES, TILE_ACTIVATIONS, TILE_COLUMNS, blocks_shape
+from ir.blocks import BLOCK_FORMATS, KEPT_FORMATS, TILE_ACTIVATIONS, TILE_COLUMNS, blocks_shape
 from ir.graph import freeze_attrs
 
 # Rows up to which a step's matmuls read the blocks: every decode bucket of the default engine (64
@@ -59,11 +61,13 @@ def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS
         fmts = {formats.get(s) for s in (w.attr(CONCAT) or (w.name,))}
         if len(fmts) != 1 or None in fmts:
             return None
-        fmt = BLOCK_FORMATS[fmts.pop()]
+        fmt = KEPT_FORMATS[fmts.pop()]
         k, n = (w.shape[1], w.shape[0]) if tb else tuple(w.shape)
-        if not isinstance(k, int) or k % BLOCK_VALUES:
+        if not isinstance(k, int) or k % fmt.block_values:
             return None
         layout = "tiles" if tiles and n % TILE_COLUMNS == 0 else "rows"
+        if layout == "rows" and fmt.name not in BLOCK_FORMATS:  # a tile-only format (Q4_K) keeps w alone
+            return None
         key = (w.name, tb)
         if key not in copies:
             recipe = {a: v for a, v in w.attrs if a != "name"}

@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from ir import OPS, verify
 from ir.attrs import BLOCK_FORMAT, GGUF_BLOCKS, Role, role_of
-from ir.blocks import BLOCK_FORMATS, blocks_name, dequantize_blocks, split_blocks_name
+from ir.blocks import BLOCK_FORMATS, KEPT_FORMATS, blocks_name, dequantize_blocks, split_blocks_name
 from models.config import get_preset
 from models.weights import expected_shapes, random_weights
 from runtime import SamplingParams
@@ -30,10 +30,39 @@ needs_kernel = pytest.mark.skipif(not cpp_kernels.available(), reason="the C++ k
 
 
 def _quantized(rows_by_k: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
-    """(blocks u8 [N, row bytes], their f32 values [N, K]) of a [N, K] f32 matrix."""
-    qtype = gguf.GGMLQuantizationType(BLOCK_FORMATS[fmt].type_id)
-    blocks = quantize(np.asarray(rows_by_k, np.float32), qtype)
+    """(blocks u8 [N, row bytes], their f32 values [N, K], gguf's dequantization) of a [N, K] f32
+    matrix; Q4_K (K a multiple of 256) by quantize_q4_k, gguf having no Q4_K quantizer."""
+    qtype = gguf.GGMLQuantizationType(KEPT_FORMATS[fmt].type_id)
+    rows_by_k = np.asarray(rows_by_k, np.float32)
+    blocks = quantize_q4_k(rows_by_k) if fmt == "q4_k" else quantize(rows_by_k, qtype)
     return blocks, dequantize(blocks, qtype).astype(np.float32)
+
+
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    """A plain Q4_K encoding of [N, K] f32 rows (K a multiple of 256) -> u8 [N, K / 256 * 144], for
+    tests: per sub-block of 32, the step (max - min) / 15 and the offset -min (min clipped to 0 or
+    below) as 6-bit multiples of the super-block's f16 d and dmin; q rounded into 0-15. Written from
+    ggml's layout (d, dmin, 12 bytes of scales, 128 of nibbles: sub-blocks 2i and 2i + 1 in the low
+    and high nibbles of bytes 32i to 32i + 31); gguf's dequantize is the check of the values."""
+    n, k = rows.shape
+    x = rows.reshape(n, k // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0.0)
+    step, offset = (x.max(-1) - lo) / 15, -lo  # [N, nsb, 8]
+    d, dmin = (step.max(-1) / 63).astype(np.float16), (offset.max(-1) / 63).astype(np.float16)
+
+    def six_bits(v, unit):
+        unit = unit.astype(np.float32)[..., None]
+        return np.clip(np.rint(v / np.where(unit > 0, unit, 1)), 0, 63).astype(np.uint8)
+
+    sc, m = six_bits(step, d), six_bits(offset, dmin)
+    step = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * m
+    q = np.clip(np.rint((x + offset[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(n, k // 256, 128)
+    halves = [a.view(np.uint8).reshape(n, -1, 2) for a in (d, dmin)]
+    return np.concatenate(halves + [scales, qs], axis=-1).reshape(n, -1)
 
 
 @needs_kernel
@@ -84,7 +113,22 @@ def test_q5_0_repacks_into_the_q8_0_blocks_of_its_values(shape):
                                   dequantize(raw, q5).astype(np.float32))
     np.testing.assert_array_equal(repack_blocks(blocks, int(gguf.GGMLQuantizationType.Q8_0)), blocks)
     with pytest.raises(ValueError, match="no repacking"):
-        repack_blocks(raw, int(gguf.GGMLQuantizationType.Q4_K))
+        repack_blocks(raw, int(gguf.GGMLQuantizationType.Q6_K))
+
+
+def test_loader_keeps_q4_k_rows_only_where_tiles_can_hold_them():
+    """A matrix's Q4_K rows are kept where its rows (the outputs) are a multiple of the tiles' 16;
+    the other kept formats everywhere; Q6_K, and vectors, never."""
+    from models.weights import GGUFTensor, _blocks_format
+
+    def kept(type_id, shape, canon="layers.0.wo", transposed=True):
+        return _blocks_format(canon, GGUFTensor("t", type_id, shape, 0, 0), transposed)
+
+    q4_k, q8_0, q6_k = (int(t) for t in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q8_0,
+                                         gguf.GGMLQuantizationType.Q6_K))
+    assert kept(q4_k, (1024, 640)) == "q4_k" and kept(q4_k, (256, 264), "embed", False) is None
+    assert kept(q4_k, (1024, 648)) is None and kept(q8_0, (1024, 648)) == "q8_0"
+    assert kept(q6_k, (2048, 640)) is None and kept(q4_k, (1024,)) is None
 
 
 @needs_kernel

@@ -12,14 +12,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import gguf
 import numpy as np
 import pytest
 
 from conftest import cpu_target_cases, first_divergence, golden_free_running, golden_llm, golden_teacher_forced
 from ir import OPS, verify
 from ir.attrs import BLOCK_FORMAT, BLOCK_LAYOUT, GGUF_BLOCKS, Role, role_of
-from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS, pack_tiles, round_q8, tile_record_bytes
+from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS, blocks_shape, pack_tiles, round_q8, tile_record_bytes
 from models.config import get_preset
+from runtime import SamplingParams
 from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 from runtime.plan import compile_plan
@@ -282,8 +284,8 @@ def test_engine_config_for_q8():
                      config=get_preset("tiny"))
 
 
-def tiny_q8_llm(weights, **engine) -> LLM:
-    cfg = get_preset("tiny")
+def tiny_q8_llm(weights, cfg=None, **engine) -> LLM:
+    cfg = cfg or get_preset("tiny")
     args = dict(ENGINE, num_kv_blocks=40, max_num_batched_tokens=128, gguf_activations="q8") | engine
     return LLM.from_plan(compile_plan(None, EngineConfig(**args), weights=weights, config=cfg), check_invariants=True)
 
@@ -366,3 +368,152 @@ def test_dump_shows_the_tiles(capsys, flags, activations):
     out = capsys.readouterr().out
     assert "%layers.0.wqkv.q4_1_tiles" in out and "%embed.q8_0_tiles" in out and 'layout="tiles"' in out
     assert f'activations="{activations}"' in out
+
+
+# Q4_K (Gemma 3's attn_output and half its ffn_down): a tile-only format (ir.blocks.TILE_ONLY_FORMATS),
+# packed exactly into Q4_1's tile record and multiplied by the Q4_1 tile kernel.
+# The tiny model widened so that every matrix's K is a multiple of Q4_K's 256; wo and w_down in Q4_K.
+Q4_K_CFG = dataclasses.replace(get_preset("tiny"), hidden_size=256, head_dim=64, intermediate_size=256)
+Q4_K_FORMATS = dict(ALL_Q4_1, wq="q8_0", wk="q8_0", wv="q8_0", wo="q4_k", w_down="q4_k")
+
+
+def q4_k_rows(rng, n: int, k: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(Q4_K rows u8 [N, K / 256 * 144], gguf's values of them [N, K]): every bit of the 6-bit scales
+    and mins and of the nibbles random, d and dmin those of a quantized random matrix."""
+    from gguf.quants import dequantize
+
+    blocks, _ = _quantized(rng.standard_normal((n, k)) * scale, "q4_k")
+    b = blocks.reshape(n, -1, 144)
+    b[..., 4:] = rng.integers(0, 256, b[..., 4:].shape)
+    return blocks, dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).astype(np.float32)
+
+
+@pytest.mark.parametrize("n,k", [(16, 256), (48, 768), (32, 1280)])
+def test_q4_k_tiles_hold_gguf_values_exactly(n, k):
+    """Q4_K rows packed into Q4_1's tile record: dequantize_tiles (the op's reference, plain and
+    stacked) and the kernel's reading of the record (unpack_tiles) give gguf's dequantized values bit
+    for bit, on K of 1, 3 and 5 super-blocks; N off the tiles' 16 is refused."""
+    from ir.blocks import dequantize_tiles
+
+    blocks, values = q4_k_rows(np.random.default_rng(n + k), n, k)
+    tiles = pack_tiles(blocks, "q4_k")
+    assert tiles.shape == (n // TILE_COLUMNS, k // 32 * tile_record_bytes("q4_1")) == blocks_shape("q4_k", n, k, "tiles")
+    np.testing.assert_array_equal(np.asarray(dequantize_tiles(jnp.asarray(tiles), "q4_k")), values.T)
+    np.testing.assert_array_equal(np.asarray(dequantize_tiles(jnp.asarray(np.stack([tiles] * 2)), "q4_k"))[1], values.T)
+    np.testing.assert_array_equal(unpack_tiles(tiles, "q4_k", k), values)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_tiles(blocks[:n - 8], "q4_k")
+
+
+@needs_kernel
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+def test_kernel_multiplies_q4_k_tiles(activations):
+    """cpp_kernels.tile_matmul on Q4_K tiles (the Q4_1 kernel) against the f64 product of gguf's
+    values (q8: of the rounded activations), rows 1, 5, 16 and 33, K of 1 and 3 super-blocks, plain
+    and from a layer stack."""
+    rng = np.random.default_rng(7)
+    for n, k in ((16, 256), (48, 768)):
+        stack = [q4_k_rows(rng, n, k, 0.1) for _ in range(2)]
+        for m in (1, 5, 16, 33):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            for layer in (None, 1):
+                blocks, values = stack[layer or 0]
+                w = pack_tiles(blocks, "q4_k") if layer is None else np.stack([pack_tiles(b, "q4_k") for b, _ in stack])
+                got = np.asarray(jax.jit(lambda a, b, i: cpp_kernels.tile_matmul(
+                    a, b, "q4_k", layer=i, activations=activations))(x, w, None if layer is None else jnp.int32(layer)))
+                assert got.shape == (m, n)
+                if activations == "q8":
+                    want = rounded_product(x, values)
+                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+                else:
+                    want = x.astype(np.float64) @ values.T.astype(np.float64)
+                    bound = np.abs(x).astype(np.float64) @ np.abs(values.T).astype(np.float64)
+                    assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30), (m, n, k, layer)
+
+
+def test_op_reads_q4_k_as_tiles_only():
+    """The verifier takes Q4_K blocks in the tiles layout only (the rows kernel has no Q4_K path);
+    the op's reference multiplies by the tiles' values."""
+    from ir import Node, make_node
+
+    rng = np.random.default_rng(3)
+    blocks, values = q4_k_rows(rng, 32, 256)
+    x = Node("param", (), (("name", "x"),), (4, 256), "f32")
+    w32 = Node("param", (), (("name", "w"),), (256, 32), "f32")
+    tiles = Node("param", (), (("name", "t"),), blocks_shape("q4_k", 32, 256, "tiles"), "u8")
+    assert make_node("matmul_blocks", (x, tiles), dict(format="q4_k", max_rows=8, layout="tiles")).shape == (4, 32)
+    rows = Node("param", (), (("name", "b"),), (32, 144), "u8")
+    with pytest.raises(ValueError, match="read as tiles only"):
+        make_node("matmul_blocks", (x, w32, rows), dict(format="q4_k", max_rows=8))
+    with pytest.raises(ValueError, match="format must be one of"):
+        make_node("matmul_blocks", (x, w32, rows), dict(format="q6_k", max_rows=8, layout="tiles"))
+    xv = rng.standard_normal((4, 256)).astype(np.float32)
+    got = OPS["matmul_blocks"].impl(xv, pack_tiles(blocks, "q4_k"), format="q4_k", max_rows=8, layout="tiles")
+    np.testing.assert_allclose(np.asarray(got), xv.astype(np.float64) @ values.T, rtol=1e-5, atol=1e-4)
+
+
+def test_pass_tiles_q4_k_and_leaves_it_f32_elsewhere():
+    """With tiles, wo and w_down (Q4_K) read their tiles in place of the f32 weight, as q4_1 does;
+    an LM head of 264 columns in Q4_K (N off 16) stays a plain matmul. Without tiles (the file's
+    rows), the Q4_K weights stay plain matmuls and the other formats read their rows."""
+    from runtime.core.buckets import BucketTable
+    from runtime.plan import build_graph, weight_block_formats
+
+    cfg = dataclasses.replace(Q4_K_CFG, vocab_size=264)
+    formats = weight_block_formats(block_weights(cfg, 0, dict(Q4_K_FORMATS, lm_head="q4_k")))
+
+    def served(formats=formats, **engine):
+        graph, memory, _ = build_graph(cfg, EngineConfig(**(ENGINE | engine)), BucketTable.build(32, 8),
+                                       device_memory=1 << 30, keep_pass_texts=False, block_formats=formats)
+        return verify(graph), memory
+
+    def matmuls(g):  # the source weight of each matmul's f32 weight or blocks -> the node
+        return {(n.inputs[-1].attr(GGUF_BLOCKS) or n.inputs[-1].name): n for n in g.nodes()
+                if n.op in ("matmul", "matmul_blocks") and n.inputs[-1].op == "param"}
+
+    tiled, tiled_memory = served(gguf_tiles=True, kernel_backend="cpp")
+    by = matmuls(tiled)
+    alone = executor.tiles_in_kernel(EngineConfig(**ENGINE, kernel_backend="cpp"))
+    for name in ("layers.0.wo", "layers.1.w_down"):
+        node = by[name]
+        assert (node.op, node.attr("format"), node.attr("layout"), len(node.inputs)) == (
+            "matmul_blocks", "q4_k", "tiles", 2 if alone else 3)
+        t = node.inputs[-1]
+        assert (t.name, t.shape, t.attr(BLOCK_FORMAT)) == (f"{name}.q4_k_tiles", (16, 8 * tile_record_bytes("q4_1")),
+                                                          "q4_k")
+    assert by["layers.0.wqkv"].attr("format") == "q8_0" and by["lm_head"].op == "matmul"
+    rows, _ = served(gguf_tiles=False, gguf_blocks=True)
+    by = matmuls(rows)
+    assert by["layers.0.wo"].op == by["layers.1.w_down"].op == by["lm_head"].op == "matmul"
+    assert by["layers.0.wqkv"].op == "matmul_blocks" and by["layers.0.wqkv"].attr("layout") in (None, "rows")
+    assert "q4_k" not in {p.attr(BLOCK_FORMAT) for p in rows.params}
+    # The memory plan counts the four Q4_K weights' tiles, and their f32 copies only where no kernel reads the tiles.
+    _, without = served({k: v for k, v in formats.items() if v != "q4_k"}, gguf_tiles=True, kernel_backend="cpp")
+    tiles_bytes = 4 * 16 * 8 * tile_record_bytes("q4_1")
+    assert tiled_memory.weight_bytes == without.weight_bytes + tiles_bytes - (4 * 256 * 256 * 4 if alone else 0)
+
+
+@needs_kernel
+def test_engine_reads_q4_k_tiles_as_the_reference():
+    """The cpp engine with wo and w_down read as Q4_K tiles (f32 activations, layers scanned) against
+    the XLA engine (the op's reference: the f32 weights, gguf's values): the same greedy tokens and
+    logprobs within 1e-3 on decode batches, chunked prefills and a prefix hit. A small bucket table
+    (1, 8 and 16 tokens, 2 sequences): this model's executables are its own, compiled cold in CI."""
+    shared = list(range(10, 50))
+    prompts = [shared + [3, 4], list(range(5, 9)), shared + [7], [120, 121, 122]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    weights = block_weights(Q4_K_CFG, 5, Q4_K_FORMATS)
+    got = {}
+    for backend in ("xla", "cpp"):
+        llm = tiny_q8_llm(weights, Q4_K_CFG, kernel_backend=backend, scan_layers=backend == "cpp",
+                          gguf_activations="f32", gguf_tiles=True, max_model_len=64, max_num_seqs=2,
+                          max_num_batched_tokens=16, num_kv_blocks=16)
+        q4_k = [n for n in llm.plan.graph.nodes() if n.op == "matmul_blocks" and n.attr("format") == "q4_k"]
+        assert len(q4_k) == 4 and all(n.attr("layout") == "tiles" for n in q4_k)
+        got[backend] = llm.generate(prompts, params)
+        assert llm.engine.stats().num_recompiles == 0 and llm.engine.block_manager.num_used == 0
+    for a, b in zip(got["xla"], got["cpp"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok in la.keys() & lb.keys():
+                assert abs(la[tok] - lb[tok]) < 1e-3
