@@ -205,6 +205,34 @@ def smol_llm(smollm2):
 REAL_MODEL_FIXTURES = {"smollm2", "smol_llm", "smol_plan", "gguf_fields", "gguf_reader", "tok"}
 
 
+# Besides the real models, `slow` marks the tests that take more than about 7 s warm on 2 cores
+# (engines compiled for one check, several engines compared, process pairs): the fast loop keeps the
+# cheap ones. Parametrized grids of a kernel against its reference keep a cross-section there: every
+# k-th case (in collection order, which spreads it over the grid's axes) stays fast, the rest are slow.
+THINNED_GRIDS = {
+    "test_xla_attention.py::test_xla_lowering_matches_the_reference": 7,
+    "test_xla_attention.py::test_sliding_window_matches_the_reference": 4,
+    "test_cli.py::test_readme_command": 4,
+    "test_paged_attention.py::test_heads_and_dtypes": 5,
+    "test_paged_attention.py::test_ragged_contexts": 4,
+    "test_paged_attention.py::test_sliding_window_skips_pages_behind_it": 3,
+    "test_flash_attention.py::test_heads_and_dtypes": 4,
+    "test_gguf_tiles.py::test_kernel_matches_rounded_product": 5,
+    "test_memory_fit.py::test_gpu_plans_from_the_allocators_numbers": 4,
+    "test_cpp_kernels.py::test_decode_rows_match_the_reference": 3,
+}
+
+
+def _thin_grids(items) -> None:
+    seen: dict[str, int] = {}
+    for item in items:
+        key = f"{item.path.name}::{item.originalname}"
+        if key in THINNED_GRIDS:
+            i = seen[key] = seen.get(key, -1) + 1
+            if i % THINNED_GRIDS[key]:
+                item.add_marker(pytest.mark.slow)
+
+
 # The smoke loop (`bash scripts/test.sh -m smoke -n 2`): modules that compile no model (the command
 # line, the IR and passes, the host-only engine core, grammars, docs), less their tests that plan
 # big presets or start subprocesses. What it costs is in the README.
@@ -218,6 +246,7 @@ NOT_SMOKE = {"test_dry_run_that_does_not_fit_exits_2_with_advice_that_fits", "te
 
 
 def pytest_collection_modifyitems(config, items):
+    _thin_grids(items)
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -56,6 +56,7 @@ def no_leaks(llm):
     assert llm.engine.stats().num_recompiles == 0
 
 
+@pytest.mark.slow
 def test_greedy_seeded_and_forked_outputs_equal_one_step_at_a_time(llms):
     prompts = [list(range(3, 3 + n)) for n in (4, 9, 17, 30, 2)]
     greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in (1, 5, 11, 13, 22)]
@@ -90,6 +91,7 @@ def test_steps_overlap_and_stopped_rows_are_dropped(llms):
     no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_stop_strings_min_tokens_and_length_limits():
     llms = bpe_llms()
     tok = llms[True].engine.tokenizer
@@ -106,6 +108,7 @@ def test_stop_strings_min_tokens_and_length_limits():
         no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_penalties_and_grammars_fall_back_and_match(llms):
     """Rows whose next sampling reads the token on the host (penalties, a grammar's mask) get no
     pending token; they decode one step later, with the same outputs."""
@@ -124,6 +127,7 @@ def test_penalties_and_grammars_fall_back_and_match(llms):
         no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_preemption_aborts_and_prefix_hits_under_a_random_workload():
     """A tight KV pool (preemption while a token is pending), aborts between steps (of requests
     whose next step is already running), prefix hits on shared prefixes, greedy and seeded rows,

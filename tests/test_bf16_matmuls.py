@@ -157,6 +157,7 @@ def _run(llm, prompts, params):
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
 def test_engine_follows_f32(scan):
     """The tiny model end to end: prefill chunks (>= 4 rows) take the bf16 path, one-row decode
     steps the f32 one. Greedy tokens equal the f32 engine's; chosen logprobs within bf16 rounding."""

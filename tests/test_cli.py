@@ -322,6 +322,7 @@ def test_python_m_forms_give_the_same_one_line_errors():
 
 # ------------------------------------------------------------------------------ dry runs that don't fit
 
+@pytest.mark.slow
 def test_dry_run_that_does_not_fit_exits_2_with_advice_that_fits(capsys):
     rc, out, err = _cli(capsys, "compile", "--model", "llama-2-70b", "--dry-run", "--dtype", "bfloat16",
                         "--device-memory", "80", "--max-model-len", "4096")
@@ -345,6 +346,7 @@ def test_dry_run_that_does_not_fit_exits_2_with_advice_that_fits(capsys):
     (("--dry-run", "--num-kv-blocks", "1000000"), "the plan does not fit"),
     (("--dry-run", "--block-size", "12"), "block_size must be a power of two"),
 ])
+@pytest.mark.slow
 def test_engine_args_that_cannot_work(capsys, flags, says):
     line = _one_line_error(*_cli(capsys, "compile", "--model", "smollm2-135m", *flags)[::2])
     assert says in line

@@ -38,6 +38,7 @@ def tiny():
     return tiny_llm()
 
 
+@pytest.mark.slow
 def test_tiny_batch_equals_alone(tiny):
     prompts = mixed_prompts(24, 0, 256)
     together = tiny.generate(prompts, GREEDY)
@@ -77,6 +78,7 @@ def test_smollm2_24_mixed_prompts_batched_equal_alone(smol_llm):
     assert smol_llm.engine.stats().num_recompiles == 0
 
 
+@pytest.mark.slow
 def test_prefix_caching_on_off_identical_and_hit_rate():
     prefix = list(range(10, 210))  # 200 shared tokens
     rng = random.Random(2)
@@ -92,6 +94,7 @@ def test_prefix_caching_on_off_identical_and_hit_rate():
     assert off.engine.block_manager.stats.hits == 0
 
 
+@pytest.mark.slow
 def test_preemption_under_tiny_kv_budget_matches_unconstrained():
     prompts = mixed_prompts(12, 3, 256, max_len=60)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -125,6 +128,7 @@ def test_n4_with_seed_shares_prompt_blocks_and_is_reproducible(tiny):
     assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # the samples differ from each other
 
 
+@pytest.mark.slow
 def test_randomized_workload_invariants_aborts_and_no_leaks():
     llm = tiny_llm(num_kv_blocks=96)
     engine = llm.engine

@@ -78,6 +78,7 @@ def never_traced(monkeypatch, runner):
         monkeypatch.setattr(runner, name, NeverLowered(name))
 
 
+@pytest.mark.slow
 def test_a_warm_runner_loads_every_executable_without_tracing(tmp_path, monkeypatch, capsys):
     plan = tiny_plan()
     cold = ModelRunner(plan, executables=tmp_path)
@@ -137,6 +138,7 @@ def test_an_executable_that_xla_did_not_compile_is_not_stored(tmp_path):
     np.testing.assert_allclose(np.asarray(compiled(ones)), np.tanh(ones @ ones.T) * 3, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_start_that_jax_cache_serves_stores_nothing_and_runs(tmp_path):
     """The server's case: a process whose JAX cache already holds every program (an earlier start
     without the store) stores nothing, and what it runs is right."""
@@ -155,6 +157,7 @@ def test_a_start_that_jax_cache_serves_stores_nothing_and_runs(tmp_path):
     np.testing.assert_array_equal(step_tokens(runner, bucket)[1], want[1])
 
 
+@pytest.mark.slow
 def test_another_program_or_shape_never_loads_a_stored_executable(tmp_path):
     plan = tiny_plan()
     ModelRunner(plan, executables=tmp_path).warmup()
@@ -184,6 +187,7 @@ def test_another_program_or_shape_never_loads_a_stored_executable(tmp_path):
     assert len(keys) == 3
 
 
+@pytest.mark.slow
 def test_an_unreadable_entry_is_removed_and_replaced_by_the_next_compile(tmp_path, caplog):
     plan = tiny_plan()
     bucket = plan.buckets.pairs()[0]
@@ -230,6 +234,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_a_stored_executable_runs_where_the_host_has_several_devices(tmp_path):
     """A process with more devices than the runner uses (forced host devices, as for tensor
     parallelism on a CPU) loads a stored step onto the runner's device only."""
@@ -259,6 +264,7 @@ def test_build_runner_keeps_a_store_only_in_a_cache_it_chooses(tmp_path, monkeyp
     assert build_runner(plan, tmp_path / "c").executables.shared is None
 
 
+@pytest.mark.slow
 def test_a_warm_execute_runs_each_bucket_once_and_writes_no_kv(monkeypatch):
     runner = ModelRunner(tiny_plan())
     runner.warmup()
@@ -276,6 +282,7 @@ def test_a_warm_execute_runs_each_bucket_once_and_writes_no_kv(monkeypatch):
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.slow
 def test_the_servers_warm_execute_runs_buckets_only_where_first_runs_are_slow(monkeypatch, scan_layers):
     """execute="auto" (the server's): on CPU, a scanned step's buckets are not run at start (their
     first runs cost about what later ones do), an unrolled step's all are."""
@@ -291,6 +298,7 @@ def test_the_servers_warm_execute_runs_buckets_only_where_first_runs_are_slow(mo
     assert set(runner.compiled) == set(runner.plan.buckets.pairs())  # compiled (or loaded) either way
 
 
+@pytest.mark.slow
 def test_release_host_weights_drops_the_plans_copy_and_the_runner_still_runs():
     plan = tiny_plan()
     kept = ModelRunner(plan)

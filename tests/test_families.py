@@ -109,6 +109,7 @@ def _check(logits, expected):
         row += n
 
 
+@pytest.mark.slow
 def test_config_read_from_hf(family):
     kind, model, _, config, _, _ = family
     assert config.qk_norm == (kind != "gemma2")
@@ -147,6 +148,7 @@ def test_served_graph_matches_hf(family):
 # the slow part of this file.
 @pytest.mark.parametrize("kind,backend", [("gemma2", "xla"), ("gemma2", "cpp"), ("gemma2", "interpret"),
                                           ("qwen3", "cpp"), ("gemma3", "interpret")])
+@pytest.mark.slow
 def test_engine_greedy_matches_hf_generate(kind, backend, tmp_path_factory):
     """The whole engine (scheduler, paged KV, chunked prefill of 8-token chunks, decode buckets) on
     each kernel backend (the Pallas kernels interpreted): greedy continuations equal HF's, past the

@@ -4,6 +4,7 @@ engine with every feature off, with no recompile and no KV block left behind."""
 
 from __future__ import annotations
 
+import pytest
 from test_structured_outputs_e2e import tiny_llm
 
 from runtime import SamplingParams
@@ -14,6 +15,7 @@ ON = dict(num_scheduler_steps=4, enable_prefix_caching=True,
 OFF = dict(num_scheduler_steps=1, enable_prefix_caching=False)
 
 
+@pytest.mark.slow
 def test_every_feature_on_gives_the_same_tokens():
     # A shared, repetitive prefix longer than a KV block (32 tokens): cache hits and n-gram drafts.
     shared = [40 + i % 7 for i in range(36)]

@@ -283,6 +283,7 @@ def engine_workload():
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
 def test_engine_with_blocks_matches_f32(scan):
     """Steps of up to 64 rows (decode batches and short prefills: the blocks) and a 128-token step
     (a 100-token prompt: f32), a prefix hit: the same greedy tokens as the engine without the
@@ -303,6 +304,7 @@ def test_engine_with_blocks_matches_f32(scan):
                 assert abs(la[tok] - lb[tok]) < 1e-4
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_tokens_with_and_without_blocks():
     """The bundled GGUF: the same greedy tokens with the blocks read as with the f32 weights, batch 1
     and a batch of 3. (Where the kernel lacks its vector path, the blocks are in the plan but the
@@ -334,6 +336,7 @@ def test_safetensors_from_weights_with_blocks(tmp_path):
         np.testing.assert_array_equal(arr, weights[name])
 
 
+@pytest.mark.slow
 def test_saved_plan_keeps_the_blocks(tmp_path):
     """A plan saved with its blocks (u8 params in the Orbax checkpoint) loads and decodes as before."""
     from runtime.plan import Plan

@@ -163,6 +163,7 @@ def test_op_and_lowerings_follow_the_activations(activations):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.slow
 def test_dequantized_tiles_are_the_blocks_values(fmt):
     """ir.blocks.dequantize_tiles (the op's reference, [K, N]) gives exactly dequantize_blocks'
     values ([N, K]) for the blocks the tiles were packed from, plain and stacked over layers."""
@@ -310,6 +311,7 @@ _XLA_OUTPUTS: dict[str, list] = {}
 
 @needs_kernel
 @pytest.mark.parametrize("activations,scan,cpu_target", _engine_cases(), indirect=["cpu_target"])
+@pytest.mark.slow
 def test_engine_tiles_match_the_reference_numerics(activations, scan, cpu_target):
     """The cpp engine (the tiles kernel, scanned and unrolled) against the XLA engine (the op's
     reference: the activations, rounded for q8, times the f32 weights): decode batches, short and

@@ -32,6 +32,7 @@ def tiny_llm(**engine) -> LLM:
 # ---------------------------------------------------------------- bf16 and dtype auto
 
 
+@pytest.mark.slow
 def test_bf16_generates_through_llm_on_every_cpu_backend():
     """bf16 logits reach the sampler (and logprobs) as f32; xla and interpreted Pallas agree."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)

@@ -85,6 +85,7 @@ def test_params_accept_the_edges_of_their_widths():
                    stop_token_ids=[2 ** 31 - 1], logit_bias={0: 1.0})
 
 
+@pytest.mark.slow
 def test_top_k_int32_max_samples(tiny):
     """The largest top_k that fits its int32 slot runs through the sampler (top-k is then off)."""
     out = run_bounded(tiny, [[5, 6, 7]], SamplingParams(max_tokens=3, top_k=2 ** 31 - 1, seed=1, ignore_eos=True))

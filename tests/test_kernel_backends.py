@@ -37,6 +37,7 @@ def step_logits(llm: LLM, sched_steps):
 
 
 @pytest.mark.parametrize("other", ["interpret", "cpp"])
+@pytest.mark.slow
 def test_interpret_kernels_match_xla_end_to_end(other):
     xla, interp = tiny_llm("xla"), tiny_llm(other)
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 33)]
@@ -52,6 +53,7 @@ def test_interpret_kernels_match_xla_end_to_end(other):
 
 
 @pytest.mark.parametrize("other", ["interpret", "cpp"])
+@pytest.mark.slow
 def test_interpret_generation_matches_xla_with_prefix_hits(other):
     xla, interp = tiny_llm("xla"), tiny_llm(other)
     shared = list(range(10, 42))  # two full blocks, reused by the second request

@@ -200,6 +200,7 @@ def _run(llm, prompts, params):
 
 @pytest.mark.parametrize("backend,scan", [("xla", False), ("xla", True), ("cpp", False), ("cpp", True),
                                           ("interpret", False)])
+@pytest.mark.slow
 def test_engine_follows_the_f32_cache(backend, scan):
     """The tiny model end to end (chunked prefill, decode, prefix hits): greedy tokens equal the f32
     cache's, chosen logprobs within bf16 rounding of K/V; the pools hold bf16 (as bits on XLA:CPU)."""

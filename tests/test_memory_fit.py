@@ -58,6 +58,7 @@ def assert_fits(llm) -> dict:
 
 # ------------------------------------------------------------------------ sizing from the measurement
 
+@pytest.mark.slow
 def test_the_pool_is_sized_from_the_measured_peak_when_the_prediction_is_wrong(monkeypatch):
     """A prediction far below what XLA measures (here: the model told it there are no
     activations) must not make the engine refuse its own plan: the pool shrinks to what fits."""
@@ -75,6 +76,7 @@ def test_the_pool_is_sized_from_the_measured_peak_when_the_prediction_is_wrong(m
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
 
 
+@pytest.mark.slow
 def test_a_prediction_that_fits_closely_keeps_its_pool(monkeypatch):
     """A measurement a little above the prediction (within the reserve), or a little below it,
     keeps the planned pool: no second compile for a few blocks."""
@@ -89,6 +91,7 @@ def test_a_prediction_that_fits_closely_keeps_its_pool(monkeypatch):
         assert (got["measured"] > got["predicted"]) == (extra > 0), got
 
 
+@pytest.mark.slow
 def test_a_prediction_far_above_the_measurement_grows_the_pool(monkeypatch):
     import passes.plan_memory as pm
 
@@ -100,6 +103,7 @@ def test_a_prediction_far_above_the_measurement_grows_the_pool(monkeypatch):
     assert got["blocks"] == llm.plan.memory.blocks_that_fit(got["measured"])
 
 
+@pytest.mark.slow
 def test_a_block_count_the_user_fixed_is_refused_with_one_that_fits():
     llm = tiny_llm(**TINY_BUDGET)
     fits = llm.plan.memory.num_kv_blocks
@@ -351,6 +355,7 @@ def test_tensor_parallel_modes_start_at_their_defaults_and_fit():
     assert len(res["tp2 bf16"]["tokens"][0]) == 8
 
 
+@pytest.mark.slow
 def test_a_scanned_sharded_step_writes_the_pool_in_place():
     """The KV write went through a flat view of the pool ([blocks * block_size, heads, dim]); in a
     step scanned over layers under tensor parallelism, XLA then gave the loop's pool a layout of its

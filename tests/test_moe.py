@@ -546,6 +546,7 @@ def test_shard_splits_each_expert():
                                                              num_kv_blocks=16), stop_after="bf16_matmuls"), tp=64)
 
 
+@pytest.mark.slow
 def test_tp_engines_match_tp1():
     """tp=2 and 4 (4 forced host devices) with each expert split, and tp=4 with the experts split
     among the devices (enable_expert_parallel): tp=1's greedy tokens, no recompile, and the HLO moves only what the rule

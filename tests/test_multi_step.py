@@ -31,6 +31,7 @@ def assert_same(a, b):
             assert d.keys() == e.keys() and all(abs(d[t] - e[t]) <= 1e-5 for t in d)
 
 
+@pytest.mark.slow
 def test_greedy_and_seeded_outputs_equal_single_step(llms):
     prompts = [list(range(3, 3 + n)) for n in (4, 9, 17, 30, 2)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2) for m in (1, 5, 11, 13, 22)]

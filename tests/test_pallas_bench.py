@@ -4,10 +4,12 @@ import re
 import time
 
 import jax.numpy as jnp
+import pytest
 
 from pallas_kernels import bench
 
 
+@pytest.mark.slow
 def test_bench_interpret_smoke(capsys):
   assert bench.main(["--interpret", "--repeats", "1"]) == 0
   out = capsys.readouterr().out

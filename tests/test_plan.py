@@ -26,6 +26,7 @@ def tiny_plan():
     return compile_plan(None, EngineConfig(**ARGS), weights=random_weights(cfg, seed=3), config=cfg)
 
 
+@pytest.mark.slow
 def test_plan_roundtrip_and_llm_from_directory(tmp_path, monkeypatch):
     plan = tiny_plan()
     out = plan.save(tmp_path / "plan")
@@ -53,6 +54,7 @@ def test_plan_roundtrip_and_llm_from_directory(tmp_path, monkeypatch):
     assert [r.outputs[0].token_ids for r in from_dir] == [r.outputs[0].token_ids for r in in_mem]
 
 
+@pytest.mark.slow
 def test_plan_rejects_graph_changing_overrides(tmp_path):
     out = tiny_plan().save(tmp_path / "plan")
     with pytest.raises(ValueError, match="max_model_len"):

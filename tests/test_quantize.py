@@ -65,6 +65,7 @@ def test_quantize_lm_head_forces_the_head_either_way():
             assert off.op_counts()["matmul_int8"] == 4 * cfg.num_layers
 
 
+@pytest.mark.slow
 def test_an_int8_tied_head_under_weight_only_int8_computes_the_quantized_product():
     """Weight-only int8 with the tied head in int8: the logits are the f32 engine's within int8's
     rounding, and they differ from the default's (f32 head), so the int8 head is what ran."""
@@ -134,6 +135,7 @@ def test_weight_bytes_halve_bf16_and_quarter_f32():
     assert plans["bf16", "int8"].num_kv_blocks > plans["bf16", None].num_kv_blocks
 
 
+@pytest.mark.slow
 def test_int8_with_tensor_parallel_on_one_device():
     """quantize_int8 then shard: int8 weights and their scales take the same column layouts,
     and the sharded graph computes what the unsharded int8 graph computes."""

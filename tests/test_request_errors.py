@@ -27,6 +27,7 @@ def test_sampling_params_ranges(kw, param):
     assert e.value.param == param and e.value.code == "invalid_value" and isinstance(e.value, ValueError)
 
 
+@pytest.mark.slow
 def test_engine_checks_what_depends_on_the_model():
     cfg = get_preset("tiny")
     llm = LLM.from_plan(compile_plan(None, EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,

@@ -67,6 +67,7 @@ def tiny_llm(scan: bool, **engine) -> LLM:
     return conftest.tiny_llm(seed=1, **(ENGINE | dict(num_kv_blocks=40, scan_layers=scan) | engine))
 
 
+@pytest.mark.slow
 def test_scanned_engine_equals_unrolled():
     """Batching, chunked prefill, prefix hits, n=2 copy-on-write and preemption (a tight pool):
     the scanned step gives exactly the unrolled step's tokens and logprobs."""
@@ -99,6 +100,7 @@ def kernel_weight_operands(hlo: str) -> list[str]:
 
 @pytest.mark.parametrize("kernels_off", [False, True])
 @pytest.mark.parametrize("quantization", ["w8a8", "int8", None])
+@pytest.mark.slow
 def test_scanned_matmul_kernels_read_the_stacked_weights_in_place(quantization, kernels_off, monkeypatch):
     """Under kernel_backend="cpp" the matmul kernels (int8 and f32) of a scanned step take each
     layer's weights out of the stack where they lie: their weight operand is the whole stacked
@@ -144,6 +146,7 @@ def abstract_args(graph: Graph, layout, blocks: int):
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.slow
 def test_scanned_step_updates_the_flat_pools_in_place(backend):
     """The flat [L * B, ...] pools are donated and aliased; temporaries don't grow with them."""
     temps = []

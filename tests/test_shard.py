@@ -209,6 +209,7 @@ def check_collectives(res: dict, attention_split: bool, layers_in_hlo: int) -> N
     assert not weight_shapes & set(gathers)
 
 
+@pytest.mark.slow
 def test_tiny_tp_engines_match_tp1():
     res = run_child("tiny")
     first, second = res["restart"]["runs"]

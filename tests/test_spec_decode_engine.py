@@ -28,6 +28,7 @@ def outputs(llm, prompts, params):
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(3, 20)) * 2, [9, 9, 9, 9, 9, 9], list(range(40, 71)), [11, 12] * 10]
 
 
+@pytest.mark.slow
 def test_greedy_outputs_equal_plain_decoding(llms):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 7, 30, 45, 64)]
     assert outputs(llms["spec"], PROMPTS, params) == outputs(llms["plain"], PROMPTS, params)

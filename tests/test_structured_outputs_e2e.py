@@ -91,6 +91,7 @@ def test_tiny_grammar_overrides_min_tokens_and_ignore_eos(tiny):
     assert out.text == "b" and out.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_tiny_multi_step_falls_back_for_constrained_batches():
     llm = tiny_llm(num_scheduler_steps=4)
     single = tiny_llm()

@@ -3,6 +3,8 @@ multi-step windows, queue time, TTFT and per-token times, as the engine ran the 
 
 from __future__ import annotations
 
+import pytest
+
 from models.config import get_preset
 from models.weights import random_weights
 from runtime import SamplingParams
@@ -11,6 +13,7 @@ from runtime.config import EngineConfig
 from runtime.entrypoints.llm import LLM
 
 
+@pytest.mark.slow
 def test_trace_follows_the_request_through_the_engine():
     cfg = get_preset("tiny")
     plan = compile_plan(None, EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,

@@ -443,6 +443,7 @@ def test_prompt_logprobs_skip_the_prefix_cache_tiny():
     assert cached.num_cached_tokens == 2 * bm.block_size and cached.prompt_logprobs is None
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_once_per_position_after_preemption_tiny():
     """A sequence preempted after its prefill recomputes its prompt: its prompt logprobs are not
     appended a second time (eight 48-token sequences on twelve 8-token blocks: some are preempted)."""

@@ -148,6 +148,7 @@ def _run(llm, prompts, params):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
+@pytest.mark.slow
 def test_engine_runs_w8a8_close_to_f32():
     """The tiny model end to end, prefill chunks and one-row decode steps (padded): no recompiles,
     no leaked blocks; its chosen tokens' logprobs stay near the f32 engine's."""
