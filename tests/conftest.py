@@ -200,7 +200,7 @@ def smol_llm(smollm2):
 
 
 # Tests that touch the real SmolLM2 (its GGUF weights or tokenizer) are `slow`: the fast loop is
-# `bash scripts/test.sh -m "not slow" -n 2` (two processes). Anything using the shared fixtures is marked here, in
+# `bash scripts/test.sh -m "not slow"` (two processes). Anything using the shared fixtures is marked here, in
 # one place; tests that load the model another way carry the mark themselves.
 REAL_MODEL_FIXTURES = {"smollm2", "smol_llm", "smol_plan", "gguf_fields", "gguf_reader", "tok"}
 
@@ -233,7 +233,7 @@ def _thin_grids(items) -> None:
                 item.add_marker(pytest.mark.slow)
 
 
-# The smoke loop (`bash scripts/test.sh -m smoke -n 2`): modules that compile no model (the command
+# The smoke loop (`bash scripts/test.sh -m smoke`): modules that compile no model (the command
 # line, the IR and passes, the host-only engine core, grammars, docs), less their tests that plan
 # big presets or start subprocesses. What it costs is in the README.
 SMOKE_MODULES = {"test_layering", "test_docs", "test_block_manager", "test_scheduler", "test_engine_config",
