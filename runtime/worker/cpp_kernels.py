@@ -184,13 +184,13 @@ def library_path(target: str | None = None) -> tuple[Path, str, str, tuple[str, 
 
 # A first build is progress, not a problem: an INFO line and a bar on stderr (where the bucket bars
 # are). A failed one is the WARNING that _available logs: the engine runs XLA's lowerings instead.
-BUILD_BAR = "build C++ kernels (one time per machine, ~50 s on 2 cores)"
+BUILD_BAR = "build C++ kernels (one time per machine, 20-50 s on 2 cores)"
 
 
 def _compile_into(lib: Path, cxx: str, include: str, flags: tuple[str, ...] = ()) -> Path:
     from tqdm import tqdm
 
-    log.info("building the C++ CPU kernels (%s) into %s: one time per machine, about 50 s on 2 cores",
+    log.info("building the C++ CPU kernels (%s) into %s: one time per machine, 20-50 s on 2 cores",
              " ".join(flags[len(FLAGS):]) or "no vector paths", lib)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
