@@ -18,10 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":  # the child: 4 host devices, before anything imports jax
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=4").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from host_devices import become_child
+
+    become_child(4)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
