@@ -200,10 +200,11 @@ class EngineConfig:
     # moves logits by about 1e-2. "f32" (default): the activations stay f32 (passes/gguf_blocks.py).
     gguf_activations: str = "f32"
     # The GGUF blocks repacked into tiles of 16 columns (ir.blocks.pack_tiles), which every step
-    # reads. None: with q8, and with f32 activations where the C++ kernels multiply them on
-    # AMX-BF16 (three exact bf16 parts of each activation: the f32 product, up to the order of its
-    # sums; against the file's rows 1.2x at one row, 2.3x at 64, 3.1x at 512: 2.2x XLA's f32 GEMM).
-    # False keeps the file's rows (decode steps only; wider steps multiply by the f32 weights).
+    # reads. None: with q8, and with f32 activations where the C++ kernels have the f32 tiles'
+    # vector path: on AMX-BF16 from 16 rows (three exact bf16 parts of each activation: the f32
+    # product, up to the order of its sums; against the file's rows 1.2x at one row, 2.3x at 64,
+    # 3.1x at 512: 2.2x XLA's f32 GEMM), else AVX-512BW multiply-adds (x86-64-v4 without AMX:
+    # 1.04x the rows at one row, 1.7x at 16, 1.46x at 64, XLA's f32 GEMM's rate at 256). False keeps the file's rows (decode steps only; wider steps multiply by the f32 weights).
     gguf_tiles: bool | None = None
     # vLLM's --kv-cache-dtype. "bfloat16": K/V stored in bf16 (half the bytes of f32: twice the KV
     # blocks, and half the bytes a decode step's attention reads); attention still computes in f32.
@@ -364,13 +365,14 @@ class EngineConfig:
                              "matrices are Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K)")
         return has_blocks and (wanted or (kernel_ready and not self.gguf_blocks_blockers()))
 
-    def gguf_tile_activations(self, amx_bf16: bool) -> str | None:
+    def gguf_tile_activations(self, f32_tiles: bool) -> str | None:
         """The activations of the products on GGUF tiles ("q8" or "f32"), or None where the blocks
-        stay in the file's rows; `amx_bf16`, whether this machine's C++ kernels take f32
-        activations' wide products on AMX-BF16 (the runtime knows: runtime.worker.executor)."""
+        stay in the file's rows; `f32_tiles`, whether this machine's C++ kernels multiply f32
+        activations by tiles in a vector path (AVX-512BW; AMX-BF16 where the CPU has it: the
+        runtime knows, runtime.worker.executor), which the default then takes."""
         if self.gguf_activations == "q8":
             return "q8"
-        return "f32" if self.gguf_tiles or (self.gguf_tiles is None and amx_bf16) else None
+        return "f32" if self.gguf_tiles or (self.gguf_tiles is None and f32_tiles) else None
 
     def scans_layers(self, platform: str | None = None, f32_in_place: bool = False) -> bool:
         """Whether the step runs its layers as a lax.scan (`scan_layers`, or by platform).

@@ -227,7 +227,7 @@ def test_pass_packs_tiles_where_n_allows():
     graph, memory = served(gguf_activations="q8")
     qkv = by_source(graph)["layers.0.wqkv"]
     assert qkv.attr("layout") == "tiles" and qkv.attr("activations") == "q8" and qkv.attr("max_rows") >= 1 << 20
-    alone = executor.tiles_in_kernel(EngineConfig(**ENGINE))  # cpp here, with the tiles' vector path
+    alone = executor.tiles_in_kernel(EngineConfig(**ENGINE, gguf_activations="q8"))  # cpp, with q8 tiles' vector path
     assert len(qkv.inputs) == (2 if alone else 3)  # where a kernel reads the tiles, no f32 copy beside them
     tiles = qkv.inputs[-1]
     assert (tiles.name, tiles.shape, tiles.attr(BLOCK_LAYOUT)) == ("layers.0.wqkv.q4_1_tiles", (8, 2 * 384), "tiles")
@@ -257,10 +257,10 @@ def test_pass_packs_tiles_where_n_allows():
     rows, _ = served(gguf_tiles=False, gguf_blocks=True)
     assert all(n.attr("layout") in (None, "rows") and n.attr("max_rows") == 64 and len(n.inputs) == 3
                for n in rows.nodes() if n.op == "matmul_blocks")
-    # By default the tiles come where this machine's kernels multiply f32 activations on AMX-BF16.
+    # By default the tiles come where this machine's kernels have the f32 tiles' vector path.
     default, _ = served()
     layouts = {n.attr("layout") or "rows" for n in default.nodes() if n.op == "matmul_blocks"}
-    assert ("tiles" in layouts) == (cpp_kernels.tiles_vectorized() and cpp_kernels.tiles_amx_bf16())
+    assert ("tiles" in layouts) == cpp_kernels.tiles_vectorized("f32")
 
 
 def test_engine_config_for_q8():

@@ -312,8 +312,11 @@ def tiles_amx_bf16() -> bool:
     return _has(cpu_target(), "JaxserveTilesAmxBf16")
 
 
-def tiles_vectorized() -> bool:
-    """Whether tile_matmul has its vector path in this build (AVX-512 VNNI)."""
+def tiles_vectorized(activations: str = "q8") -> bool:
+    """Whether tile_matmul has its vector path for `activations` in this build: "q8" needs AVX-512
+    VNNI; "f32" AVX-512BW (f32 multiply-adds, and AMX-BF16 from 16 rows where tiles_amx_bf16())."""
+    if activations == "f32":
+        return _has(cpu_target(), "JaxserveTilesF32Vectorized")
     return _has(cpu_target(), "JaxserveTilesVectorized")
 
 
@@ -322,6 +325,7 @@ def paths() -> dict[str, bool]:
     selfcheck): each is in the build and runs on this CPU."""
     return {"paged_decode": available(), "matmul_avx512bw": matmul_vectorized(),
             "gguf_blocks": blocks_vectorized(), "gguf_tiles_vnni": tiles_vectorized(),
+            "gguf_tiles_f32": tiles_vectorized("f32"),
             "gguf_tiles_amx_bf16": tiles_amx_bf16()}
 
 

@@ -77,20 +77,24 @@ def reads_gguf_blocks(engine, has_blocks: bool) -> bool:
 
 def tiles_in_kernel(engine) -> bool:
     """Whether this machine's backend for `engine` multiplies by GGUF tiles in our C++ kernel (cpp,
-    with the tiles' vector path), so that the tiles can stand in for their f32 weight."""
+    with the tiles' vector path for its activations), so that the tiles can stand in for their f32
+    weight."""
     from runtime.worker import cpp_kernels
 
-    return resolve_backend(engine.kernel_backend) == "cpp" and cpp_kernels.tiles_vectorized()
+    activations = "q8" if engine.gguf_activations == "q8" else "f32"
+    return resolve_backend(engine.kernel_backend) == "cpp" and cpp_kernels.tiles_vectorized(activations)
 
 
 def tile_activations(engine) -> str | None:
-    """EngineConfig.gguf_tile_activations, told whether this CPU's C++ kernels take f32 activations'
-    wide products on AMX-BF16 (kernel backend cpp)."""
+    """EngineConfig.gguf_tile_activations, told whether this CPU's C++ kernels have the f32 tiles'
+    vector path (kernel backend cpp): AVX-512BW multiply-adds, AMX-BF16 from 16 rows where the CPU
+    has it. Both beat the file's rows from one row to 256 (x86-64-v4 without AMX: 1.7x at 16 rows,
+    1.46x at 64; docs/cpu.md)."""
     from runtime.worker import cpp_kernels
 
-    amx = (resolve_backend(engine.kernel_backend) == "cpp" and engine.tensor_parallel_size == 1
-           and cpp_kernels.tiles_vectorized() and cpp_kernels.tiles_amx_bf16())
-    return engine.gguf_tile_activations(amx)
+    f32_tiles = (resolve_backend(engine.kernel_backend) == "cpp" and engine.tensor_parallel_size == 1
+                 and cpp_kernels.tiles_vectorized("f32"))
+    return engine.gguf_tile_activations(f32_tiles)
 
 
 def _kernel_impls(backend: str) -> dict[str, Callable]:

@@ -425,7 +425,7 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     tiles = layout == "tiles"
     w_blocks = weights[-1]
     if rows > (max_rows if tiles else min(max_rows, cpp_kernels.blocks_max_rows())) or not (
-            cpp_kernels.tiles_vectorized() if tiles else cpp_kernels.blocks_vectorized()):
+            cpp_kernels.tiles_vectorized(activations) if tiles else cpp_kernels.blocks_vectorized()):
         if len(weights) == 1:  # the tiles alone: the op's reference, on the layer's tiles
             if layer is not None and w_blocks.ndim == 3:
                 w_blocks = jax.lax.dynamic_index_in_dim(w_blocks, layer, keepdims=False)

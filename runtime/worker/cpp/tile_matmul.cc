@@ -758,9 +758,20 @@ void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float*
 // 1 where this build has the f32 tiles' AMX-BF16 path and Linux grants the tile state.
 extern "C" int JaxserveTilesAmxBf16() { return AmxBf16Ready() ? 1 : 0; }
 
-// 1 where this build has the tiles' vector path (AVX-512 VNNI); the engine uses the tiles only then.
+// 1 where this build has the tiles' vector path for q8 activations (AVX-512 VNNI); the engine
+// uses the q8 tiles only then.
 extern "C" int JaxserveTilesVectorized() {
 #if defined(__AVX512VNNI__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 where this build has the tiles' vector path for f32 activations (AVX-512BW: multiply-adds;
+// AMX-BF16 from 16 rows where the CPU also has that); the engine uses the f32 tiles only then.
+extern "C" int JaxserveTilesF32Vectorized() {
+#if defined(__AVX512BW__)
   return 1;
 #else
   return 0;
