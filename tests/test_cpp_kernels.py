@@ -19,6 +19,7 @@ from ir import OPS
 from ir.int8 import INT8_ACTIVATIONS
 from ir.attention_ops import paged_attention_reference
 from pallas_kernels.testing import random_paged_cache
+from runtime.config import EngineConfig
 from runtime.worker import cpp_kernels, executor
 from runtime.worker.kernels import (BF16_BITS, CPP_F32_MAX_ROWS, CPP_INT8_MAX_ROWS, CPP_INT8_WEIGHT_ONLY_MAX_ROWS,
                                     matmul_cpp, matmul_int8_cpp, paged_attention_xla)
@@ -537,7 +538,7 @@ def test_cpu_target_setting(monkeypatch, tmp_path, caplog):
     assert cpp_kernels.ffi_name("jaxserve_f32_matmul", "x86-64-v3") == "jaxserve_f32_matmul_x86_64_v3"
     assert cpp_kernels.ffi_name("jaxserve_f32_matmul", "native") == "jaxserve_f32_matmul"
     monkeypatch.undo()
-    want = {"x86-64-v3": dict(matmul_avx512bw=False, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_f32=False,
+    want = {"x86-64-v3": dict(matmul_avx512bw=False, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_f32=True,
                               gguf_tiles_amx_bf16=False),
             "x86-64-v4": dict(matmul_avx512bw=True, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_f32=True,
                               gguf_tiles_amx_bf16=False)}
@@ -548,6 +549,12 @@ def test_cpu_target_setting(monkeypatch, tmp_path, caplog):
             continue  # this CPU cannot run it
         monkeypatch.setenv("JAXSERVE_CPU_TARGET", target)
         assert cpp_kernels.paths() == dict(paged_decode=True, **paths), target
+        # f32 tiles take every step's product with AVX-512BW; with AVX2 steps of up to 16 rows, and
+        # the f32 weight stays beside them for wider ones.
+        wide = target == "x86-64-v4"
+        assert cpp_kernels.tiles_max_rows("f32") == (1 << 30 if wide else 16), target
+        assert executor.tiles_in_kernel(EngineConfig(kernel_backend="cpp")) == wide, target
+        assert executor.tile_activations(EngineConfig(kernel_backend="cpp")) == "f32", target
 
 
 def test_env_report_shows_the_target_and_its_paths(monkeypatch, tmp_path):

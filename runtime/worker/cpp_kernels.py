@@ -320,6 +320,19 @@ def tiles_vectorized(activations: str = "q8") -> bool:
     return _has(cpu_target(), "JaxserveTilesVectorized")
 
 
+def tiles_max_rows(activations: str = "q8") -> int:
+    """The most rows of a step whose product the tiles' vector path for `activations` should take in
+    this build: every step's, but for f32 activations on AVX2 16 (XLA's f32 GEMM is faster for wider
+    steps); 0 without the path."""
+    if not tiles_vectorized(activations):
+        return 0
+    if activations != "f32":
+        return 1 << 30
+    lib = _library_for(cpu_target())
+    lib.JaxserveTilesF32MaxRows.restype = ctypes.c_int64
+    return int(lib.JaxserveTilesF32MaxRows())
+
+
 def paths() -> dict[str, bool]:
     """Which kernel paths are live for JAXSERVE_CPU_TARGET on this machine (`jaxserve env`,
     selfcheck): each is in the build and runs on this CPU."""

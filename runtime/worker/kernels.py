@@ -424,7 +424,8 @@ def matmul_blocks_cpp(x, *weights, format, max_rows, transpose_b=False, layout="
     rows = math.prod(x.shape[:-1])
     tiles = layout == "tiles"
     w_blocks = weights[-1]
-    if rows > (max_rows if tiles else min(max_rows, cpp_kernels.blocks_max_rows())) or not (
+    limit = cpp_kernels.tiles_max_rows(activations) if tiles else cpp_kernels.blocks_max_rows()
+    if rows > min(max_rows, limit) or not (
             cpp_kernels.tiles_vectorized(activations) if tiles else cpp_kernels.blocks_vectorized()):
         if len(weights) == 1:  # the tiles alone: the op's reference, on the layer's tiles
             if layer is not None and w_blocks.ndim == 3:

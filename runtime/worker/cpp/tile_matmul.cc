@@ -45,7 +45,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BW__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
@@ -112,26 +112,26 @@ struct Args {
   int64_t M, K, N, nb;
 };
 
-// Rows [0, M) in passes of kMaxRows, then one pass of the rest: pass(std::integral_constant<int,
-// MR>, m0) for each, so that every pass has its row count at compile time.
-template <typename Pass>
+// The last `left` rows (fewer than MR + 1) from row m, in one pass.
+template <int MR, typename Pass>
+void RowTail(int64_t left, int64_t m, const Pass& pass) {
+  if constexpr (MR > 0) {
+    if (left == MR) {
+      pass(std::integral_constant<int, MR>{}, m);
+    } else {
+      RowTail<MR - 1>(left, m, pass);
+    }
+  }
+}
+
+// Rows [0, M) in passes of kMax (kMaxRows unless the registers hold fewer), then one pass of the
+// rest: pass(std::integral_constant<int, MR>, m0) for each, so that every pass has its row count
+// at compile time.
+template <int kMax = kMaxRows, typename Pass>
 void RowPasses(int64_t M, const Pass& pass) {
   int64_t m = 0;
-  for (; m + kMaxRows <= M; m += kMaxRows) pass(std::integral_constant<int, kMaxRows>{}, m);
-  switch (M - m) {
-    case 11: pass(std::integral_constant<int, 11>{}, m); break;
-    case 10: pass(std::integral_constant<int, 10>{}, m); break;
-    case 9: pass(std::integral_constant<int, 9>{}, m); break;
-    case 8: pass(std::integral_constant<int, 8>{}, m); break;
-    case 7: pass(std::integral_constant<int, 7>{}, m); break;
-    case 6: pass(std::integral_constant<int, 6>{}, m); break;
-    case 5: pass(std::integral_constant<int, 5>{}, m); break;
-    case 4: pass(std::integral_constant<int, 4>{}, m); break;
-    case 3: pass(std::integral_constant<int, 3>{}, m); break;
-    case 2: pass(std::integral_constant<int, 2>{}, m); break;
-    case 1: pass(std::integral_constant<int, 1>{}, m); break;
-    default: break;
-  }
+  for (; m + kMax <= M; m += kMax) pass(std::integral_constant<int, kMax>{}, m);
+  RowTail<kMax - 1>(M - m, m, pass);
 }
 
 // Rows [0, M) quantized or split in up to one share per thread, each of at least `min_values`
@@ -473,6 +473,97 @@ void VectorTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
     RowPasses(a.M, [&](auto mr, int64_t m) { VectorTileF32<F, decltype(mr)::value>(a, g, m); });
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: the same multiply-adds as VectorTileF32, a tile's 16 columns in two vectors of 8 (halves:
+// bytes 0-31 and 32-63 of each 64-byte vector of the record), up to kAvx2Rows rows per pass (16
+// registers: two accumulators per row, the input's two widened halves, the broadcast input).
+constexpr int kAvx2Rows = 6;
+
+template <int F, int MR>
+void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
+  const int64_t R = RecordBytes(F);
+  const uint8_t* rec = a.w + g * a.nb * R;
+  const float* x[MR];
+  for (int m = 0; m < MR; ++m) x[m] = a.x + (m0 + m) * a.K;
+  constexpr int C = MR <= 2 ? 2 : 1;  // chains of sums per row and half (inputs k % C)
+  __m256 acc[C][MR][2];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < MR; ++m) acc[c][m][0] = acc[c][m][1] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32(F == kQ8_0 ? 0xff : 0x0f), bias = _mm256_set1_epi32(Bias<F>());
+  for (int64_t b = 0; b < a.nb; ++b, rec += R) {
+    for (int64_t line = 0; line < R; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
+    }
+    const __m256 d[2] = {_mm256_loadu_ps(reinterpret_cast<const float*>(rec)),
+                         _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32))};
+    const __m256 c[2] = {_mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64)),
+                         _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 96))};
+    auto half = [&](int j, int h) {  // 8 columns' 4 bytes of vector j
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128 + 64 * j + 32 * h));
+    };
+    if (F == kQ4_1) {  // value = d * q + m, widened and scaled per input, then one multiply-add per row
+#pragma GCC unroll 32
+      for (int k = 0; k < kBlock; ++k) {
+        const int j = (k % 16) / 4, shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
+        __m256 wk[2];
+        for (int h = 0; h < 2; ++h) {
+          wk[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(half(j, h), shift), mask)),
+                                  d[h], c[h]);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xk = _mm256_broadcast_ss(x[m] + b * kBlock + k);
+          for (int h = 0; h < 2; ++h) acc[k % C][m][h] = _mm256_fmadd_ps(xk, wk[h], acc[k % C][m][h]);
+        }
+      }
+      continue;
+    }
+    // Q4_0, Q8_0: each row sums x * v over the block, then scales the sum by d once.
+    __m256 blk[C][MR][2];
+    for (int i = 0; i < C; ++i)
+      for (int m = 0; m < MR; ++m) blk[i][m][0] = blk[i][m][1] = _mm256_setzero_ps();
+#pragma GCC unroll 32
+    for (int k = 0; k < kBlock; ++k) {
+      __m256 wk[2];
+      for (int h = 0; h < 2; ++h) {
+        __m256i q;
+        if (F == kQ8_0) {  // byte k % 4 of vector k / 4 as int8 (q - 128), sign-extended
+          const int t = k % 4;
+          const __m256i v = _mm256_xor_si256(half(k / 4, h), _mm256_set1_epi8(static_cast<char>(0x80)));
+          q = _mm256_srai_epi32(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), 24);
+        } else {
+          const int j = (k % 16) / 4, shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
+          q = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(half(j, h), shift), mask), bias);
+        }
+        wk[h] = _mm256_cvtepi32_ps(q);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xk = _mm256_broadcast_ss(x[m] + b * kBlock + k);
+        for (int h = 0; h < 2; ++h) blk[k % C][m][h] = _mm256_fmadd_ps(xk, wk[h], blk[k % C][m][h]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 sum = blk[0][m][h];
+        for (int i = 1; i < C; ++i) sum = _mm256_add_ps(sum, blk[i][m][h]);
+        acc[0][m][h] = _mm256_fmadd_ps(sum, d[h], acc[0][m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 sum = acc[0][m][h];
+      for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, acc[c][m][h]);
+      _mm256_storeu_ps(a.y + (m0 + m) * a.N + g * kTile + 8 * h, sum);
+    }
+  }
+}
+
+template <int F>
+void VectorTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    RowPasses<kAvx2Rows>(a.M, [&](auto mr, int64_t m) { VectorTileF32<F, decltype(mr)::value>(a, g, m); });
+  }
+}
 #endif
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -689,7 +780,7 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
 #endif
   // The multiply-adds: about four runs per thread.
   ForTileRuns(pool, N / kTile, 4, N / kTile, [&](int64_t g0, int64_t g1) {
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__FMA__))
     VectorTilesF32<F>(a, g0, g1);
 #else
     ScalarTilesF32<F>(a, g0, g1);
@@ -768,11 +859,26 @@ extern "C" int JaxserveTilesVectorized() {
 #endif
 }
 
-// 1 where this build has the tiles' vector path for f32 activations (AVX-512BW: multiply-adds;
-// AMX-BF16 from 16 rows where the CPU also has that); the engine uses the f32 tiles only then.
+// 1 where this build has the tiles' vector path for f32 activations (AVX-512BW or AVX2 with FMA:
+// multiply-adds; AMX-BF16 from 16 rows where the CPU also has that); the engine uses the f32 tiles
+// only then.
 extern "C" int JaxserveTilesF32Vectorized() {
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__FMA__))
   return 1;
+#else
+  return 0;
+#endif
+}
+
+// The most rows of a step that the f32 tiles' vector path should take (cpp_kernels.tiles_max_rows):
+// every step's with AVX-512BW (x86-64-v4 without AMX: 1.7x the file's rows at 16 rows, XLA's f32
+// GEMM's rate at 256); 16 with AVX2, where a wider step's f32 GEMM is faster (SmolLM2's layers on
+// x86-64-v3: 1.27x the rows at one row, 1.17x at 16; 0.66x XLA's GEMM at 64, 0.40x at 256).
+extern "C" int64_t JaxserveTilesF32MaxRows() {
+#if defined(__AVX512BW__)
+  return int64_t{1} << 30;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 16;
 #else
   return 0;
 #endif
