@@ -552,7 +552,7 @@ def test_cpu_target_setting(monkeypatch, tmp_path, caplog):
         # f32 tiles take every step's product with AVX-512BW; with AVX2 steps of up to 16 rows, and
         # the f32 weight stays beside them for wider ones.
         wide = target == "x86-64-v4"
-        assert cpp_kernels.tiles_max_rows("f32") == (1 << 30 if wide else 16), target
+        assert cpp_kernels.tiles_max_rows("f32") == (cpp_kernels.EVERY_STEP if wide else 16), target
         assert executor.tiles_in_kernel(EngineConfig(kernel_backend="cpp")) == wide, target
         assert executor.tile_activations(EngineConfig(kernel_backend="cpp")) == "f32", target
 

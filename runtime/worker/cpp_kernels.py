@@ -320,14 +320,17 @@ def tiles_vectorized(activations: str = "q8") -> bool:
     return _has(cpu_target(), "JaxserveTilesVectorized")
 
 
+EVERY_STEP = 1 << 30  # tiles_max_rows of a path that takes every step's product
+
+
 def tiles_max_rows(activations: str = "q8") -> int:
     """The most rows of a step whose product the tiles' vector path for `activations` should take in
-    this build: every step's, but for f32 activations on AVX2 16 (XLA's f32 GEMM is faster for wider
+    this build: EVERY_STEP, but for f32 activations on AVX2 16 (XLA's f32 GEMM is faster for wider
     steps); 0 without the path."""
     if not tiles_vectorized(activations):
         return 0
     if activations != "f32":
-        return 1 << 30
+        return EVERY_STEP
     lib = _library_for(cpu_target())
     lib.JaxserveTilesF32MaxRows.restype = ctypes.c_int64
     return int(lib.JaxserveTilesF32MaxRows())

@@ -81,13 +81,11 @@ def tiles_in_kernel(engine) -> bool:
     weight."""
     from runtime.worker import cpp_kernels
 
-    from passes.gguf_blocks import TILES_MAX_ROWS
-
     activations = "q8" if engine.gguf_activations == "q8" else "f32"
     # Every step's product, prefill chunks too: where a build takes only few rows' (f32 tiles on
     # AVX2), the f32 weight stays for the wider steps.
     return (resolve_backend(engine.kernel_backend) == "cpp"
-            and cpp_kernels.tiles_max_rows(activations) >= TILES_MAX_ROWS)
+            and cpp_kernels.tiles_max_rows(activations) >= cpp_kernels.EVERY_STEP)
 
 
 def tile_activations(engine) -> str | None:
