@@ -113,7 +113,8 @@ def _product_rows(features: dict[str, bool]):
         yield f"GGUF {fmt} blocks, rows 1, 8, 64 ({bvec})", lambda fmt=fmt: _stack(blocks(fmt, m) for m in (1, 8, 64))
     amx = ("AMX-BF16 from 16 rows" if features["amx_bf16"] else "AVX-512BW multiply-adds (no AMX-BF16)"
            if features["avx512bw"] else "scalar loop (no AVX-512BW: the engine keeps the file's rows)")
-    vnni = "AVX-512 VNNI" if features["vnni"] else "scalar loop (no AVX-512 VNNI)"
+    vnni = ("int8 dot products: AVX-512 VNNI, or AVX2's vpmaddubsw" if features["vnni"]
+            else "scalar loop (no AVX2 or VNNI)")
     for fmt in BLOCK_FORMATS:
         yield f"GGUF {fmt} tiles, f32 activations, rows 1, 16, 64 ({amx})", \
             lambda fmt=fmt: _stack(tiles(fmt, m, "f32") for m in (1, 16, 64))

@@ -538,9 +538,9 @@ def test_cpu_target_setting(monkeypatch, tmp_path, caplog):
     assert cpp_kernels.ffi_name("jaxserve_f32_matmul", "x86-64-v3") == "jaxserve_f32_matmul_x86_64_v3"
     assert cpp_kernels.ffi_name("jaxserve_f32_matmul", "native") == "jaxserve_f32_matmul"
     monkeypatch.undo()
-    want = {"x86-64-v3": dict(matmul_avx512bw=False, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_f32=True,
+    want = {"x86-64-v3": dict(matmul_avx512bw=False, gguf_blocks=True, gguf_tiles_q8=True, gguf_tiles_f32=True,
                               gguf_tiles_amx_bf16=False),
-            "x86-64-v4": dict(matmul_avx512bw=True, gguf_blocks=True, gguf_tiles_vnni=False, gguf_tiles_f32=True,
+            "x86-64-v4": dict(matmul_avx512bw=True, gguf_blocks=True, gguf_tiles_q8=True, gguf_tiles_f32=True,
                               gguf_tiles_amx_bf16=False)}
     for target, paths in want.items():
         try:

@@ -314,7 +314,7 @@ def tiles_amx_bf16() -> bool:
 
 def tiles_vectorized(activations: str = "q8") -> bool:
     """Whether tile_matmul has its vector path for `activations` in this build: "q8" needs AVX-512
-    VNNI; "f32" AVX-512BW (f32 multiply-adds, and AMX-BF16 from 16 rows where tiles_amx_bf16())."""
+    VNNI or AVX2 (vpmaddubsw, as llama.cpp); "f32" AVX-512BW (f32 multiply-adds, and AMX-BF16 from 16 rows where tiles_amx_bf16())."""
     if activations == "f32":
         return _has(cpu_target(), "JaxserveTilesF32Vectorized")
     return _has(cpu_target(), "JaxserveTilesVectorized")
@@ -340,7 +340,7 @@ def paths() -> dict[str, bool]:
     """Which kernel paths are live for JAXSERVE_CPU_TARGET on this machine (`jaxserve env`,
     selfcheck): each is in the build and runs on this CPU."""
     return {"paged_decode": available(), "matmul_avx512bw": matmul_vectorized(),
-            "gguf_blocks": blocks_vectorized(), "gguf_tiles_vnni": tiles_vectorized(),
+            "gguf_blocks": blocks_vectorized(), "gguf_tiles_q8": tiles_vectorized(),
             "gguf_tiles_f32": tiles_vectorized("f32"),
             "gguf_tiles_amx_bf16": tiles_amx_bf16()}
 

@@ -240,6 +240,74 @@ void VectorTiles(const Args& a, int64_t g0, int64_t g1) {
     RowPasses(a.M, [&](auto mr, int64_t m) { VectorTile<F, decltype(mr)::value>(a, g, m); });
   }
 }
+#elif defined(__AVX2__)
+// Without VNNI (AVX2, or AVX-512 without VNNI), as llama.cpp does: vpmaddubsw multiplies unsigned
+// weight bytes by signed activation bytes and adds pairs into int16, then vpmaddwd adds pairs of
+// those into int32. Exact: a 4-bit value times |xq| <= 127 is at most 1905, a pair 3810, and a
+// block's 8 products of 4 inputs sum to at most 30480 in int16 before one vpmaddwd takes them to
+// int32. Q8_0's unsigned bytes (q + 128, up to 255) go as two 4-bit halves, lo + 16 hi, each
+// summed so. A tile's 16 columns are two vectors of 8 (bytes 0-31 and 32-63 of each 64-byte
+// vector of the record); up to kQ8Rows rows per pass share the block's weights.
+constexpr int kQ8Rows = 4;
+
+template <int F, int MR>
+void VectorTile(const Args& a, int64_t g, int64_t m0) {
+  const int64_t R = RecordBytes(F);
+  const uint8_t* rec = a.w + g * a.nb * R;
+  const int8_t* xq[MR];
+  const float* s[MR];
+  const float* ss[MR];
+  for (int m = 0; m < MR; ++m) {
+    xq[m] = a.xq->q.data() + (m0 + m) * a.K;
+    s[m] = a.xq->s.data() + (m0 + m) * a.nb;
+    ss[m] = a.xq->ss.data() + (m0 + m) * a.nb;
+  }
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+  for (int64_t b = 0; b < a.nb; ++b, rec += R) {
+    const uint8_t* q = rec + 128;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
+      const __m256 c = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
+      auto bytes = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * h)); };
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(xq[m] + b * kBlock);
+        __m256i dot;
+        if (F == kQ8_0) {
+          __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+          for (int j = 0; j < 8; ++j) {
+            const __m256i v = bytes(j), x = _mm256_set1_epi32(x4[j]);
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v, low), x));
+            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x));
+          }
+          dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, sixteens));
+        } else {
+          __m256i sum = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = bytes(j);
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(x4[j])));
+            sum = _mm256_add_epi16(
+                sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_set1_epi32(x4[j + 4])));
+          }
+          dot = _mm256_madd_epi16(sum, ones);
+        }
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(s[m][b]));
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(ss[m][b]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(a.y + (m0 + m) * a.N + g * kTile + 8 * h, acc[m][h]);
+}
+
+template <int F>
+void VectorTiles(const Args& a, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    RowPasses<kQ8Rows>(a.M, [&](auto mr, int64_t m) { VectorTile<F, decltype(mr)::value>(a, g, m); });
+  }
+}
 #endif
 
 
@@ -804,7 +872,7 @@ void Product(ffi::ThreadPool& pool, const float* x, const Args& a) {
       return;
     }
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
     VectorTiles<F>(a, g0, g1);
 #else
     ScalarTiles<F>(a, g0, g1);
@@ -849,10 +917,10 @@ void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float*
 // 1 where this build has the f32 tiles' AMX-BF16 path and Linux grants the tile state.
 extern "C" int JaxserveTilesAmxBf16() { return AmxBf16Ready() ? 1 : 0; }
 
-// 1 where this build has the tiles' vector path for q8 activations (AVX-512 VNNI); the engine
-// uses the q8 tiles only then.
+// 1 where this build has the tiles' vector path for q8 activations (AVX-512 VNNI, or AVX2's
+// vpmaddubsw); the engine uses the q8 tiles only then.
 extern "C" int JaxserveTilesVectorized() {
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
   return 1;
 #else
   return 0;
