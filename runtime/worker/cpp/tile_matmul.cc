@@ -190,6 +190,21 @@ void ScalarTiles(const Args& a, int64_t g0, int64_t g1) {
   }
 }
 
+// Rows [m0, m0 + MR)'s quantized activations, and per block their scale s and s * sum(xq).
+template <int MR>
+struct QuantizedRows {
+  const int8_t* q[MR];
+  const float* s[MR];
+  const float* ss[MR];
+  QuantizedRows(const Args& a, int64_t m0) {
+    for (int m = 0; m < MR; ++m) {
+      q[m] = a.xq->q.data() + (m0 + m) * a.K;
+      s[m] = a.xq->s.data() + (m0 + m) * a.nb;
+      ss[m] = a.xq->ss.data() + (m0 + m) * a.nb;
+    }
+  }
+};
+
 #if defined(__AVX512VNNI__)
 // Rows [m0, m0 + MR) over tile g: each block's 8 vectors of unsigned q (4 inputs x 16 columns
 // each) are loaded once for the MR rows, each of which takes 8 dot products against its inputs
@@ -198,14 +213,10 @@ template <int F, int MR>
 void VectorTile(const Args& a, int64_t g, int64_t m0) {
   const int64_t R = RecordBytes(F);
   const uint8_t* rec = a.w + g * a.nb * R;
-  const int8_t* xq[MR];
-  const float* s[MR];
-  const float* ss[MR];
-  for (int m = 0; m < MR; ++m) {
-    xq[m] = a.xq->q.data() + (m0 + m) * a.K;
-    s[m] = a.xq->s.data() + (m0 + m) * a.nb;
-    ss[m] = a.xq->ss.data() + (m0 + m) * a.nb;
-  }
+  const QuantizedRows<MR> rows(a, m0);
+  const int8_t* const* xq = rows.q;
+  const float* const* s = rows.s;
+  const float* const* ss = rows.ss;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
@@ -254,14 +265,10 @@ template <int F, int MR>
 void VectorTile(const Args& a, int64_t g, int64_t m0) {
   const int64_t R = RecordBytes(F);
   const uint8_t* rec = a.w + g * a.nb * R;
-  const int8_t* xq[MR];
-  const float* s[MR];
-  const float* ss[MR];
-  for (int m = 0; m < MR; ++m) {
-    xq[m] = a.xq->q.data() + (m0 + m) * a.K;
-    s[m] = a.xq->s.data() + (m0 + m) * a.nb;
-    ss[m] = a.xq->ss.data() + (m0 + m) * a.nb;
-  }
+  const QuantizedRows<MR> rows(a, m0);
+  const int8_t* const* xq = rows.q;
+  const float* const* s = rows.s;
+  const float* const* ss = rows.ss;
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
