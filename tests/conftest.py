@@ -179,6 +179,21 @@ def tiny_bpe_tokenizer():
     return Tokenizer(backend, eos_token="<eos>")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+    """After each test module, drop JAX's trace caches and what they alone hold. A worker of the
+    two that scripts/test.sh runs builds hundreds of tiny engines, and XLA:CPU keeps each compiled
+    bucket resident (docs/compiler.md): two workers at about 9 GB each got one OOM-killed on a
+    24 GB machine. Engines that fixtures keep alive keep their own executables."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(config, weights, tokenizer) of the real SmolLM2-135M-Instruct, loaded once."""
