@@ -214,9 +214,6 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
   const int64_t R = RecordBytes(F);
   const uint8_t* rec = a.w + g * a.nb * R;
   const QuantizedRows<MR> rows(a, m0);
-  const int8_t* const* xq = rows.q;
-  const float* const* s = rows.s;
-  const float* const* ss = rows.ss;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
@@ -234,12 +231,12 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
       }
     }
     for (int m = 0; m < MR; ++m) {
-      const int32_t* x4 = reinterpret_cast<const int32_t*>(xq[m] + b * kBlock);
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(rows.q[m] + b * kBlock);
       __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
       for (int j = 1; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(x4[j]));
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(s[m][b]));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(rows.s[m][b]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
-      acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(ss[m][b]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(rows.ss[m][b]), acc[m]);
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(a.y + (m0 + m) * a.N + g * kTile, acc[m]);
@@ -266,9 +263,6 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
   const int64_t R = RecordBytes(F);
   const uint8_t* rec = a.w + g * a.nb * R;
   const QuantizedRows<MR> rows(a, m0);
-  const int8_t* const* xq = rows.q;
-  const float* const* s = rows.s;
-  const float* const* ss = rows.ss;
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
@@ -279,7 +273,7 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
       const __m256 c = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
       auto bytes = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * h)); };
       for (int m = 0; m < MR; ++m) {
-        const int32_t* x4 = reinterpret_cast<const int32_t*>(xq[m] + b * kBlock);
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(rows.q[m] + b * kBlock);
         __m256i dot;
         if (F == kQ8_0) {
           __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
@@ -299,9 +293,9 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
           }
           dot = _mm256_madd_epi16(sum, ones);
         }
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(s[m][b]));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(rows.s[m][b]));
         acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m][h]);
-        acc[m][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(ss[m][b]), acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(rows.ss[m][b]), acc[m][h]);
       }
     }
   }
