@@ -61,7 +61,15 @@ class EngineLoop:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        """Starts the loop's thread. One loop steps an engine at a time: two would each take outputs
+        that the other's callers wait for."""
+        if self._thread is not None and not self._thread.is_alive():  # a stop that timed out, since ended
+            self._thread = None
         if self._thread is None:
+            if self.engine.driver not in (None, self):
+                raise RuntimeError("another engine loop already steps this engine (a server built on it is "
+                                   "still running); stop it before starting this one")
+            self.engine.driver = self
             self._stop = False
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
@@ -72,7 +80,10 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if self._thread.is_alive():  # still inside a step: it lets go of the engine when that returns
+                log.warning("the engine loop did not stop within %.0f s", timeout)
+            else:
+                self._thread = None
         with contextlib.suppress(ValueError):
             self.engine.finished_callbacks.remove(self._on_finished)
         with contextlib.suppress(ValueError):
@@ -159,6 +170,13 @@ class EngineLoop:
     # ------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # stopped, or failed: the engine is free for another loop
+            if self.engine.driver is self:
+                self.engine.driver = None
+
+    def _loop(self) -> None:
         engine = self.engine
         last_snap = 0.0
         while not self._stop:

@@ -67,8 +67,8 @@ class LLMEngine:
         self.trace: list[StepTrace] | None = None
         self.finished_callbacks = []  # fn(request) when a request finishes
         # fn(schedule, outputs) after each step ran: the ScheduleOutput and the step's device outputs
-        # (the graph's outputs, e.g. "logits", and the sampled rows); for tests and tools.
-        self.step_hooks = []
+        self.step_hooks = []  # (the graph's outputs, e.g. "logits", and the sampled rows); for tests and tools
+        self.driver = None  # the engine loop (async_engine) that steps this engine from its thread, if one runs
         self.num_recompiles = 0
         self._step_requests: dict[str, Request] | None = None  # what the running step touches
         self.async_scheduling = e.schedules_async()

@@ -237,6 +237,30 @@ def test_budgets_are_server_flags(tiny):
     assert tiny.engine.grammar_limits == GrammarLimits()
 
 
+def test_one_engine_loop_steps_an_engine_at_a_time():
+    """A second server (or LLM.generate) on an engine that a running engine loop steps is refused
+    with a clear error: two steppers would take each other's outputs, and a request would wait
+    forever (a CI soak request did, with a module's server still up on the shared engine)."""
+    llm = tiny_llm()
+    first = build_app(llm.engine, served_model_names="tiny", log_stats_interval=0, start_engine=False)
+    second = build_app(llm.engine, served_model_names="tiny", log_stats_interval=0, start_engine=False)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first.state.server.loop.start()
+    try:
+        with pytest.raises(RuntimeError, match="another engine loop"):
+            second.state.server.loop.start()
+        with pytest.raises(RuntimeError, match="an engine loop steps this engine"):
+            llm.generate([[1, 2, 3]], greedy)
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        first.state.server.loop.stop()
+    second.state.server.loop.start()  # the first let go of the engine
+    second.state.server.loop.stop()
+    first.state.server.loop.start()  # and a loop can start again after its stop
+    first.state.server.loop.stop()
+    assert len(llm.generate([[1, 2, 3]], greedy)[0].outputs[0].token_ids) == 3
+
+
 # ====================================================================== HTTP: the table of bad inputs
 
 
@@ -832,7 +856,7 @@ def test_slow_clients_are_timed_out_and_connections_capped(smol_llm):
 KEY = "k3y"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def keyed(smol_llm):
     app = build_app(smol_llm.engine, served_model_names=MODEL, api_key=KEY, log_stats_interval=0)
     with ServerThread(app) as st:
@@ -906,52 +930,54 @@ FRAMING = [  # (what, raw request, status)
 ]
 
 
-@pytest.mark.parametrize("what,raw,status", FRAMING, ids=[f[0] for f in FRAMING])
-def test_http_framing_and_auth_are_strict(keyed, smol_llm, what, raw, status):
-    """RFC 9112 framing: the request-smuggling shapes and bare LFs are refused (h11 served them);
-    `Transfer-Encoding:<TAB>chunked` is RFC 9112's optional whitespace, and read as chunked (never
-    beside a Content-Length). The API key must match exactly; the scheme in any case. Each refusal
-    is one log line at most."""
-    with _Lines() as logs:
-        reply = _exchange(keyed.port, raw)
-        time.sleep(0.2)  # a handler's line would follow the reply
-    assert reply.startswith(b"HTTP/1.1 %d " % status), reply[:300]
-    assert len(logs.lines) <= 1, logs.lines
-    if status != 200:
-        err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
-        assert set(err) == {"message", "type", "param", "code"}, err
-    else:
-        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["count"] == 1
-    with httpx.Client(base_url=keyed.url, headers={"Authorization": AUTH.split(": ")[1]}) as c:
-        assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+class TestRawHTTP:
+    """A server with an API key, spoken to in raw bytes. Its fixture is class-scoped: a server that
+    outlived these tests would keep stepping the shared engine beside the next test's server."""
 
+    @pytest.mark.parametrize("what,raw,status", FRAMING, ids=[f[0] for f in FRAMING])
+    def test_http_framing_and_auth_are_strict(self, keyed, smol_llm, what, raw, status):
+        """RFC 9112 framing: the request-smuggling shapes and bare LFs are refused (h11 served them);
+        `Transfer-Encoding:<TAB>chunked` is RFC 9112's optional whitespace, and read as chunked (never
+        beside a Content-Length). The API key must match exactly; the scheme in any case. Each refusal
+        is one log line at most."""
+        with _Lines() as logs:
+            reply = _exchange(keyed.port, raw)
+            time.sleep(0.2)  # a handler's line would follow the reply
+        assert reply.startswith(b"HTTP/1.1 %d " % status), reply[:300]
+        assert len(logs.lines) <= 1, logs.lines
+        if status != 200:
+            err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+            assert set(err) == {"message", "type", "param", "code"}, err
+        else:
+            assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["count"] == 1
+        with httpx.Client(base_url=keyed.url, headers={"Authorization": AUTH.split(": ")[1]}) as c:
+            assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
 
-@pytest.mark.parametrize("what,raw", [
-    ("10 of 100 body bytes", _post(f"{AUTH}|Content-Length: 100", b'{"prompt":')),
-    ("a chunk cut short", _post(f"{AUTH}|Transfer-Encoding: chunked", b"40\r\n{\"prompt\":")),
-    ("a malformed chunk after a good one", _post(f"{AUTH}|Transfer-Encoding: chunked", b"2\r\n{}\r\nzz\r\n")),
-], ids=["content-length", "chunked", "bad-chunk"])
-def test_a_request_cut_short_is_one_log_line(keyed, smol_llm, what, raw):
-    """A client that sends part of a body and closes (or a malformed chunk mid-body) wrote ~98 ERROR
-    lines (an unhandled error and uvicorn's traceback): now one WARNING line, and no KV touched."""
-    with _Lines() as logs:
-        with socket.create_connection(("127.0.0.1", keyed.port)) as s:
-            s.sendall(raw)
+    @pytest.mark.parametrize("what,raw", [
+        ("10 of 100 body bytes", _post(f"{AUTH}|Content-Length: 100", b'{"prompt":')),
+        ("a chunk cut short", _post(f"{AUTH}|Transfer-Encoding: chunked", b"40\r\n{\"prompt\":")),
+        ("a malformed chunk after a good one", _post(f"{AUTH}|Transfer-Encoding: chunked", b"2\r\n{}\r\nzz\r\n")),
+    ], ids=["content-length", "chunked", "bad-chunk"])
+    def test_a_request_cut_short_is_one_log_line(self, keyed, smol_llm, what, raw):
+        """A client that sends part of a body and closes (or a malformed chunk mid-body) wrote ~98 ERROR
+        lines (an unhandled error and uvicorn's traceback): now one WARNING line, and no KV touched."""
+        with _Lines() as logs:
+            with socket.create_connection(("127.0.0.1", keyed.port)) as s:
+                s.sendall(raw)
+                time.sleep(0.3)
+            deadline = time.monotonic() + 5
+            while not logs.lines and time.monotonic() < deadline:
+                time.sleep(0.05)
             time.sleep(0.3)
-        deadline = time.monotonic() + 5
-        while not logs.lines and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
-    assert len(logs.lines) == 1, logs.lines
-    assert "ERROR" not in logs.lines[0] and "/tokenize" in logs.lines[0], logs.lines
-    with httpx.Client(base_url=keyed.url, headers={"Authorization": AUTH.split(": ")[1]}) as c:
-        assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+        assert len(logs.lines) == 1, logs.lines
+        assert "ERROR" not in logs.lines[0] and "/tokenize" in logs.lines[0], logs.lines
+        with httpx.Client(base_url=keyed.url, headers={"Authorization": AUTH.split(": ")[1]}) as c:
+            assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200
 
-
-def test_pipelined_requests_are_answered_in_order(keyed):
-    one = _post(f"{AUTH}|Content-Length: 16").replace(b"Connection: close\r\n", b"")
-    reply = _exchange(keyed.port, one + _post(f"{AUTH}|Content-Length: 16"))
-    assert reply.count(b"HTTP/1.1 200 ") == 2, reply
+    def test_pipelined_requests_are_answered_in_order(self, keyed):
+        one = _post(f"{AUTH}|Content-Length: 16").replace(b"Connection: close\r\n", b"")
+        reply = _exchange(keyed.port, one + _post(f"{AUTH}|Content-Length: 16"))
+        assert reply.count(b"HTTP/1.1 200 ") == 2, reply
 
 
 # ====================================================================== SIGTERM (one subprocess)

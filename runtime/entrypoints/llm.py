@@ -73,6 +73,10 @@ class LLM:
         if self.engine is None:
             raise RuntimeError(f"this LLM is rank {self.group.cfg.node_rank} of a multi-process engine: it ran "
                                "rank 0's steps until rank 0 stopped; generate on rank 0")
+        if self.engine.driver is not None:
+            raise RuntimeError("an engine loop steps this engine (a server built on it is running): generating "
+                               "here would step it from a second thread; send the requests to the server, or "
+                               "stop it first")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
