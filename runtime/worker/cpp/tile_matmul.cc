@@ -433,9 +433,35 @@ struct F32Args {
   float* y;
   int64_t M, K, N, nb;
   const uint16_t* parts;  // AMX: bf16 bits [3, padded, K] (hi, mid, lo), rows from M zero
-  const float* sx;        // AMX, Q4_1: per (row, block) the sum of x
+  const float* sx;        // AMX (Q4_1), AVX2 (Q4_0, Q4_1): per (row, block) the sum of x
   int64_t padded;
+  const float* xs = nullptr;  // AVX2, Q4_0 and Q4_1: [M, K] x scaled by 2^-NibbleShift (ScaleNibbleInputs)
 };
+
+// Where input k of a block sits in its column's 32 bits of a 4-bit tile: byte k % 4, the high
+// nibble from input 16 (TileValue).
+constexpr int NibbleShift(int k) { return 8 * (k % 4) + (k >= 16 ? 4 : 0); }
+
+// Rows [0, M) of x for the AVX2 4-bit path: xs = x * 2^-NibbleShift(k % 32), except the top nibble
+// (s = 28), which that path shifts down (exact, short of activations below 2^-100), and per block
+// the sum of x.
+void ScaleNibbleInputs(const float* x, int64_t M, int64_t K, float* xs, float* sx) {
+  float scale[kBlock];
+  for (int k = 0; k < kBlock; ++k) scale[k] = NibbleShift(k) == 28 ? 1.0f : std::ldexp(1.0f, -NibbleShift(k));
+  const int64_t nb = K / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * kBlock;
+      float* out = xs + m * K + b * kBlock;
+      float sum = 0.0f;
+      for (int k = 0; k < kBlock; ++k) {
+        out[k] = xb[k] * scale[k];
+        sum += xb[k];
+      }
+      sx[m * nb + b] = sum;
+    }
+  }
+}
 
 template <int F>
 void ScalarTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
@@ -554,11 +580,12 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
   const uint8_t* rec = a.w + g * a.nb * R;
   const float* x[MR];
   for (int m = 0; m < MR; ++m) x[m] = a.x + (m0 + m) * a.K;
+  const float* xs[MR];  // Q4_0, Q4_1: the rows' inputs scaled by 2^-NibbleShift (ScaleNibbleInputs)
+  for (int m = 0; m < MR; ++m) xs[m] = a.xs == nullptr ? nullptr : a.xs + (m0 + m) * a.K;
   constexpr int C = MR <= 2 ? 2 : 1;  // chains of sums per row and half (inputs k % C)
   __m256 acc[C][MR][2];
   for (int c = 0; c < C; ++c)
     for (int m = 0; m < MR; ++m) acc[c][m][0] = acc[c][m][1] = _mm256_setzero_ps();
-  const __m256i mask = _mm256_set1_epi32(F == kQ8_0 ? 0xff : 0x0f), bias = _mm256_set1_epi32(Bias<F>());
   for (int64_t b = 0; b < a.nb; ++b, rec += R) {
     for (int64_t line = 0; line < R; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
@@ -570,22 +597,40 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
     auto half = [&](int j, int h) {  // 8 columns' 4 bytes of vector j
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128 + 64 * j + 32 * h));
     };
-    if (F == kQ4_1) {  // value = d * q + m, widened and scaled per input, then one multiply-add per row
+    if (F != kQ8_0) {
+      // Q4_0, Q4_1: value = d * q + c (Q4_0: c = -8 d). Input k's nibble sits at bit s of its
+      // column's 32 bits; masked in place it is q * 2^s, exact in f32, and the row's input comes
+      // scaled by 2^-s (a.xs), so their product is x * q exactly: no shift per input. Each row sums
+      // x * q over the block, then adds d * that sum + c * the block's sum of x (a.sx).
+      __m256 blk[C][MR][2];
+      for (int i = 0; i < C; ++i)
+        for (int m = 0; m < MR; ++m) blk[i][m][0] = blk[i][m][1] = _mm256_setzero_ps();
 #pragma GCC unroll 32
       for (int k = 0; k < kBlock; ++k) {
-        const int j = (k % 16) / 4, shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
+        const int j = (k % 16) / 4, s = NibbleShift(k);
         __m256 wk[2];
         for (int h = 0; h < 2; ++h) {
-          wk[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(half(j, h), shift), mask)),
-                                  d[h], c[h]);
+          // The top nibble (s = 28) would be negative as int32 when q >= 8: shifted down instead.
+          wk[h] = _mm256_cvtepi32_ps(s == 28 ? _mm256_srli_epi32(half(j, h), 28)
+                                             : _mm256_and_si256(half(j, h), _mm256_set1_epi32(0xf << s)));
         }
         for (int m = 0; m < MR; ++m) {
-          const __m256 xk = _mm256_broadcast_ss(x[m] + b * kBlock + k);
-          for (int h = 0; h < 2; ++h) acc[k % C][m][h] = _mm256_fmadd_ps(xk, wk[h], acc[k % C][m][h]);
+          const __m256 xk = _mm256_broadcast_ss(xs[m] + b * kBlock + k);
+          for (int h = 0; h < 2; ++h) blk[k % C][m][h] = _mm256_fmadd_ps(xk, wk[h], blk[k % C][m][h]);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 cc = F == kQ4_1 ? c[h] : _mm256_mul_ps(d[h], _mm256_set1_ps(-8.0f));
+        for (int m = 0; m < MR; ++m) {
+          __m256 sum = blk[0][m][h];
+          for (int i = 1; i < C; ++i) sum = _mm256_add_ps(sum, blk[i][m][h]);
+          acc[0][m][h] = _mm256_fmadd_ps(sum, d[h], acc[0][m][h]);
+          acc[0][m][h] = _mm256_fmadd_ps(cc, _mm256_broadcast_ss(a.sx + (m0 + m) * a.nb + b), acc[0][m][h]);
         }
       }
       continue;
     }
+    // Q8_0: each row sums x * v over the block, then scales the sum by d once.
     // Q4_0, Q8_0: each row sums x * v over the block, then scales the sum by d once.
     __m256 blk[C][MR][2];
     for (int i = 0; i < C; ++i)
@@ -594,16 +639,10 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
     for (int k = 0; k < kBlock; ++k) {
       __m256 wk[2];
       for (int h = 0; h < 2; ++h) {
-        __m256i q;
-        if (F == kQ8_0) {  // byte k % 4 of vector k / 4 as int8 (q - 128), sign-extended
-          const int t = k % 4;
-          const __m256i v = _mm256_xor_si256(half(k / 4, h), _mm256_set1_epi8(static_cast<char>(0x80)));
-          q = _mm256_srai_epi32(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), 24);
-        } else {
-          const int j = (k % 16) / 4, shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
-          q = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(half(j, h), shift), mask), bias);
-        }
-        wk[h] = _mm256_cvtepi32_ps(q);
+        // byte k % 4 of vector k / 4 as int8 (q - 128), sign-extended
+        const int t = k % 4;
+        const __m256i v = _mm256_xor_si256(half(k / 4, h), _mm256_set1_epi8(static_cast<char>(0x80)));
+        wk[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), 24));
       }
       for (int m = 0; m < MR; ++m) {
         const __m256 xk = _mm256_broadcast_ss(x[m] + b * kBlock + k);
@@ -845,6 +884,15 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
       AmxTilesF32<F>(a, g0, std::min(tiles, g0 + per));
     });
     return;
+  }
+#endif
+#if !defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+  static thread_local std::vector<float> xs;
+  if (F != kQ8_0) {
+    if (xs.size() < static_cast<size_t>(M * K)) xs.resize(M * K);
+    if (sx.size() < static_cast<size_t>(M * nb)) sx.resize(M * nb);
+    ScaleNibbleInputs(x, M, K, xs.data(), sx.data());
+    a.xs = xs.data(), a.sx = sx.data();
   }
 #endif
   // The multiply-adds: about four runs per thread.
