@@ -114,10 +114,11 @@ def test_kernel_matches_rounded_product(fmt, m, k, n, cpu_target):
 @pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(
     [(1, 32, 16), (3, 64, 48), (12, 576, 16), (13, 160, 64), (15, 96, 32), (16, 64, 16), (17, 96, 48),
      (33, 1536, 32), (40, 576, 80), (64, 96, 16), (77, 160, 32), (130, 64, 16)],
-    extra=[(1, 32, 16), (3, 64, 48), (13, 160, 64), (17, 96, 48)]), indirect=["cpu_target"])
+    extra=[(1, 32, 16), (3, 64, 48), (6, 96, 32), (13, 160, 64), (17, 96, 48)]), indirect=["cpu_target"])
 def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n, cpu_target):
     """activations="f32": x as it is. Ragged rows across the f32 multiply-adds (passes of 12 rows
-    with AVX-512BW, 6 with AVX2; one row on two chains of sums) and
+    with AVX-512BW, 4 with AVX2, whose 4-bit path takes x scaled by powers of two and adds each
+    block's offset times its sum of x; one or two rows on several chains of sums) and
     AMX-BF16's groups of 16 and 32 and its chunks of 128 (where the CPU has it), K of 1-48 blocks,
     plain and from a layer stack, rows of magnitudes 1e-3 to 1e3: within f32 rounding of the f64
     product (AMX takes each activation as three bf16 parts that sum to it exactly, and the weights'
