@@ -60,6 +60,7 @@ class SoakRow:
     p99_ms: float
     rss_mib: float | None  # of the server process, at the end of the interval
     num_fds: int | None
+    first_error: str | None = None  # the first failed request's error, as the client saw it
 
 
 def proc_stats(pid: int) -> tuple[float, int]:
@@ -124,8 +125,9 @@ async def soak_async(url: str, *, model: str, rate: float, duration_s: float, pi
         lat = [r.latency for r in res if r.ok]
         st = _stats_ms(lat)
         rss, fds = samples.get(m, (None, None))
-        return SoakRow(m + 1, len(started[m]), len(lat), sum(not r.ok for r in res), st["median"], st["p99"],
-                       rss, fds)
+        errors = [r.error for r in res if not r.ok]
+        return SoakRow(m + 1, len(started[m]), len(lat), len(errors), st["median"], st["p99"], rss, fds,
+                       errors[0] if errors else None)
 
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         t0 = time.monotonic()
@@ -191,7 +193,8 @@ def soak(url: str, *, duration_s: float, rate: float, pid: int | None = None, ap
     left = {m: metric(after, m) for m in IDLE_METRICS}
     sent, failed = sum(r.sent for r in rows), sum(r.failed for r in rows)
     checks = [
-        Check("requests", failed == 0 and sent > 0, f"{sent - failed}/{sent} ok"),
+        Check("requests", failed == 0 and sent > 0, f"{sent - failed}/{sent} ok" + next(
+            (f"; first failure: {r.first_error}" for r in rows if r.first_error), "")),
         Check("health", health == 200, f"/health answered {health}"),
         Check("recompiles", None not in recompiles and recompiles[0] == recompiles[1],
               f"recompiles_total {recompiles[0]} -> {recompiles[1]}"),

@@ -109,6 +109,8 @@ def test_each_fault_fails_its_check(fault, check):
         checks = _soak(srv, duration_s=1.0 if check == "latency" else 0.5)
     assert not checks[check].ok, checks[check]
     assert [name for name, c in checks.items() if not c.ok] == [check]
+    if check == "requests":  # the report says what the client saw, not only a count
+        assert "; first failure: HTTP 500: boom" in checks[check].detail, checks[check].detail
 
 
 def test_cli_exit_code_and_report(capsys):

@@ -1056,7 +1056,7 @@ def test_soak_measures_the_server_process(smol_llm):
         faulthandler.cancel_dump_traceback_later()
     assert len(rows) == 1
     r = rows[0]
-    assert r.sent == r.ok == 6 and r.failed == 0
+    assert r.sent == r.ok == 6 and r.failed == 0, r.first_error
     assert 0 < r.p50_ms <= r.p99_ms
     rss, fds = proc_stats(os.getpid())
     assert r.rss_mib > 50 and abs(r.rss_mib - rss) < 500 and 3 <= r.num_fds and fds >= 3
