@@ -581,11 +581,9 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
   const float* x[MR];
   for (int m = 0; m < MR; ++m) x[m] = a.x + (m0 + m) * a.K;
   const float* xs[MR];  // Q4_0, Q4_1: the rows' inputs scaled by 2^-NibbleShift (ScaleNibbleInputs)
-  for (int m = 0; m < MR; ++m) xs[m] = a.xs == nullptr ? nullptr : a.xs + (m0 + m) * a.K;
-  constexpr int C = MR <= 2 ? 2 : 1;  // chains of sums per row and half (inputs k % C)
-  __m256 acc[C][MR][2];
-  for (int c = 0; c < C; ++c)
-    for (int m = 0; m < MR; ++m) acc[c][m][0] = acc[c][m][1] = _mm256_setzero_ps();
+  for (int m = 0; m < MR; ++m) xs[m] = F == kQ8_0 ? nullptr : a.xs + (m0 + m) * a.K;
+  __m256 acc[MR][2];  // the rows' sums over the blocks so far
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b, rec += R) {
     for (int64_t line = 0; line < R; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
@@ -640,14 +638,14 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
         for (int m = 0; m < MR; ++m) {
           __m256 sum = blk[0][m][h];
           for (int i = 1; i < CQ; ++i) sum = _mm256_add_ps(sum, blk[i][m][h]);
-          acc[0][m][h] = _mm256_fmadd_ps(sum, d[h], acc[0][m][h]);
-          acc[0][m][h] = _mm256_fmadd_ps(cc, _mm256_broadcast_ss(a.sx + (m0 + m) * a.nb + b), acc[0][m][h]);
+          acc[m][h] = _mm256_fmadd_ps(sum, d[h], acc[m][h]);
+          acc[m][h] = _mm256_fmadd_ps(cc, _mm256_broadcast_ss(a.sx + (m0 + m) * a.nb + b), acc[m][h]);
         }
       }
       continue;
     }
     // Q8_0: each row sums x * v over the block, then scales the sum by d once.
-    // Q4_0, Q8_0: each row sums x * v over the block, then scales the sum by d once.
+    constexpr int C = MR <= 2 ? 2 : 1;  // chains of sums per row and half (inputs k % C)
     __m256 blk[C][MR][2];
     for (int i = 0; i < C; ++i)
       for (int m = 0; m < MR; ++m) blk[i][m][0] = blk[i][m][1] = _mm256_setzero_ps();
@@ -669,17 +667,12 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
       for (int h = 0; h < 2; ++h) {
         __m256 sum = blk[0][m][h];
         for (int i = 1; i < C; ++i) sum = _mm256_add_ps(sum, blk[i][m][h]);
-        acc[0][m][h] = _mm256_fmadd_ps(sum, d[h], acc[0][m][h]);
+        acc[m][h] = _mm256_fmadd_ps(sum, d[h], acc[m][h]);
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    for (int h = 0; h < 2; ++h) {
-      __m256 sum = acc[0][m][h];
-      for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, acc[c][m][h]);
-      _mm256_storeu_ps(a.y + (m0 + m) * a.N + g * kTile + 8 * h, sum);
-    }
-  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(a.y + (m0 + m) * a.N + g * kTile + 8 * h, acc[m][h]);
 }
 
 template <int F>
