@@ -15,8 +15,8 @@ One more format is read as tiles only (TILE_ONLY_FORMATS: the rows kernel has no
 
 - Q4_K: super-blocks of 256 values in 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales sc and
   mins m for its 8 sub-blocks of 32, 128 bytes of 4-bit q; value = (d * sc_j) * q - (dmin * m_j).
-  d * sc_j and dmin * m_j are exact in f32, so each sub-block is a Q4_1 block with f32 d and m,
-  and pack_tiles writes it into Q4_1's tile record: the Q4_1 tile kernel multiplies it as it is.
+  d * sc_j and dmin * m_j are exact in f32 (not in f16), so each sub-block is a Q4_1 block with f32
+  d and m, and pack_tiles writes it into a tile record of its own: Q4_1's with f32 scales.
 
 Loaders put a tensor's blocks beside its f32 values under `blocks_name(name, format)`
 (models.weights), and the gguf_blocks pass gives the matmuls whose weights have them a second
@@ -40,7 +40,8 @@ class BlockFormat:
     type_id: int  # GGML's type id (gguf.GGMLQuantizationType)
     block_bytes: int
     block_values: int = BLOCK_VALUES  # values per block of the file (a K-quant's super-block: 256)
-    tiles_as: str | None = None  # a tile-only format: the format of BLOCK_FORMATS whose tile record holds it
+    scale_bytes: int = 2  # a tile record's bytes of scales per column: f16 d (2), f16 d and m (4), f32 d and c (8)
+    value_bits: int = 4  # a tile record's bits per value
 
     def row_bytes(self, k: int) -> int:
         """Bytes of one output column's K weights."""
@@ -48,10 +49,10 @@ class BlockFormat:
 
 
 # Formats the rows kernel (cpp/block_matmul.cc) and the tiles read.
-BLOCK_FORMATS = {f.name: f for f in (BlockFormat("q4_0", 2, 18), BlockFormat("q4_1", 3, 20),
-                                      BlockFormat("q8_0", 8, 34))}
-# Formats read as tiles only, in the record of the format `tiles_as` (pack_tiles).
-TILE_ONLY_FORMATS = {f.name: f for f in (BlockFormat("q4_k", 12, 144, 256, tiles_as="q4_1"),)}
+BLOCK_FORMATS = {f.name: f for f in (BlockFormat("q4_0", 2, 18), BlockFormat("q4_1", 3, 20, scale_bytes=4),
+                                      BlockFormat("q8_0", 8, 34, value_bits=8))}
+# Formats read as tiles only (pack_tiles; the rows kernel has no path for them).
+TILE_ONLY_FORMATS = {f.name: f for f in (BlockFormat("q4_k", 12, 144, 256, scale_bytes=8),)}
 KEPT_FORMATS = BLOCK_FORMATS | TILE_ONLY_FORMATS  # every format a loader keeps blocks of
 FORMAT_OF_TYPE = {f.type_id: f.name for f in KEPT_FORMATS.values()}  # GGML types kept as they are
 # GGML types whose blocks are rewritten, value for value, into a format above (repack_blocks): Q5_0
@@ -59,11 +60,6 @@ FORMAT_OF_TYPE = {f.type_id: f.name for f in KEPT_FORMATS.values()}  # GGML type
 # Q8_0 with q - 16 as its int8, so Gemma 3's Q5_0 projections read the Q8_0 kernels.
 REPACKED_TYPES = {6: "q8_0"}
 KEPT_FORMAT_OF_TYPE = FORMAT_OF_TYPE | REPACKED_TYPES
-
-
-def tile_format(fmt: str) -> str:
-    """The format of BLOCK_FORMATS whose tile record (and tile kernel) holds `fmt`'s tiles."""
-    return KEPT_FORMATS[fmt].tiles_as or fmt
 
 
 # A weights dict's key for tensor `name`'s blocks: "<name>:<format>" (":" is in no tensor's name).
@@ -130,6 +126,7 @@ def _half(two_bytes):
 TILE_ACTIVATIONS = ("f32", "q8")  # matmul_blocks' activations attr: as they are, or ir.blocks.round_q8
 BLOCK_LAYOUTS = ("rows", "tiles")  # matmul_blocks' layout attr: the file's rows, or pack_tiles
 TILE_COLUMNS = 16  # output columns per tile
+TILE_BIAS = {"q4_0": 8, "q8_0": 128}  # formats whose record keeps d only: value = d * (q - bias), c = -bias * d
 
 
 def blocks_shape(fmt: str, n: int, k: int, layout: str = "rows") -> tuple[int, int]:
@@ -140,19 +137,24 @@ def blocks_shape(fmt: str, n: int, k: int, layout: str = "rows") -> tuple[int, i
 
 
 def tile_record_bytes(fmt: str) -> int:
-    """Bytes of one tile's record for one block of 32 inputs: 16 f32 scales d, 16 f32 offsets c,
-    then the 16 x 32 unsigned values q (4 or 8 bits each); value = d * q + c."""
-    return 2 * TILE_COLUMNS * 4 + TILE_COLUMNS * BLOCK_VALUES * (2 if tile_format(fmt) == "q8_0" else 1) // 2
+    """Bytes of one tile's record for one block of 32 inputs: the 16 columns' scales (pack_tiles),
+    then the 16 x 32 unsigned values q (4 or 8 bits each)."""
+    f = KEPT_FORMATS[fmt]
+    return TILE_COLUMNS * f.scale_bytes + TILE_COLUMNS * BLOCK_VALUES * f.value_bits // 8
 
 
 def pack_tiles(blocks, fmt: str):
     """GGUF blocks u8 [N, row bytes] of format `fmt` (N a multiple of 16) -> tiles u8
     [N / 16, K / 32 * tile_record_bytes(fmt)], in numpy: for each tile of 16 columns and each block
-    of 32 inputs, the columns' d and c (f32), then q in the order the int8 product reads it: 4-bit
-    formats keep Q4's nibble bytes (byte t: value t low, value t + 16 high), a vector j of 64 bytes
-    holding byte 4j + t of column col's block at 4 * col + t; Q8_0's values + 128 (unsigned), vector
-    j holding value 4j + t of column col at 4 * col + t. The values are the blocks' exactly:
-    d * q + c = dequantize_blocks (for Q4_K, gguf's dequantization)."""
+    of 32 inputs, the columns' scales, value = d * q + c:
+      - Q4_0 and Q8_0: d f16[16] (c = -bias * d: -8 d, -128 d);
+      - Q4_1: d f16[16], then c f16[16] (the file's m);
+      - Q4_K: d f32[16], then c f32[16] (d * sc and -dmin * m, exact in f32, not in f16);
+    then q in the order the int8 product reads it: 4-bit formats keep Q4's nibble bytes (byte t:
+    value t low, value t + 16 high), a vector j of 64 bytes holding byte 4j + t of column col's block
+    at 4 * col + t; Q8_0's values + 128 (unsigned), vector j holding value 4j + t of column col at
+    4 * col + t. The values are the blocks' exactly, from the file's own bytes of scales (Q4_K's
+    dequantization aside): d * q + c = dequantize_blocks (for Q4_K, gguf's dequantization)."""
     import numpy as np
 
     f = KEPT_FORMATS[fmt]
@@ -166,8 +168,12 @@ def pack_tiles(blocks, fmt: str):
     vectors = q.shape[-1] // 4
     q = q.reshape(g, TILE_COLUMNS, nb, vectors, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
     d, c = (a.reshape(g, TILE_COLUMNS, nb).transpose(0, 2, 1) for a in (d, c))
-    scales = np.stack([d, c], axis=2).astype("<f4").reshape(g, nb, -1)
-    return np.ascontiguousarray(np.concatenate([scales.view(np.uint8), q], axis=-1).reshape(g, -1))
+    if f.scale_bytes == 2:
+        scales = d.astype("<f2")  # from the file's f16: exact
+    else:
+        scales = np.stack([d, c], axis=2).astype("<f2" if f.scale_bytes == 4 else "<f4")
+    scales = np.ascontiguousarray(scales.reshape(g, nb, -1)).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([scales, q], axis=-1).reshape(g, -1))
 
 
 def _blocks_of_32(b, fmt: str):
@@ -209,17 +215,28 @@ def dequantize_tiles(t, fmt: str):
     jnp: d * q + c per value, the same values as dequantize_blocks (for Q4_K gguf's dequantization)
     of the blocks they were packed from (d * q is exact in f32, and the one sum rounds as theirs
     does), laid out for x @ w."""
+    f = KEPT_FORMATS[fmt]
     lead, (g, row) = t.shape[:-2], t.shape[-2:]
     rec_bytes = tile_record_bytes(fmt)
     nb = row // rec_bytes
     rec = t.reshape(lead + (g, nb, rec_bytes))
-    f32 = lambda b: jax.lax.bitcast_convert_type(b.reshape(b.shape[:-1] + (TILE_COLUMNS, 4)), jnp.float32)  # noqa: E731
-    d, c = f32(rec[..., :4 * TILE_COLUMNS]), f32(rec[..., 4 * TILE_COLUMNS:8 * TILE_COLUMNS])  # [..., g, nb, 16]
-    q = rec[..., 8 * TILE_COLUMNS:]
+
+    def floats(b, dtype):  # [..., 16 * width] bytes -> f32 [..., 16]
+        width = jnp.dtype(dtype).itemsize
+        return jax.lax.bitcast_convert_type(b.reshape(b.shape[:-1] + (TILE_COLUMNS, width)), dtype).astype(jnp.float32)
+
+    half = TILE_COLUMNS * f.scale_bytes // 2  # bytes of d (and of c) where both are stored
+    if f.scale_bytes == 2:
+        d = floats(rec[..., :2 * TILE_COLUMNS], jnp.float16)  # [..., g, nb, 16]
+        c = -float(TILE_BIAS[fmt]) * d
+    else:
+        dtype = jnp.float16 if f.scale_bytes == 4 else jnp.float32
+        d, c = floats(rec[..., :half], dtype), floats(rec[..., half:2 * half], dtype)
+    q = rec[..., TILE_COLUMNS * f.scale_bytes:]
     vectors = q.shape[-1] // (4 * TILE_COLUMNS)  # of 64 bytes: byte 4 * col + t of vector j
     q = q.reshape(lead + (g, nb, vectors, TILE_COLUMNS, 4))
     q = jnp.moveaxis(q, -2, -3).reshape(lead + (g, nb, TILE_COLUMNS, 4 * vectors))  # [.., col, 4j + t]
-    if tile_format(fmt) != "q8_0":  # low nibbles are values 0-15 of the block, high ones 16-31
+    if f.value_bits == 4:  # low nibbles are values 0-15 of the block, high ones 16-31
         q = jnp.concatenate([q & 0x0F, q >> 4], axis=-1)
     vals = d[..., None] * q.astype(jnp.float32) + c[..., None]  # [..., g, nb, 16 col, 32]
     n = len(lead)

@@ -588,7 +588,7 @@ def _check_cases() -> bytes:
     from a layer stack."""
     import struct
 
-    from ir.blocks import BLOCK_FORMATS, pack_tiles, round_q8
+    from ir.blocks import BLOCK_FORMATS, KEPT_FORMATS, pack_tiles, round_q8
     from test_gguf_blocks import _quantized
 
     out, count = [b"JXCK", b""], 0
@@ -642,6 +642,14 @@ def _check_cases() -> bytes:
                 case(f"tiles {fmt} {'q8' if layout == 1 else 'f32'} {m}x{k}x{n}", "JaxserveBlockMatmul",
                      [x, pack_tiles(blocks, fmt), layer0], dict(format=spec.type_id, layout=layout),
                      [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
+    # Q4_K, in tiles only: its record keeps f32 scales (the other formats' keep the file's f16s).
+    blocks, values = _quantized(rng.standard_normal((32, 512)) * 0.1, "q4_k")
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    for layout, xs in ((1, np.asarray(round_q8(jnp.asarray(x)))), (2, x)):
+        want = xs.astype(np.float64) @ values.T.astype(np.float64)
+        case(f"tiles q4_k {'q8' if layout == 1 else 'f32'} 3x512x32", "JaxserveBlockMatmul",
+             [x, pack_tiles(blocks, "q4_k"), layer0], dict(format=KEPT_FORMATS["q4_k"].type_id, layout=layout),
+             [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
     for m, k, n in [(1, 576, 960), (3, 577, 100), (5, 33, 7), (8, 130, 2049)]:
         xi, wi = rng.integers(-128, 128, (m, k), dtype=np.int8), rng.integers(-128, 128, (k, n), dtype=np.int8)
         case(f"int8_matmul {m}x{k}x{n}", "JaxserveInt8Matmul", [xi, wi, layer0], {},

@@ -40,19 +40,25 @@ def rounded_product(x: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def unpack_tiles(tiles: np.ndarray, fmt: str, k: int) -> np.ndarray:
-    """The values [N, K] a tiles array holds, read as the kernel's layout says (d * q + c)."""
+    """The values [N, K] a tiles array holds, read as the kernel's layout says (d * q + c): each
+    record's scales (Q4_0, Q8_0: d f16 with c = -8 d, -128 d; Q4_1: d and c f16; Q4_K: d and c
+    f32), then q."""
     rec = tile_record_bytes(fmt)
     g, nb = tiles.shape[0], k // 32
     r = tiles.reshape(g, nb, rec)
-    scales = np.ascontiguousarray(r[..., :128]).view("<f4").reshape(g, nb, 2, TILE_COLUMNS)
-    q = r[..., 128:].reshape(g, nb, -1, TILE_COLUMNS, 4).astype(np.int64)  # [g, nb, vector, col, t]
+    dtype, stored = {"q4_0": ("<f2", 1), "q8_0": ("<f2", 1), "q4_1": ("<f2", 2), "q4_k": ("<f4", 2)}[fmt]
+    head = np.dtype(dtype).itemsize * stored * TILE_COLUMNS
+    scales = np.ascontiguousarray(r[..., :head]).view(dtype).astype(np.float64).reshape(g, nb, stored, TILE_COLUMNS)
+    d = scales[:, :, 0]
+    c = scales[:, :, 1] if stored == 2 else -{"q4_0": 8.0, "q8_0": 128.0}[fmt] * d
+    q = r[..., head:].reshape(g, nb, -1, TILE_COLUMNS, 4).astype(np.int64)  # [g, nb, vector, col, t]
     if fmt == "q8_0":
         vals = q.transpose(0, 3, 1, 2, 4).reshape(g, TILE_COLUMNS, nb, 32)
     else:
         lo, hi = q & 0x0F, q >> 4
         vals = np.concatenate([lo, hi], axis=2).transpose(0, 3, 1, 2, 4).reshape(g, TILE_COLUMNS, nb, 32)
-    d, c = scales[:, :, 0].transpose(0, 2, 1), scales[:, :, 1].transpose(0, 2, 1)  # [g, col, nb]
-    out = vals * d[..., None].astype(np.float64) + c[..., None].astype(np.float64)
+    d, c = d.transpose(0, 2, 1), c.transpose(0, 2, 1)  # [g, col, nb]
+    out = vals * d[..., None] + c[..., None]
     return out.reshape(g * TILE_COLUMNS, k)
 
 
@@ -62,6 +68,7 @@ def test_tiles_hold_the_blocks_values(fmt):
     blocks, values = _quantized(rng.standard_normal((48, 96)), fmt)
     tiles = pack_tiles(blocks, fmt)
     assert tiles.dtype == np.uint8 and tiles.shape == (3, 3 * tile_record_bytes(fmt))
+    assert tiles.nbytes == blocks.nbytes  # the file's own f16 scales: no byte more than its blocks
     np.testing.assert_allclose(unpack_tiles(tiles, fmt, 96), values, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="multiple of 16"):
         pack_tiles(blocks[:40], fmt)
@@ -232,7 +239,7 @@ def test_pass_packs_tiles_where_n_allows():
     alone = executor.tiles_in_kernel(EngineConfig(**ENGINE, gguf_activations="q8"))  # cpp, with q8 tiles' vector path
     assert len(qkv.inputs) == (2 if alone else 3)  # where a kernel reads the tiles, no f32 copy beside them
     tiles = qkv.inputs[-1]
-    assert (tiles.name, tiles.shape, tiles.attr(BLOCK_LAYOUT)) == ("layers.0.wqkv.q4_1_tiles", (8, 2 * 384), "tiles")
+    assert (tiles.name, tiles.shape, tiles.attr(BLOCK_LAYOUT)) == ("layers.0.wqkv.q4_1_tiles", (8, 2 * 320), "tiles")
     assert tiles.attr(GGUF_BLOCKS) == "layers.0.wqkv" and tiles.attr(BLOCK_FORMAT) == "q4_1"
     assert role_of(tiles) == Role.QKV
     head = by_source(graph)["lm_head"]
@@ -371,7 +378,7 @@ def test_dump_shows_the_tiles(capsys, flags, activations):
 
 
 # Q4_K (Gemma 3's attn_output and half its ffn_down): a tile-only format (ir.blocks.TILE_ONLY_FORMATS),
-# packed exactly into Q4_1's tile record and multiplied by the Q4_1 tile kernel.
+# packed exactly into Q4_1's tile record with f32 scales (d * sc is not exact in f16).
 # The tiny model widened so that every matrix's K is a multiple of Q4_K's 256; wo and w_down in Q4_K.
 Q4_K_CFG = dataclasses.replace(get_preset("tiny"), hidden_size=256, head_dim=64, intermediate_size=256)
 Q4_K_FORMATS = dict(ALL_Q4_1, wq="q8_0", wk="q8_0", wv="q8_0", wo="q4_k", w_down="q4_k")
@@ -390,14 +397,14 @@ def q4_k_rows(rng, n: int, k: int, scale: float = 1.0) -> tuple[np.ndarray, np.n
 
 @pytest.mark.parametrize("n,k", [(16, 256), (48, 768), (32, 1280)])
 def test_q4_k_tiles_hold_gguf_values_exactly(n, k):
-    """Q4_K rows packed into Q4_1's tile record: dequantize_tiles (the op's reference, plain and
+    """Q4_K rows packed into their tile record (Q4_1's, f32 scales): dequantize_tiles (the op's reference, plain and
     stacked) and the kernel's reading of the record (unpack_tiles) give gguf's dequantized values bit
     for bit, on K of 1, 3 and 5 super-blocks; N off the tiles' 16 is refused."""
     from ir.blocks import dequantize_tiles
 
     blocks, values = q4_k_rows(np.random.default_rng(n + k), n, k)
     tiles = pack_tiles(blocks, "q4_k")
-    assert tiles.shape == (n // TILE_COLUMNS, k // 32 * tile_record_bytes("q4_1")) == blocks_shape("q4_k", n, k, "tiles")
+    assert tiles.shape == (n // TILE_COLUMNS, k // 32 * tile_record_bytes("q4_k")) == blocks_shape("q4_k", n, k, "tiles")
     np.testing.assert_array_equal(np.asarray(dequantize_tiles(jnp.asarray(tiles), "q4_k")), values.T)
     np.testing.assert_array_equal(np.asarray(dequantize_tiles(jnp.asarray(np.stack([tiles] * 2)), "q4_k"))[1], values.T)
     np.testing.assert_array_equal(unpack_tiles(tiles, "q4_k", k), values)
@@ -479,7 +486,7 @@ def test_pass_tiles_q4_k_and_leaves_it_f32_elsewhere():
         assert (node.op, node.attr("format"), node.attr("layout"), len(node.inputs)) == (
             "matmul_blocks", "q4_k", "tiles", 2 if alone else 3)
         t = node.inputs[-1]
-        assert (t.name, t.shape, t.attr(BLOCK_FORMAT)) == (f"{name}.q4_k_tiles", (16, 8 * tile_record_bytes("q4_1")),
+        assert (t.name, t.shape, t.attr(BLOCK_FORMAT)) == (f"{name}.q4_k_tiles", (16, 8 * tile_record_bytes("q4_k")),
                                                           "q4_k")
     assert by["layers.0.wqkv"].attr("format") == "q8_0" and by["lm_head"].op == "matmul"
     rows, _ = served(gguf_tiles=False, gguf_blocks=True)
@@ -489,7 +496,7 @@ def test_pass_tiles_q4_k_and_leaves_it_f32_elsewhere():
     assert "q4_k" not in {p.attr(BLOCK_FORMAT) for p in rows.params}
     # The memory plan counts the four Q4_K weights' tiles, and their f32 copies only where no kernel reads the tiles.
     _, without = served({k: v for k, v in formats.items() if v != "q4_k"}, gguf_tiles=True, kernel_backend="cpp")
-    tiles_bytes = 4 * 16 * 8 * tile_record_bytes("q4_1")
+    tiles_bytes = 4 * 16 * 8 * tile_record_bytes("q4_k")
     assert tiled_memory.weight_bytes == without.weight_bytes + tiles_bytes - (4 * 256 * 256 * 4 if alone else 0)
 
 

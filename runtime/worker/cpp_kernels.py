@@ -433,17 +433,16 @@ def block_matmul(x, w, fmt: str, layer=None):
 
 def tile_matmul(x, w, fmt: str, layer=None, activations: str = "q8"):
     """x f32 [M, K] @ w -> f32 [M, N], where w u8 [N / 16, K / 32 * record bytes] holds GGUF blocks
-    of format `fmt` repacked into tiles of 16 columns (ir.blocks.pack_tiles; a tile-only format's
-    tiles are those of its ir.blocks.tile_format, which the kernel reads); see cpp/tile_matmul.cc.
+    of format `fmt` repacked into tiles of 16 columns (ir.blocks.pack_tiles); see cpp/tile_matmul.cc.
     `activations` "q8": multiplied in int8, x quantized per block of 32 as llama.cpp does; "f32":
     x as it is (the f32 product up to the order of its sums; AMX-BF16 on three exact bf16 parts of
     x from 16 rows where the CPU has it, f32 multiply-adds otherwise). `layer` as in block_matmul."""
-    from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS, tile_format
+    from ir.blocks import KEPT_FORMATS, TILE_COLUMNS
 
     if activations not in TILE_ACTIVATIONS:
         raise ValueError(f"tile_matmul activations must be one of {TILE_ACTIVATIONS}, got {activations!r}")
     ensure()
     m, n = x.shape[0], w.shape[-2] * TILE_COLUMNS
     return jax.ffi.ffi_call(ffi_name(BLOCK_MATMUL_TARGET), jax.ShapeDtypeStruct((m, n), jnp.float32))(
-        x, w, _layer_operand(w, layer), format=np.int64(BLOCK_FORMATS[tile_format(fmt)].type_id),
+        x, w, _layer_operand(w, layer), format=np.int64(KEPT_FORMATS[fmt].type_id),
         layout=np.int64(TILE_ACTIVATIONS[activations]))

@@ -63,34 +63,7 @@ int64_t BlockBytes(int format) {
   }
 }
 
-inline float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#elif defined(__aarch64__)
-  __fp16 f;
-  std::memcpy(&f, &h, 2);
-  return static_cast<float>(f);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000 | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    exp = 113;
-    while (!(man & 0x400)) { man <<= 1; --exp; }
-    bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
+using jaxserve::Half;
 
 // The 32 values of a block.
 template <int F>
@@ -393,8 +366,8 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const bool tiles = layout == 1 || layout == 2;
   const int64_t B = tiles ? jaxserve::TileRecordBytes(static_cast<int>(format)) : BlockBytes(static_cast<int>(format));
   if (B == 0 || layout < 0 || layout > 2) {
-    return ffi::Error::InvalidArgument("block_matmul: format must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), layout 0 "
-                                       "(rows), 1 (tiles, int8) or 2 (tiles, f32); got " + std::to_string(format) + ", " +
+    return ffi::Error::InvalidArgument("block_matmul: format must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or, in tiles "
+                                       "only, 12 (Q4_K); layout 0 (rows), 1 (tiles, int8) or 2 (tiles, f32); got " + std::to_string(format) + ", " +
                                        std::to_string(layout));
   }
   const int64_t cols = tiles ? kTileCols : 1;  // output columns per row of w

@@ -6,13 +6,17 @@
 //   x f32 [M, K] @ w -> y f32 [M, N]
 // where w is u8 [N / 16, K / 32 * R]: for each tile of 16 columns, one record of R bytes per block
 // of 32 inputs (ir/blocks.py, pack_tiles):
-//   d[16] f32, c[16] f32    the columns' scales and offsets: value = d * q + c * 1
+//   scales                  the columns' scales d and offsets c, value = d * q + c (ScaleBytes):
+//                           Q4_0, Q8_0: d[16] f16 (c = -8 d, -128 d); Q4_1: d[16] f16, c[16] f16
+//                           (the file's own f16s: the tiles read no more bytes than the file);
+//                           Q4_K: d[16] f32, c[16] f32 (exact in f32 only), in Q4_1's layout
 //   q                       the 16 x 32 quantized values, in the order the multiply reads them:
 //                           for 4-bit formats 4 x 64 bytes, byte 4 * col + t of vector j holding
 //                           q[col][4j + t] in its low nibble and q[col][4j + 16 + t] in its high
 //                           one; for Q8_0, 8 x 64 bytes, byte 4 * col + t of vector j holding
 //                           q[col][4j + t] + 128.
 // q is unsigned (0-15, or 0-255): a Q4_0 value d * (q - 8) has c = -8 d, a Q8_0 one c = -128 d.
+// The format is a GGML type id: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or 12 (Q4_K, read as tiles only).
 // w may also be a stack [L, N / 16, ...] with the layer to take given by a third operand, an int32
 // scalar, as in matmul.cc.
 //
@@ -26,7 +30,7 @@
 // weights (docs/benchmarks/, "Decode steps from the GGUF's own blocks"); f32 multiply-adds do a
 // quarter of the work per instruction that int8 dot products do. The tiles put 16 columns in the
 // lanes of one vector, so that the per-block scaling (a conversion and two multiply-adds) is paid
-// once per 8 dot-product instructions, and a tile's records (7-19 KB for SmolLM2) stay in L1
+// once per 8 dot-product instructions, and a tile's records (6-16 KB for SmolLM2) stay in L1
 // while every row passes over them.
 //
 // The vector path needs AVX-512 VNNI; from 32 rows, AMX-INT8 takes the int32 sums where the CPU
@@ -63,20 +67,82 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // inputs per block
 constexpr int64_t kTile = 16;   // output columns per tile
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12;
 constexpr int kMaxRows = 12;  // rows in flight over a tile's block
 constexpr int64_t kAmxMinRows = 32;  // rows from which AMX takes the product, where the CPU has it
 constexpr int64_t kPrefetchRecords = 4;  // f32 activations' vector path: records requested ahead
 
+// Bytes of a record's scales: d f16 (Q4_0, Q8_0), d and c f16 (Q4_1), d and c f32 (Q4_K).
+constexpr int64_t ScaleBytes(int format) {
+  return format == kQ4_K ? 2 * kTile * 4 : format == kQ4_1 ? 2 * kTile * 2 : kTile * 2;
+}
+
 // Bytes of one tile's record for one block: the scales, then the quantized values.
-int64_t RecordBytes(int format) {
+constexpr int64_t RecordBytes(int format) {
   switch (format) {
     case kQ4_0:
-    case kQ4_1: return 2 * kTile * 4 + kTile * kBlock / 2;
-    case kQ8_0: return 2 * kTile * 4 + kTile * kBlock;
+    case kQ4_1:
+    case kQ4_K: return ScaleBytes(format) + kTile * kBlock / 2;
+    case kQ8_0: return ScaleBytes(format) + kTile * kBlock;
     default: return 0;
   }
 }
+
+// Q4_0's value is d * (q - 8), Q8_0's d * (q - 128): c = -Bias * d. Q4_1 and Q4_K keep c.
+template <int F>
+constexpr int Bias() {
+  return F == kQ4_0 ? 8 : F == kQ8_0 ? 128 : 0;
+}
+
+template <int F>
+constexpr bool HasOffset() {
+  return F == kQ4_1 || F == kQ4_K;
+}
+
+// A record's 16 scales and offsets as f32.
+template <int F>
+void RecordScales(const uint8_t* rec, float* d, float* c) {
+  for (int col = 0; col < kTile; ++col) {
+    if (F == kQ4_K) {
+      std::memcpy(d + col, rec + 4 * col, 4);
+      std::memcpy(c + col, rec + 4 * (kTile + col), 4);
+    } else {
+      d[col] = jaxserve::Half(rec + 2 * col);
+      c[col] = F == kQ4_1 ? jaxserve::Half(rec + 2 * (kTile + col)) : -static_cast<float>(Bias<F>()) * d[col];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The same, 16 columns in one vector: d, and c given d.
+template <int F>
+inline __m512 ScaleD(const uint8_t* rec) {
+  if constexpr (F == kQ4_K) return _mm512_loadu_ps(rec);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+}
+
+template <int F>
+inline __m512 ScaleC(const uint8_t* rec, __m512 d) {
+  if constexpr (F == kQ4_K) return _mm512_loadu_ps(rec + 4 * kTile);
+  if constexpr (F == kQ4_1) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 2 * kTile)));
+  return _mm512_mul_ps(d, _mm512_set1_ps(-static_cast<float>(Bias<F>())));
+}
+#endif
+#if defined(__AVX2__)
+// The same, columns 8h to 8h + 7 in one vector (F16C: every AVX2 CPU has it, x86-64-v3 names it).
+template <int F>
+inline __m256 ScaleD(const uint8_t* rec, int h) {
+  if constexpr (F == kQ4_K) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+}
+
+template <int F>
+inline __m256 ScaleC(const uint8_t* rec, int h, __m256 d) {
+  if constexpr (F == kQ4_K) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 4 * kTile + 32 * h));
+  if constexpr (F == kQ4_1) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * kTile + 16 * h)));
+  return _mm256_mul_ps(d, _mm256_set1_ps(-static_cast<float>(Bias<F>())));
+}
+#endif
 
 // Rows quantized per block: xq [M, K] int8, and per (row, block) the scale s and s * sum(xq).
 struct Quantized {
@@ -175,13 +241,12 @@ void ScalarTiles(const Args& a, int64_t g0, int64_t g1) {
       for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* rec = a.w + (g * a.nb + b) * R;
         float d[kTile], c[kTile];
-        std::memcpy(d, rec, sizeof d);
-        std::memcpy(c, rec + sizeof d, sizeof c);
+        RecordScales<F>(rec, d, c);
         const int8_t* xq = a.xq->q.data() + m * a.K + b * kBlock;
         const float s = a.xq->s[m * a.nb + b], ss = a.xq->ss[m * a.nb + b];
         for (int col = 0; col < kTile; ++col) {
           int32_t dot = 0;
-          for (int j = 0; j < kBlock; ++j) dot += TileValue<F>(rec + 2 * kTile * 4, col, j) * xq[j];
+          for (int j = 0; j < kBlock; ++j) dot += TileValue<F>(rec + ScaleBytes(F), col, j) * xq[j];
           acc[col] += static_cast<float>(dot) * (d[col] * s) + c[col] * ss;
         }
       }
@@ -218,8 +283,8 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < a.nb; ++b, rec += R) {
-    const __m512 d = _mm512_loadu_ps(rec), c = _mm512_loadu_ps(rec + 64);
-    const uint8_t* q = rec + 128;
+    const __m512 d = ScaleD<F>(rec), c = ScaleC<F>(rec, d);
+    const uint8_t* q = rec + ScaleBytes(F);
     __m512i w[8];
     if (F == kQ8_0) {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(q + 64 * j);
@@ -267,10 +332,9 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
   for (int64_t b = 0; b < a.nb; ++b, rec += R) {
-    const uint8_t* q = rec + 128;
+    const uint8_t* q = rec + ScaleBytes(F);
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
-      const __m256 c = _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64 + 32 * h));
+      const __m256 d = ScaleD<F>(rec, h), c = ScaleC<F>(rec, h, d);
       auto bytes = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * h)); };
       for (int m = 0; m < MR; ++m) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(rows.q[m] + b * kBlock);
@@ -353,7 +417,7 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
     if (F != kQ8_0) {
       for (int64_t b = 0; b < a.nb; ++b) {
         for (int j = 0; j < 4; ++j) {
-          const __m512i v = _mm512_loadu_si512(rec + b * R + 128 + 64 * j);
+          const __m512i v = _mm512_loadu_si512(rec + b * R + ScaleBytes(F) + 64 * j);
           _mm512_store_si512(buf + b * 512 + 64 * j, _mm512_and_si512(v, low));
           _mm512_store_si512(buf + b * 512 + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
         }
@@ -364,7 +428,7 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
       // Block b's sums into sums[b % 2], through tile registers of the same parity, so that the
       // tile unit works on the next block while the vector units scale this one.
       auto multiply = [&](int64_t b) {
-        const uint8_t* q = F == kQ8_0 ? rec + b * R + 128 : buf + b * 512;
+        const uint8_t* q = F == kQ8_0 ? rec + b * R + ScaleBytes(F) : buf + b * 512;
         if (b % 2 == 0) {
           _tile_zero(0);
           _tile_loadd(2, xq + b * kBlock, a.K);
@@ -388,7 +452,7 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
       for (int64_t b = 0; b < a.nb; ++b) {
         if (b + 1 < a.nb) multiply(b + 1);
         const int32_t* sb = sums[b % 2];
-        const __m512 d = _mm512_loadu_ps(rec + b * R), c = _mm512_loadu_ps(rec + b * R + 64);
+        const __m512 d = ScaleD<F>(rec + b * R), c = ScaleC<F>(rec + b * R, d);
 #pragma GCC unroll 16
         for (int r = 0; r < 16; ++r) {
           const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(s[r * a.nb + b]));
@@ -422,20 +486,15 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
 //     to 12 rows (the few rows of a decode step; 1.2-1.35x the f32 blocks' rows at 1-8 rows,
 //     where the records requested ahead keep the bytes coming).
 
-template <int F>
-constexpr int Bias() {
-  return F == kQ4_0 ? 8 : F == kQ8_0 ? 128 : 0;
-}
-
 struct F32Args {
   const float* x;  // [M, K]
   const uint8_t* w;
   float* y;
   int64_t M, K, N, nb;
   const uint16_t* parts;  // AMX: bf16 bits [3, padded, K] (hi, mid, lo), rows from M zero
-  const float* sx;        // AMX (Q4_1), AVX2 (Q4_0, Q4_1): per (row, block) the sum of x
+  const float* sx;        // AMX (Q4_1, Q4_K), AVX2 (4-bit formats): per (row, block) the sum of x
   int64_t padded;
-  const float* xs = nullptr;  // AVX2, Q4_0 and Q4_1: [M, K] x scaled by 2^-NibbleShift (ScaleNibbleInputs)
+  const float* xs = nullptr;  // AVX2, 4-bit formats: [M, K] x scaled by 2^-NibbleShift (ScaleNibbleInputs)
 };
 
 // Where the AVX2 4-bit path finds input k of a block in its column's 32 bits: byte k % 4 (the high
@@ -471,13 +530,12 @@ void ScalarTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
       for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* rec = a.w + (g * a.nb + b) * R;
         float d[kTile], c[kTile];
-        std::memcpy(d, rec, sizeof d);
-        std::memcpy(c, rec + sizeof d, sizeof c);
+        RecordScales<F>(rec, d, c);
         const float* xb = a.x + m * a.K + b * kBlock;
         for (int col = 0; col < kTile; ++col) {
-          const float cc = F == kQ4_1 ? c[col] : 0.0f;
+          const float cc = HasOffset<F>() ? c[col] : 0.0f;
           for (int j = 0; j < kBlock; ++j) {
-            const float v = static_cast<float>(TileValue<F>(rec + 2 * kTile * 4, col, j) - Bias<F>());
+            const float v = static_cast<float>(TileValue<F>(rec + ScaleBytes(F), col, j) - Bias<F>());
             acc[col] += xb[j] * (v * d[col] + cc);
           }
         }
@@ -508,12 +566,12 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
     for (int64_t line = 0; line < R; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
     }
-    const __m512 d = _mm512_loadu_ps(rec), c = _mm512_loadu_ps(rec + 64);
+    const __m512 d = ScaleD<F>(rec), c = HasOffset<F>() ? ScaleC<F>(rec, d) : d;
     constexpr int kVectors = F == kQ8_0 ? 8 : 4;
     __m512i v[kVectors];
-    for (int j = 0; j < kVectors; ++j) v[j] = _mm512_loadu_si512(rec + 128 + 64 * j);
-    if (F == kQ4_1) {
-      // value = d * q + m, widened and scaled per input (one multiply-add), then one per row.
+    for (int j = 0; j < kVectors; ++j) v[j] = _mm512_loadu_si512(rec + ScaleBytes(F) + 64 * j);
+    if (HasOffset<F>()) {
+      // value = d * q + c, widened and scaled per input (one multiply-add), then one per row.
 #pragma GCC unroll 32
       for (int k = 0; k < kBlock; ++k) {
         // Byte k % 4 of vector (k % 16) / 4, its high nibble from input 16.
@@ -588,15 +646,13 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
     for (int64_t line = 0; line < R; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
     }
-    const __m256 d[2] = {_mm256_loadu_ps(reinterpret_cast<const float*>(rec)),
-                         _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32))};
-    const __m256 c[2] = {_mm256_loadu_ps(reinterpret_cast<const float*>(rec + 64)),
-                         _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 96))};
+    const uint8_t* q8 = rec + ScaleBytes(F);  // the values
+    const __m256 d[2] = {ScaleD<F>(rec, 0), ScaleD<F>(rec, 1)};
     auto half = [&](int j, int h) {  // 8 columns' 4 bytes of vector j
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128 + 64 * j + 32 * h));
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * j + 32 * h));
     };
     if (F != kQ8_0) {
-      // Q4_0, Q4_1: value = d * q + c (Q4_0: c = -8 d). Input k's nibble sits in byte k % 4 of its
+      // 4-bit formats: value = d * q + c (Q4_0: c = -8 d). Input k's nibble sits in byte k % 4 of its
       // column's 32 bits (the high nibbles, inputs 16-31, shifted down first, once per block);
       // masked in place it is q * 2^NibbleShift(k), exact in f32, and the row's input comes
       // scaled by 2^-NibbleShift(k) (a.xs), so their product is x * q exactly: no shift per input.
@@ -604,7 +660,7 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
       alignas(32) uint8_t high[4 * 64];
       for (int i = 0; i < 8; ++i) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(high + 32 * i),
-                           _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128 + 32 * i)), 4));
+                           _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i)), 4));
       }
       constexpr int CQ = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // chains per row and half: 2 * MR * CQ >= 6
       __m256 blk[CQ][MR][2];
@@ -612,7 +668,7 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
         for (int m = 0; m < MR; ++m) blk[i][m][0] = blk[i][m][1] = _mm256_setzero_ps();
       // Inputs 4q to 4q + 3 come from vector q % 4, its low nibbles for q < 4.
       auto quad = [&](int q) {
-        const uint8_t* src = (q < 4 ? rec + 128 : high) + 64 * (q % 4);
+        const uint8_t* src = (q < 4 ? q8 : high) + 64 * (q % 4);
         const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32))};
 #pragma GCC unroll 4
@@ -634,7 +690,7 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
         for (int q = 0; q < 8; ++q) quad(q);
       }
       for (int h = 0; h < 2; ++h) {
-        const __m256 cc = F == kQ4_1 ? c[h] : _mm256_mul_ps(d[h], _mm256_set1_ps(-8.0f));
+        const __m256 cc = ScaleC<F>(rec, h, d[h]);
         for (int m = 0; m < MR; ++m) {
           __m256 sum = blk[0][m][h];
           for (int i = 1; i < CQ; ++i) sum = _mm256_add_ps(sum, blk[i][m][h]);
@@ -734,7 +790,7 @@ void WidenBf16(const uint8_t* rec, int64_t R, int64_t nb, uint8_t* out) {
   }
   const __m512i lut = _mm512_load_si512(table), low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(char(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q = rec + b * R + 128;
+    const uint8_t* q = rec + b * R + ScaleBytes(F);
     uint8_t* blk = out + b * 1024;
     if (F == kQ8_0) {
       for (int j = 0; j < 8; ++j) {
@@ -785,17 +841,17 @@ void AmxTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
   alignas(64) float sums[2][16 * 16];
   for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
     const uint16_t* x = a.parts + m0 * 3 * K;
-    const float* sx = F == kQ4_1 ? a.sx + m0 * a.nb : nullptr;
+    const float* sx = HasOffset<F>() ? a.sx + m0 * a.nb : nullptr;
     // Tile t's sums for block b (in sums[parity]) into its accumulators.
     auto scale = [&](int64_t t, int64_t b, const float* sb) {
       const uint8_t* rec = a.w + ((g0 + t) * a.nb + b) * R;
-      const __m512 d = _mm512_loadu_ps(rec), c = _mm512_loadu_ps(rec + 64);
+      const __m512 d = ScaleD<F>(rec), c = HasOffset<F>() ? ScaleC<F>(rec, d) : d;
       float* at = acc + t * 256;
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) {
         const __m512 sum = _mm512_load_ps(sb + 16 * r);
         __m512 v = b > 0 ? _mm512_fmadd_ps(sum, d, _mm512_load_ps(at + 16 * r)) : _mm512_mul_ps(sum, d);
-        if (F == kQ4_1) v = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[r * a.nb + b]), v);
+        if (HasOffset<F>()) v = _mm512_fmadd_ps(c, _mm512_set1_ps(sx[r * a.nb + b]), v);
         _mm512_store_ps(at + 16 * r, v);
       }
     };
@@ -863,8 +919,8 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
   if (amx) {
     if (parts.size() < static_cast<size_t>(3 * a.padded * K)) parts.resize(3 * a.padded * K);
     std::fill(parts.begin() + 3 * M * K, parts.begin() + 3 * a.padded * K, uint16_t{0});
-    if (F == kQ4_1 && sx.size() < static_cast<size_t>(a.padded * nb)) sx.resize(a.padded * nb);
-    a.parts = parts.data(), a.sx = F == kQ4_1 ? sx.data() : nullptr;
+    if (HasOffset<F>() && sx.size() < static_cast<size_t>(a.padded * nb)) sx.resize(a.padded * nb);
+    a.parts = parts.data(), a.sx = HasOffset<F>() ? sx.data() : nullptr;
     // One parallel call: the rows' split in up to one share per thread, then about two runs per
     // thread of at most kAmxItemTiles tiles (their widened blocks stay in L2). Items are handed out
     // in order, so by the time a thread takes a run every share is taken, and it waits (briefly)
@@ -950,6 +1006,7 @@ void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float*
     switch (format) {
       case kQ4_0: ProductF32<kQ4_0>(pool, x, y, w, M, K, N); break;
       case kQ4_1: ProductF32<kQ4_1>(pool, x, y, w, M, K, N); break;
+      case kQ4_K: ProductF32<kQ4_K>(pool, x, y, w, M, K, N); break;
       default: ProductF32<kQ8_0>(pool, x, y, w, M, K, N); break;
     }
     return;
@@ -966,6 +1023,7 @@ void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float*
   switch (format) {
     case kQ4_0: Product<kQ4_0>(pool, x, a); break;
     case kQ4_1: Product<kQ4_1>(pool, x, a); break;
+    case kQ4_K: Product<kQ4_K>(pool, x, a); break;
     default: Product<kQ8_0>(pool, x, a); break;
   }
 }
