@@ -19,8 +19,10 @@ q4_1-scan does the same with GGUF Q4_1 blocks (ir.blocks; 80 MB for 30 layers): 
 `cpp_kernels.block_matmul` on the stacked blocks, XLA's the f32 dot on the scan's slice of the
 blocks' values, as a scanned step without and with `gguf_blocks` (the GB/s are each one's own bytes).
 q4_1-tiles: ours is `cpp_kernels.tile_matmul` on the same blocks packed into tiles (ir.blocks.pack_tiles;
-96 MB), the int8 products of `gguf_activations=q8`, against the same XLA f32 dot. q4_1-tiles-f32: the
-same tiles with f32 activations (AMX-BF16 on exact bf16 parts from 16 rows where the CPU has it).
+80 MB: the file's f16 scales), the int8 products of `gguf_activations=q8`, against the same XLA f32 dot.
+q4_1-tiles-f32: the same tiles with f32 activations (AMX-BF16 on exact bf16 parts from 16 rows where the
+CPU has it). q4_1-tiles-f32s: those products on the same values with f32 scales (Q4_K's record: 96 MB),
+what the tiles read before they kept the file's f16 scales.
 Prints one markdown row per row count and mode: the median milliseconds of each, the weight bytes
 streamed per second, and ours vs XLA.
 Run on a quiet machine (uptime < 1).
@@ -101,7 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,8,16,32,64")
     ap.add_argument("--modes", default="w8a8,weight-only", help="w8a8, weight-only, f32, f32-scan, q4_1-scan, "
-                    "q4_1-tiles, q4_1-tiles-f32")
+                    "q4_1-tiles, q4_1-tiles-f32, q4_1-tiles-f32s")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
@@ -119,7 +121,7 @@ def main() -> None:
         if "f32-scan" in modes:
             weights["f32-scan"] = [jnp.asarray(np.stack([layer[i] for layer in f32])) for i in range(len(SHAPES))]
         del f32
-    if {"q4_1-scan", "q4_1-tiles", "q4_1-tiles-f32"} & set(modes):
+    if {"q4_1-scan", "q4_1-tiles", "q4_1-tiles-f32", "q4_1-tiles-f32s"} & set(modes):
         import gguf
         from gguf.quants import dequantize, quantize
 
@@ -129,11 +131,19 @@ def main() -> None:
         weights["q4_1-blocks"] = [jnp.asarray(np.stack([layer[i] for layer in blocks])) for i in range(len(SHAPES))]
         weights["q4_1-f32"] = [jnp.asarray(np.stack([dequantize(layer[i], q41).T for layer in blocks]))
                                for i in range(len(SHAPES))]
-        if {"q4_1-tiles", "q4_1-tiles-f32"} & set(modes):
+        if {"q4_1-tiles", "q4_1-tiles-f32", "q4_1-tiles-f32s"} & set(modes):
             from ir.blocks import pack_tiles
 
-            weights["q4_1-tiles"] = [jnp.asarray(np.stack([pack_tiles(layer[i], "q4_1") for layer in blocks]))
-                                     for i in range(len(SHAPES))]
+            tiles = [np.stack([pack_tiles(layer[i], "q4_1") for layer in blocks]) for i in range(len(SHAPES))]
+            weights["q4_1-tiles"] = [jnp.asarray(t) for t in tiles]
+            if "q4_1-tiles-f32s" in modes:  # each record's f16 d and m [16] widened to f32: Q4_K's record
+                def widened(t):
+                    rec = t.reshape(t.shape[:-1] + (-1, 320))
+                    scales = np.ascontiguousarray(rec[..., :64]).view("<f2").astype("<f4").view(np.uint8)
+                    return np.concatenate([scales, rec[..., 64:]], axis=-1).reshape(t.shape[:-1] + (-1,))
+
+                weights["q4_1-tiles-f32s"] = [jnp.asarray(widened(t)) for t in tiles]
+            del tiles
         del blocks
     for mode in modes:
         if mode == "q4_1-scan":
@@ -141,11 +151,11 @@ def main() -> None:
                                          ks=[k for k, _ in SHAPES]), "q4_1-blocks")
             fns[mode, "xla"] = (scanned(None), "q4_1-f32")
             continue
-        if mode in ("q4_1-tiles", "q4_1-tiles-f32"):
-            act = "f32" if mode == "q4_1-tiles-f32" else "q8"
-            fns[mode, "ours"] = (scanned(lambda x, s, i, act=act: cpp_kernels.tile_matmul(x, s, "q4_1", layer=i,
-                                                                                        activations=act),
-                                         ks=[k for k, _ in SHAPES]), "q4_1-tiles")
+        if mode in ("q4_1-tiles", "q4_1-tiles-f32", "q4_1-tiles-f32s"):
+            act, fmt = ("q8", "q4_1") if mode == "q4_1-tiles" else ("f32", "q4_k" if mode.endswith("s") else "q4_1")
+            fns[mode, "ours"] = (scanned(lambda x, s, i, act=act, fmt=fmt: cpp_kernels.tile_matmul(
+                x, s, fmt, layer=i, activations=act), ks=[k for k, _ in SHAPES]),
+                "q4_1-tiles-f32s" if mode.endswith("s") else "q4_1-tiles")
             fns[mode, "xla"] = (scanned(None), "q4_1-f32")
             continue
         if mode == "f32-scan":
@@ -156,9 +166,9 @@ def main() -> None:
             fns[mode, who] = (chained(MODES[mode][i], MODES[mode][2]), "f32" if mode == "f32" else "int8")
     counts = args.layers * sum(k * n for k, n in SHAPES)
     nbytes = {mode: counts * (4 if mode.startswith("f32") else 1) for mode in modes}
-    xla_bytes = dict(nbytes, **{"q4_1-scan": counts * 4, "q4_1-tiles": counts * 4, "q4_1-tiles-f32": counts * 4})
-    nbytes["q4_1-scan"], nbytes["q4_1-tiles"] = counts * 20 // 32, counts * 24 // 32
-    nbytes["q4_1-tiles-f32"] = nbytes["q4_1-tiles"]
+    xla_bytes = dict(nbytes, **{m: counts * 4 for m in ("q4_1-scan", "q4_1-tiles", "q4_1-tiles-f32", "q4_1-tiles-f32s")})
+    nbytes["q4_1-scan"] = nbytes["q4_1-tiles"] = nbytes["q4_1-tiles-f32"] = counts * 20 // 32
+    nbytes["q4_1-tiles-f32s"] = counts * 24 // 32
     print(f"weights {counts / 1e6:.0f} M values; matmul_vectorized: {cpp_kernels.matmul_vectorized()}; "
           f"load {os.getloadavg()[0]:.2f}")
     print("| mode | rows | ours ms | ours GB/s | XLA ms | XLA GB/s | ours vs XLA |")
