@@ -137,10 +137,14 @@ def main() -> None:
             tiles = [np.stack([pack_tiles(layer[i], "q4_1") for layer in blocks]) for i in range(len(SHAPES))]
             weights["q4_1-tiles"] = [jnp.asarray(t) for t in tiles]
             if "q4_1-tiles-f32s" in modes:  # each record's f16 d and m [16] widened to f32: Q4_K's record
+                from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS, tile_record_bytes
+
+                head = TILE_COLUMNS * BLOCK_FORMATS["q4_1"].scale_bytes
+
                 def widened(t):
-                    rec = t.reshape(t.shape[:-1] + (-1, 320))
-                    scales = np.ascontiguousarray(rec[..., :64]).view("<f2").astype("<f4").view(np.uint8)
-                    return np.concatenate([scales, rec[..., 64:]], axis=-1).reshape(t.shape[:-1] + (-1,))
+                    rec = t.reshape(t.shape[:-1] + (-1, tile_record_bytes("q4_1")))
+                    scales = np.ascontiguousarray(rec[..., :head]).view("<f2").astype("<f4").view(np.uint8)
+                    return np.concatenate([scales, rec[..., head:]], axis=-1).reshape(t.shape[:-1] + (-1,))
 
                 weights["q4_1-tiles-f32s"] = [jnp.asarray(widened(t)) for t in tiles]
             del tiles
