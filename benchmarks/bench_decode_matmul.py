@@ -156,10 +156,10 @@ def main() -> None:
             fns[mode, "xla"] = (scanned(None), "q4_1-f32")
             continue
         if mode in ("q4_1-tiles", "q4_1-tiles-f32", "q4_1-tiles-f32s"):
-            act, fmt = ("q8", "q4_1") if mode == "q4_1-tiles" else ("f32", "q4_k" if mode.endswith("s") else "q4_1")
+            act, fmt = ("q8", "q4_1") if mode == "q4_1-tiles" else ("f32", "q4_k" if mode == "q4_1-tiles-f32s" else "q4_1")
             fns[mode, "ours"] = (scanned(lambda x, s, i, act=act, fmt=fmt: cpp_kernels.tile_matmul(
                 x, s, fmt, layer=i, activations=act), ks=[k for k, _ in SHAPES]),
-                "q4_1-tiles-f32s" if mode.endswith("s") else "q4_1-tiles")
+                "q4_1-tiles-f32s" if mode == "q4_1-tiles-f32s" else "q4_1-tiles")
             fns[mode, "xla"] = (scanned(None), "q4_1-f32")
             continue
         if mode == "f32-scan":

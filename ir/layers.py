@@ -135,3 +135,15 @@ def find_layers(graph: Graph) -> Layers | None:
             return None
     return Layers(num_layers, tuple(pre), tuple(per_layer[0]), tuple(post), carry_in, carry_out,
                   tuple(leaves), tuple(tuple(g) for g in per_layer))
+
+
+def matrices_are_blocks(graph: Graph) -> bool:
+    """Whether `graph` has repeated layers whose weight matrices (params of two or more dims) are all
+    GGUF blocks or tiles (passes.gguf_blocks, the tiles standing alone): the C++ kernels read those
+    from a layer stack in place, so a scanned step copies no layer's weights, where an f32 matrix
+    would be sliced out of its stack (a copy of it) wherever no in-place f32 kernel takes it."""
+    from ir.attrs import GGUF_BLOCKS
+
+    layers = find_layers(graph)
+    return layers is not None and all(leaf.attr(GGUF_BLOCKS) for d in layers.leaves for leaf in d.values()
+                                      if leaf.op == "param" and len(leaf.shape) >= 2)

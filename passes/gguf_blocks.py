@@ -14,7 +14,7 @@ With `tiles` the blocks are repacked into tiles of 16 columns (ir.blocks.pack_ti
 step, prefill chunks included, multiplies by them. Where a kernel reads them (`tiles_alone`: the cpp
 backend with the tiles' vector path) they replace w, whose f32 copy then leaves the graph unless
 something else reads it (a tied LM head's embedding does): SmolLM2-135M's weights in the memory
-plan take 217.8 MiB, against 622.8 MiB with both. Elsewhere w stays, and the backend multiplies
+plan take 200.1 MiB, against 605.1 MiB with both. Elsewhere w stays, and the backend multiplies
 by it. `tiles="q8"` (EngineConfig.gguf_activations) multiplies in int8, its activations rounded
 per block of 32 to 8 bits as llama.cpp does: against
 the f32 blocks, 1.1x at one row, 2.8x at 64 and 4x at 512 (docs/benchmarks/, "Int8 products on GGUF

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -90,13 +90,23 @@ def build_graph(config: ModelConfig, engine: EngineConfig, buckets: BucketTable,
                 device_memory: int | None = None, keep_pass_texts: bool = True,
                 block_formats: dict[str, str] | None = None):
     """(final graph, memory plan, pass texts); `block_formats` as in pipeline_options."""
+    from runtime.worker.executor import scans_layers
+
     graph = lower(config, engine.dtype)
     texts = [("lower", print_graph(graph))] if keep_pass_texts else []
     memory = (device_memory, engine.memory_limit) if device_memory else measure_device_memory(engine)
     opts = pipeline_options(engine, buckets, memory, block_formats)
-    graph = run_pipeline(graph, opts, on_pass=(lambda i, name, g: texts.append((name, print_graph(g))))
-                         if keep_pass_texts else None)
-    return graph, memory_report(graph, opts), texts
+    on_pass = (lambda i, name, g: texts.append((name, print_graph(g)))) if keep_pass_texts else None
+    final = run_pipeline(graph, opts, on_pass=on_pass)
+    # Whether the step scans can turn on what the passes made of the weights (GGUF tiles that stand
+    # alone are read in place: runtime.worker.executor.scans_layers); the memory plan counts one
+    # layer's temporaries where it does, so it is made again for the layout the runner will take.
+    scan = scans_layers(engine, sharded=engine.tensor_parallel_size > 1, graph=final)
+    if scan != opts.scan_layers:
+        opts = replace(opts, scan_layers=scan)
+        del texts[1:]
+        final = run_pipeline(graph, opts, on_pass=on_pass)
+    return final, memory_report(final, opts), texts
 
 
 # Engine args that only steer the host-side loop; a saved plan may be started with new values.

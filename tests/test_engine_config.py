@@ -180,6 +180,8 @@ def test_cpu_scans_f32_layers_where_the_f32_kernel_reads_them_in_place(engine, e
     slice) stay unrolled; an explicit scan_layers wins. Without the kernel, f32 stays unrolled."""
     assert EngineConfig(**engine).scans_layers("cpu", f32_in_place=True) is expected
     assert EngineConfig(**engine).scans_layers("cpu", f32_in_place=False) is (engine.get("quantization") == "int8")
+    # GGUF tiles read in place by every build (blocks_in_place) scan the f32 engine as the f32 kernel does.
+    assert EngineConfig(**engine).scans_layers("cpu", blocks_in_place=True) is expected
 
 
 # ------------------------------------------------------------------------------ flags (runtime.args)

@@ -20,6 +20,7 @@ from conftest import cpu_target_cases, first_divergence, golden_free_running, go
 from ir import OPS, verify
 from ir.attrs import BLOCK_FORMAT, BLOCK_LAYOUT, GGUF_BLOCKS, Role, role_of
 from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS, blocks_shape, pack_tiles, round_q8, tile_record_bytes
+from ir.layers import matrices_are_blocks
 from models.config import get_preset
 from runtime import SamplingParams
 from runtime.config import EngineConfig
@@ -121,11 +122,14 @@ def test_kernel_matches_rounded_product(fmt, m, k, n, cpu_target):
 @pytest.mark.parametrize("m,k,n,cpu_target", cpu_target_cases(
     [(1, 32, 16), (3, 64, 48), (12, 576, 16), (13, 160, 64), (15, 96, 32), (16, 64, 16), (17, 96, 48),
      (33, 1536, 32), (40, 576, 80), (64, 96, 16), (77, 160, 32), (130, 64, 16)],
-    extra=[(1, 32, 16), (3, 64, 48), (6, 96, 32), (13, 160, 64), (17, 96, 48)]), indirect=["cpu_target"])
+    extra=[(1, 32, 16), (3, 64, 48), (6, 96, 32), (8, 288, 32), (13, 160, 64), (17, 96, 48), (50, 576, 32),
+           (130, 64, 16)]), indirect=["cpu_target"])
 def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n, cpu_target):
     """activations="f32": x as it is. Ragged rows across the f32 multiply-adds (passes of 12 rows
     with AVX-512BW, 4 with AVX2, whose 4-bit path takes x scaled by powers of two and adds each
-    block's offset times its sum of x; one or two rows on several chains of sums) and
+    block's offset times its sum of x; one or two rows on several chains of sums; from 8 rows
+    AVX2's passes of 4-6 rows over a tile's values widened per slice of 8 blocks, K off a slice's
+    end, in chunks of up to 48 rows) and
     AMX-BF16's groups of 16 and 32 and its chunks of 128 (where the CPU has it), K of 1-48 blocks,
     plain and from a layer stack, rows of magnitudes 1e-3 to 1e3: within f32 rounding of the f64
     product (AMX takes each activation as three bf16 parts that sum to it exactly, and the weights'
@@ -250,6 +254,9 @@ def test_pass_packs_tiles_where_n_allows():
     names = {p.name for p in graph.params}
     tiled = {n.inputs[1].attr(GGUF_BLOCKS) for n in graph.nodes() if n.op == "matmul_blocks" and len(n.inputs) == 2}
     assert ("layers.0.wqkv" in tiled) == alone and "lm_head" not in tiled
+    # Tiles that stand alone are read in place from a layer stack on any build: the step scans.
+    assert matrices_are_blocks(graph) == alone and not matrices_are_blocks(without_graph)
+    assert executor.scans_layers(EngineConfig(**ENGINE, gguf_activations="q8"), graph=graph) == alone
     assert not tiled & names and "lm_head" in names and "embed" in names
     extra = sum(int(np.prod(p.shape)) for p in graph.params if p.dtype == "u8")
     assert memory.weight_bytes == without.weight_bytes - sum(f32[name] for name in tiled) + extra
@@ -258,6 +265,7 @@ def test_pass_packs_tiles_where_n_allows():
     xla_qkv = by_source(xla_graph)["layers.0.wqkv"]
     assert xla_qkv.attr("layout") == "tiles" and [i.name for i in xla_qkv.inputs[1:]] == ["layers.0.wqkv", tiles.name]
     assert xla_memory.weight_bytes == without.weight_bytes + extra
+    assert not matrices_are_blocks(xla_graph)  # the f32 weights beside the tiles
     # f32 activations: the same tiles; gguf_tiles=False keeps the file's rows, decode steps only.
     f32_graph, f32_memory = served(gguf_tiles=True)
     f32_qkv = by_source(f32_graph)["layers.0.wqkv"]
@@ -305,7 +313,9 @@ def tiny_q8_llm(weights, cfg=None, **engine) -> LLM:
 # a q8 rounding edge. It now multiplies the q8 tiles in the C++ kernel (AVX2's vpmaddubsw, exact int32
 # sums), as the native build does with VNNI, and stays within the bound as that build does.
 def _engine_cases():
-    return cpu_target_cases([("q8", False), ("q8", True), ("f32", False), ("f32", True)], extra=[("q8", False)])
+    # scan None: the engine's choice, which scans where the tiles stand alone (ir.layers.matrices_are_blocks)
+    return cpu_target_cases([("q8", False), ("q8", True), ("f32", False), ("f32", True)],
+                            extra=[("q8", False), ("f32", None)])
 
 
 # The XLA engine's outputs by activations, computed once: the same for every case (it calls no C++
@@ -333,6 +343,8 @@ def test_engine_tiles_match_the_reference_numerics(activations, scan, cpu_target
         llm = tiny_q8_llm(weights, kernel_backend=backend, scan_layers=scan if backend == "cpp" else False, **engine)
         blocks = [n for n in llm.plan.graph.nodes() if n.op == "matmul_blocks"]
         assert blocks and all(n.attr("layout") == "tiles" and n.attr("activations") == activations for n in blocks)
+        if backend == "cpp" and scan is None:  # every build with the tiles' vector path reads them alone, in place
+            assert all(len(n.inputs) == 2 for n in blocks) and llm.engine.runner.layout.layers is not None
         got[backend] = llm.generate(prompts, params)
         assert llm.engine.stats().num_recompiles == 0
         assert llm.engine.block_manager.num_used == 0

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ir import OPS, Graph
-from ir.layers import Layers, find_layers
+from ir.layers import Layers, find_layers, matrices_are_blocks
 from models.engine_config import target_platform
 from runtime.config import KERNEL_BACKENDS
 from ir.attrs import ALL_REDUCE, ANNOTATION_ATTRS, NEW_KV_WRITTEN
@@ -47,13 +47,16 @@ def resolve_backend(backend: str, sharded: bool = False) -> str:
     return backend
 
 
-def scans_layers(engine, sharded: bool = False) -> bool:
+def scans_layers(engine, sharded: bool = False, graph: Graph | None = None) -> bool:
     """EngineConfig.scans_layers, told whether this CPU's C++ kernels read an f32 layer's weights in
-    place in the stack (kernel backend cpp, with the matmul kernels' vector path)."""
+    place in the stack (kernel backend cpp, with the matmul kernels' vector path), and, given the
+    step's `graph` as the passes left it, whether its layers' matrices are all GGUF blocks or tiles
+    (ir.layers.matrices_are_blocks), which the kernels read in place on any build."""
     from runtime.worker import cpp_kernels
 
-    in_place = resolve_backend(engine.kernel_backend, sharded) == "cpp" and cpp_kernels.matmul_vectorized()
-    return engine.scans_layers(f32_in_place=in_place)
+    cpp = resolve_backend(engine.kernel_backend, sharded) == "cpp"
+    return engine.scans_layers(f32_in_place=cpp and cpp_kernels.matmul_vectorized(),
+                               blocks_in_place=cpp and graph is not None and matrices_are_blocks(graph))
 
 
 def widens_half_weights(engine) -> bool:
@@ -82,8 +85,7 @@ def tiles_in_kernel(engine) -> bool:
     from runtime.worker import cpp_kernels
 
     activations = "q8" if engine.gguf_activations == "q8" else "f32"
-    # Every step's product, prefill chunks too: where a build takes only few rows' (f32 tiles on
-    # AVX2), the f32 weight stays for the wider steps.
+    # Every step's product, prefill chunks too (tiles_max_rows: every vector path takes them).
     return (resolve_backend(engine.kernel_backend) == "cpp"
             and cpp_kernels.tiles_max_rows(activations) >= cpp_kernels.EVERY_STEP)
 

@@ -182,7 +182,8 @@ class ModelRunner:
         self.mesh = mesh
         self.backend = resolve_backend(self.backend, sharded=mesh is not None)
         self.state_names = state_names(self.graph)
-        self.layout = step_layout(self.graph, scan_layers=scans_layers(engine, sharded=mesh is not None))
+        scan = scans_layers(engine, sharded=mesh is not None, graph=self.graph)
+        self.layout = step_layout(self.graph, scan_layers=scan)
         check_fit(plan.memory)  # before any weight or pool reaches the device
         self.params = self._put_params(plan.weights)
         if release_host_weights:

@@ -737,6 +737,114 @@ void VectorTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
     RowPasses<kAvx2Rows>(a.M, [&](auto mr, int64_t m) { VectorTileF32<F, decltype(mr)::value>(a, g, m); });
   }
 }
+
+// Wider steps (from kAvx2WideRows rows): a tile's values are widened to f32 (d * q + c, as the
+// reference's dequantized weight has them) once per slice of kAvx2SliceBlocks blocks (16 KB: in L1
+// beside the rows' inputs), and the rows pass over that copy, 4-6 at a time (up to 12 sums in
+// registers; no per-block finish), kAvx2ChunkRows rows at a time so that their inputs stay in L2
+// while a run's tiles pass. A pass does two loads and a broadcast per two multiply-adds of each
+// row, where widening in every pass (VectorTileF32) spends as many instructions again on the values.
+constexpr int64_t kAvx2WideRows = 8;
+constexpr int kAvx2WideRowsPerPass = 6;
+constexpr int64_t kAvx2SliceBlocks = 8;
+constexpr int64_t kAvx2ChunkRows = 48;
+
+// nb blocks of a tile's records from rec, widened: out [nb * 32, 16] f32.
+template <int F>
+void WidenTile(const uint8_t* rec, int64_t nb, float* out) {
+  const int64_t R = RecordBytes(F);
+  const __m256i mask = _mm256_set1_epi32(F == kQ8_0 ? 0xff : 0x0f), bias = _mm256_set1_epi32(Bias<F>());
+  for (int64_t b = 0; b < nb; ++b, rec += R, out += kBlock * kTile) {
+    const uint8_t* q8 = rec + ScaleBytes(F);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = ScaleD<F>(rec, h);
+      const __m256 c = HasOffset<F>() ? ScaleC<F>(rec, h, d) : d;
+      auto value = [&](__m256i q) {  // q unsigned, per column
+        return HasOffset<F>() ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, c)
+                              : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias)), d);
+      };
+      if (F == kQ8_0) {
+        for (int j = 0; j < 8; ++j) {  // inputs 4j to 4j + 3: byte t of each column's 32 bits
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * j + 32 * h));
+          for (int t = 0; t < 4; ++t) {
+            _mm256_storeu_ps(out + (4 * j + t) * kTile + 8 * h, value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), mask)));
+          }
+        }
+        continue;
+      }
+      for (int j = 0; j < 4; ++j) {  // inputs 4j + t (low nibbles) and 4j + 16 + t (high ones)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * j + 32 * h));
+        for (int t = 0; t < 4; ++t) {
+          _mm256_storeu_ps(out + (4 * j + t) * kTile + 8 * h, value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), mask)));
+          _mm256_storeu_ps(out + (4 * j + 16 + t) * kTile + 8 * h,
+                           value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 4), mask)));
+        }
+      }
+    }
+  }
+}
+
+// Rows [m0, m0 + MR) times a widened slice wt [n, 16] of tile g (inputs k0 to k0 + n): y's 16
+// columns of the tile, set (`first`) or added to.
+template <int MR>
+void WidePass(const F32Args& a, const float* wt, int64_t n, int64_t k0, bool first, int64_t g, int64_t m0) {
+  // Every loop over the rows unrolled and the operands in locals, so that the sums stay in
+  // registers (otherwise GCC kept a copy of them on the stack, stored in every iteration).
+  const int64_t K = a.K, N = a.N;
+  const float* x = a.x + m0 * K + k0;
+  float* y = a.y + m0 * N + g * kTile;
+  __m256 acc[MR][2];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    acc[m][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N);
+    acc[m][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * N + 8);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(wt + k * kTile), w1 = _mm256_loadu_ps(wt + k * kTile + 8);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xk = _mm256_broadcast_ss(x + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(xk, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xk, w1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(y + m * N, acc[m][0]);
+    _mm256_storeu_ps(y + m * N + 8, acc[m][1]);
+  }
+}
+
+// `rows` rows from m0 in passes of as even a size as kAvx2WideRowsPerPass allows (8 rows: 4 + 4,
+// not 6 + 2, whose 4 sums would wait on the multiply-adds' latency).
+template <typename Pass>
+void EvenPasses(int64_t rows, int64_t m0, const Pass& pass) {
+  const int64_t passes = (rows + kAvx2WideRowsPerPass - 1) / kAvx2WideRowsPerPass;
+  for (int64_t p = 0, m = m0; p < passes; ++p) {
+    const int64_t r = (rows * (p + 1)) / passes - (rows * p) / passes;
+    RowTail<kAvx2WideRowsPerPass>(r, m, pass);
+    m += r;
+  }
+}
+
+template <int F>
+void WideTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
+  alignas(32) float wt[kAvx2SliceBlocks * kBlock * kTile];
+  const int64_t R = RecordBytes(F);
+  const int64_t chunks = (a.M + kAvx2ChunkRows - 1) / kAvx2ChunkRows;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t c0 = a.M * c / chunks, rows = a.M * (c + 1) / chunks - c0;
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t s0 = 0; s0 < a.nb; s0 += kAvx2SliceBlocks) {
+        const int64_t blocks = std::min(kAvx2SliceBlocks, a.nb - s0);
+        WidenTile<F>(a.w + (g * a.nb + s0) * R, blocks, wt);
+        EvenPasses(rows, c0, [&](auto mr, int64_t m) {
+          WidePass<decltype(mr)::value>(a, wt, blocks * kBlock, s0 * kBlock, s0 == 0, g, m);
+        });
+      }
+    }
+  }
+}
 #endif
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -952,6 +1060,10 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
   }
 #endif
 #if !defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+  if (M >= kAvx2WideRows) {
+    ForTileRuns(pool, N / kTile, 4, N / kTile, [&](int64_t g0, int64_t g1) { WideTilesF32<F>(a, g0, g1); });
+    return;
+  }
   static thread_local std::vector<float> xs;
   if (F != kQ8_0) {
     if (xs.size() < static_cast<size_t>(M * K)) xs.resize(M * K);
@@ -1049,20 +1161,6 @@ extern "C" int JaxserveTilesVectorized() {
 extern "C" int JaxserveTilesF32Vectorized() {
 #if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__FMA__))
   return 1;
-#else
-  return 0;
-#endif
-}
-
-// The most rows of a step that the f32 tiles' vector path should take (cpp_kernels.tiles_max_rows):
-// every step's with AVX-512BW (x86-64-v4 without AMX: 1.7x the file's rows at 16 rows, XLA's f32
-// GEMM's rate at 256); 16 with AVX2, where a wider step's f32 GEMM is faster (SmolLM2's layers on
-// x86-64-v3: 1.5x the rows at one row; 1.35x XLA's GEMM at 16, 1.18x at 32, 0.77x at 64).
-extern "C" int64_t JaxserveTilesF32MaxRows() {
-#if defined(__AVX512BW__)
-  return int64_t{1} << 30;
-#elif defined(__AVX2__) && defined(__FMA__)
-  return 16;
 #else
   return 0;
 #endif
