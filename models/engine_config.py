@@ -384,8 +384,8 @@ class EngineConfig:
         a layer's slice, where the product itself takes far longer than the copy.
         `blocks_in_place`: whether every layer's weight matrices are GGUF tiles that our kernels
         read in place for every step (ir.layers.matrices_are_blocks, under the cpp backend). Then
-        the f32 engine scans without any f32 kernel: AVX2 (x86-64-v3) and NEON, where a batch-1
-        step's dispatch took 0.41 against 1.78 ms unrolled (one argument per layer's weight).
+        the f32 engine scans without any f32 kernel: AVX2 (x86-64-v3), where a batch-1 step's
+        dispatch took 0.44-0.48 against 1.3-1.8 ms unrolled (one argument per layer's weight).
 
         Under tensor parallelism (`tensor_parallel_size > 1`) the step scans on CPU too. Unrolled,
         its XLA lowering compiles every layer's fusions (2,700 for one SmolLM2 prefill bucket), and
