@@ -87,12 +87,25 @@ def _identity(graph: Graph) -> Graph:
     return graph
 
 
+# The last pass, and the only one that reads opts.scan_layers: a caller that decides the layout
+# from what the passes before it made (runtime.plan.build_graph) stops before it and starts there.
+MEMORY_PASS = "plan_memory"
+
+
 def run_pipeline(graph: Graph, opts: PipelineOptions,
                  on_pass: Callable[[int, str, Graph], None] | None = None,
-                 stop_after: str | None = None) -> Graph:
-    """Runs every pass in order, verifying after each; `on_pass(i, name, graph)` sees each result."""
+                 stop_after: str | None = None, stop_before: str | None = None,
+                 start_at: str | None = None) -> Graph:
+    """Runs every pass in order (from `start_at`, up to `stop_before` or through `stop_after`),
+    verifying after each; `on_pass(i, name, graph)` sees each result."""
     verify(graph)
+    started = start_at is None
     for i, (name, fn) in enumerate(build_pipeline(opts), 1):
+        started = started or name == start_at
+        if not started:
+            continue
+        if name == stop_before:
+            break
         graph = verify(fn(graph))
         if on_pass is not None:
             on_pass(i, name, graph)

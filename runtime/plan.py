@@ -23,7 +23,7 @@ from ir import Graph, parse_graph, print_graph
 from models.config import ModelConfig
 from passes.plan_memory import MemoryPlan
 from models.llama import lower
-from passes.pipeline import PipelineOptions, memory_report, run_pipeline
+from passes.pipeline import MEMORY_PASS, PipelineOptions, memory_report, run_pipeline
 from runtime.core.buckets import BucketTable
 from runtime.config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
 
@@ -64,8 +64,7 @@ def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
 def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[int, int | None],
                      block_formats: dict[str, str] | None = None) -> PipelineOptions:
     """`block_formats`: source weight -> GGUF block format, for the weights that came with blocks."""
-    from runtime.worker.executor import (reads_gguf_blocks, scans_layers, tile_activations, tiles_in_kernel,
-                                         widens_half_weights)
+    from runtime.worker.executor import reads_gguf_blocks, tile_activations, tiles_in_kernel, widens_half_weights
 
     total, limit = memory
     return PipelineOptions(
@@ -77,8 +76,7 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
         block_formats=tuple(sorted(block_formats.items())) if reads_gguf_blocks(engine, bool(block_formats)) else (),
         block_tiles=tile_activations(engine), block_tiles_alone=tiles_in_kernel(engine),
         kv_dtype=engine.kv_dtype(), tensor_parallel_size=engine.tensor_parallel_size,
-        expert_parallel=engine.enable_expert_parallel,
-        scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1),
+        expert_parallel=engine.enable_expert_parallel,  # scan_layers: build_graph, from the passes' graph
         widen_half_weights=widens_half_weights(engine))
 
 
@@ -97,16 +95,13 @@ def build_graph(config: ModelConfig, engine: EngineConfig, buckets: BucketTable,
     memory = (device_memory, engine.memory_limit) if device_memory else measure_device_memory(engine)
     opts = pipeline_options(engine, buckets, memory, block_formats)
     on_pass = (lambda i, name, g: texts.append((name, print_graph(g)))) if keep_pass_texts else None
-    final = run_pipeline(graph, opts, on_pass=on_pass)
+    graph = run_pipeline(graph, opts, on_pass=on_pass, stop_before=MEMORY_PASS)
     # Whether the step scans can turn on what the passes made of the weights (GGUF tiles that stand
-    # alone are read in place: runtime.worker.executor.scans_layers); the memory plan counts one
-    # layer's temporaries where it does, so it is made again for the layout the runner will take.
-    scan = scans_layers(engine, sharded=engine.tensor_parallel_size > 1, graph=final)
-    if scan != opts.scan_layers:
-        opts = replace(opts, scan_layers=scan)
-        del texts[1:]
-        final = run_pipeline(graph, opts, on_pass=on_pass)
-    return final, memory_report(final, opts), texts
+    # alone are read in place: runtime.worker.executor.scans_layers), and the memory plan counts
+    # one layer's temporaries where it does: it plans for the layout the runner will take.
+    opts = replace(opts, scan_layers=scans_layers(engine, sharded=engine.tensor_parallel_size > 1, graph=graph))
+    graph = run_pipeline(graph, opts, on_pass=on_pass, start_at=MEMORY_PASS)
+    return graph, memory_report(graph, opts), texts
 
 
 # Engine args that only steer the host-side loop; a saved plan may be started with new values.

@@ -325,9 +325,9 @@ EVERY_STEP = 1 << 30  # tiles_max_rows of a path that takes every step's product
 
 def tiles_max_rows(activations: str = "q8") -> int:
     """The most rows of a step whose product the tiles' vector path for `activations` should take in
-    this build: EVERY_STEP where it has one (AVX-512BW, AVX2 with FMA: from 8 rows AVX2 widens a
-    slice of a tile to f32 once for every row, and so keeps up with XLA's f32 GEMM of the same
-    width), 0 without."""
+    this build: EVERY_STEP where it has one (AVX-512BW; AVX2 with FMA, which from 8 rows widens a
+    slice of a tile to f32 once for all the rows, so that no f32 copy of the weights is kept for
+    wide steps), 0 without."""
     return EVERY_STEP if tiles_vectorized(activations) else 0
 
 
