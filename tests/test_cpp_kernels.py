@@ -402,6 +402,34 @@ def test_f32_matmul_is_the_f32_product(m, k, n, cpu_target):
     assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound)
 
 
+def test_calls_from_several_threads_at_once_give_each_its_own_result():
+    """The kernels' helper threads serve one call at a time (cpp/parallel_for.h); calls made at once
+    from several threads, some sharing the helpers and some running alone, each get the result a
+    call made alone gets (bit for bit: every output is summed by one thread in k order)."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    product = jax.jit(cpp_kernels.f32_matmul)
+    cases = [(jnp.asarray(rng.standard_normal((m, 576)), jnp.float32),
+              jnp.asarray(rng.standard_normal((576, n)), jnp.float32)) for m, n in [(1, 960), (3, 3072), (8, 576), (2, 1536)]]
+    alone = [np.asarray(product(x, w)) for x, w in cases]
+    failures, start = [], threading.Barrier(len(cases))
+
+    def caller(i):
+        start.wait()
+        for _ in range(40):
+            got = np.asarray(product(*cases[i]))
+            if not np.array_equal(got, alone[i]):
+                failures.append((i, float(np.max(np.abs(got - alone[i])))))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 577, 1000), (4, 1536, 576)])
 def test_products_take_a_layer_of_a_stack_where_it_lies(m, k, n):
     """A stack w [L, K, N] and a layer index (traced, as in a scanned step): each layer's product is

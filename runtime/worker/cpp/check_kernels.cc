@@ -12,8 +12,8 @@
 //   qemu-aarch64 -L /usr/aarch64-linux-gnu /tmp/check_kernels cases.bin
 //
 // It prints one line per case (PASS, or FAIL with the worst element) and exits 1 if any failed.
-// The thread pool it hands the kernels runs each scheduled task on a thread of its own, so the
-// kernels' parallel paths run as under XLA.
+// The thread pool it hands the kernels says it has kPoolThreads threads, so the kernels share
+// their items with that many helpers less one (parallel_for.h), as under XLA.
 //
 // The case file, little-endian: "JXCK", u32 cases, then per case: str name, str handler,
 // u32 args {i32 dtype, u32 rank, i64 dims[rank], u64 bytes, data}, u32 attrs sorted by name
@@ -64,7 +64,7 @@ void ErrorGetMessage(XLA_FFI_Error_GetMessage_Args* args) {
 
 void ErrorDestroy(XLA_FFI_Error_Destroy_Args* args) { delete reinterpret_cast<XLA_FFI_Error_Impl*>(args->error); }
 
-constexpr int64_t kPoolThreads = 2;
+constexpr int64_t kPoolThreads = 3;  // two helpers: more interleavings than one
 
 XLA_FFI_Error* Schedule(XLA_FFI_ThreadPool_Schedule_Args* args) {
   std::thread([task = args->task, data = args->data] { task(data); }).detach();

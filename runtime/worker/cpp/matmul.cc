@@ -215,9 +215,9 @@ void Columns(const Part<X, W, Y>& p, int64_t M, int64_t N, int64_t n0, int64_t n
   if (vector_end < n1) ScalarColumns(p, M, N, vector_end, n1);
 }
 
-// y = x @ w over the calling thread and XLA's intra-op pool. Wide int8 products: chunks of columns,
-// each walking all of K. Narrow ones (one chunk's worth, the down projection's N = hidden size) and
-// every f32 one: shares of K, each thread streaming its own contiguous rows of w, their partial
+// y = x @ w over the calling thread and the kernels' helper threads (parallel_for.h). Wide int8
+// products: chunks of columns, each walking all of K. Narrow ones (one chunk's worth, the down
+// projection's N = hidden size) and every f32 one: shares of K, each thread streaming its own contiguous rows of w, their partial
 // sums added at the end. An f32 weight row is 4x an int8 one, so whole rows are long runs already;
 // column chunks of f32 rows streamed at 15.5 GB/s where XLA's one-row product did 20.3, shares of K
 // at 18.8 (docs/benchmarks/, "f32 decode rows in our C++ kernel").

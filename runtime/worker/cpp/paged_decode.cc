@@ -480,7 +480,7 @@ void Merge(const Part* parts, int64_t count, int64_t HR, int64_t D, float* mx, f
   }
 }
 
-// Rows are shared out over the calling thread and XLA's intra-op pool (parallel_for.h), one part
+// Rows are shared out over the calling thread and the kernels' helper threads (parallel_for.h), one part
 // per row, unless a row is longer than an even share of the step's positions over about
 // kItemsPerThread items per thread: such a row's positions are split into parts of about that
 // share (whole blocks, at least `part_tokens`), like vLLM's partitioned decode attention, and the

@@ -1,19 +1,24 @@
-// ParallelFor over XLA's intra-op thread pool, for the kernels in this folder.
+// ParallelFor for the kernels in this folder: the calling thread and helper threads of our own
+// share a call's items through an atomic counter.
 //
-// Items are shared out through an atomic counter: the calling thread and helpers on the pool each
-// take the next item until none is left. A helper that starts late finds none and touches only
-// the shared counter state, so the call never waits on a thread busy elsewhere.
+// Why threads of our own, and not XLA's intra-op pool: a batch-1 decode step makes about 150
+// kernel calls of 10-60 us each. Each call that scheduled a task on XLA's pool woke a parked
+// thread (a futex call, in a VM an inter-processor interrupt), and the caller was often not one of
+// the pool's threads, so three threads shared two cores. On this machine 120 calls of SmolLM2's
+// layer products at one row took 2.4x longer on two cores than on one (docs/benchmarks/,
+// "Hot helpers"). Our helpers instead poll for work for kSpinAfterWork after each call, as
+// llama.cpp's threads do between a graph's ops: within a step, every call finds them awake. Idle
+// longer, they sleep, and the next call wakes them.
 //
-// When the calling thread runs out of items while a helper still works on its last one, it spins
-// for a while before it sleeps: the call returns as soon as the helper is done, instead of a
-// futex wake-up later, and the helper skips the wake-up call when nobody sleeps.
-//
-// XLA runs most kernel calls on one of the pool's own threads, which then has num_threads() - 1
-// others to help it, not num_threads(): Workers() tells the two apart (a thread of the pool is
-// one that has run a helper task), so that a call neither shares its work out for a thread that
-// is not there nor schedules a helper task that only finds the work done.
+// A call hands its job to each helper through the helper's mailbox (one word: empty, a job, or a
+// job taken). When the caller has run out of items it takes back every job no helper has taken
+// yet, and waits only for the helpers that took one, which are then working on their last items:
+// a helper that is asleep, or descheduled, never holds a call up. One call at a time has the
+// helpers; a call that finds them busy (XLA running two kernels at once) runs its items alone.
 
 #pragma once
+
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -22,6 +27,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -31,67 +38,156 @@
 
 namespace jaxserve {
 
-// How long the calling thread spins for its helpers before it sleeps.
-constexpr std::chrono::microseconds kSpinBeforeSleep{200};
-
-struct WorkCounter {
-  std::atomic<int64_t> next{0}, done{0};
-  std::atomic<bool> sleeping{false};
-  std::mutex mu;
-  std::condition_variable all_done;
-};
-
-// Set on the pool's threads by the helper tasks they run.
-inline thread_local bool tls_pool_thread = false;
-
-// The threads that can work on a call from this thread: the pool's, plus this one if it is not
-// one of them.
-inline int64_t Workers(xla::ffi::ThreadPool& pool) {
-  return std::max<int64_t>(1, pool.num_threads() + (tls_pool_thread ? 0 : 1));
-}
-
-template <typename F>
-void DrainItems(WorkCounter& w, int64_t items, const F& item) {
-  for (int64_t t; (t = w.next.fetch_add(1)) < items;) {
-    item(t);
-    // Sequentially consistent, as is the caller's store to `sleeping` before it reads `done`: one
-    // of the two sees the other's write, so the last item never goes unannounced to a sleeper.
-    if (w.done.fetch_add(1) + 1 == items && w.sleeping.load()) {
-      std::lock_guard<std::mutex> lock(w.mu);
-      w.all_done.notify_all();
-    }
-  }
-}
+// How long a helper polls for the next call after its last one, before it sleeps.
+constexpr std::chrono::microseconds kSpinAfterWork{300};
 
 inline void Pause() {
 #if defined(__x86_64__)
   _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
 #endif
 }
 
-// item(t) for t in [0, items), on this thread and up to items - 1 of the pool's; returns when all
-// are done. `item` is copied into each helper's task.
+// One call's items, on the caller's stack while the call runs.
+struct Job {
+  std::atomic<int64_t> next{0};
+  int64_t items = 0;
+  void (*run)(const void* item, int64_t t) = nullptr;
+  const void* item = nullptr;
+
+  void Drain() {
+    for (int64_t t; (t = next.fetch_add(1)) < items;) run(item, t);
+  }
+};
+
+class Helpers {
+ public:
+  // The process's helpers: `count` threads, started on first use (and again in a forked child,
+  // which has none of its parent's threads).
+  static Helpers& Get(int64_t count) {
+    static std::mutex mu;
+    static const bool registered = [] {
+      pthread_atfork(nullptr, nullptr, [] { current().store(nullptr); });
+      return true;
+    }();
+    (void)registered;
+    Helpers* h = current().load(std::memory_order_acquire);
+    if (h != nullptr) return *h;
+    std::lock_guard<std::mutex> lock(mu);
+    h = current().load();
+    if (h == nullptr) {
+      h = new Helpers(std::max<int64_t>(0, count));  // never freed: its threads poll it until exit
+      current().store(h, std::memory_order_release);
+    }
+    return *h;
+  }
+
+  int64_t size() const { return static_cast<int64_t>(boxes_.size()); }
+
+  // item(t) for t in [0, items), on this thread and up to items - 1 helpers.
+  template <typename F>
+  void Run(int64_t items, const F& item) {
+    const int64_t helpers = std::min<int64_t>(size(), items - 1);
+    bool expected = false;
+    if (helpers <= 0 || !busy_.compare_exchange_strong(expected, true)) {
+      for (int64_t t = 0; t < items; ++t) item(t);
+      return;
+    }
+    Job job;
+    job.items = items;
+    job.run = [](const void* f, int64_t t) { (*static_cast<const F*>(f))(t); };
+    job.item = &item;
+    const auto posted = reinterpret_cast<uintptr_t>(&job);
+    for (int64_t i = 0; i < helpers; ++i) boxes_[i]->Post(posted);
+    job.Drain();
+    for (int64_t i = 0; i < helpers; ++i) boxes_[i]->TakeBack(posted);
+    busy_.store(false, std::memory_order_release);
+  }
+
+ private:
+  // A helper's mailbox: 0, a posted Job's address, or that address | 1 once the helper took it.
+  struct alignas(64) Box {
+    std::atomic<uintptr_t> job{0};
+    std::atomic<bool> sleeping{false}, woken{false};
+    std::mutex mu;
+    std::condition_variable cv;
+
+    void Post(uintptr_t posted) {
+      job.store(posted);  // sequentially consistent, as the helper's store to `sleeping`
+      if (sleeping.load()) {
+        std::lock_guard<std::mutex> lock(mu);
+        woken.store(true);
+        cv.notify_one();
+      }
+    }
+
+    // The job back if the helper has not taken it, else wait until it is done with it.
+    void TakeBack(uintptr_t posted) {
+      uintptr_t expected = posted;
+      if (job.compare_exchange_strong(expected, 0)) return;
+      for (int spins = 0; job.load(std::memory_order_acquire) != 0; ++spins) {
+        if (spins < 4096) {
+          Pause();
+        } else {
+          std::this_thread::yield();  // the helper may share this core
+        }
+      }
+    }
+  };
+
+  static std::atomic<Helpers*>& current() {
+    static std::atomic<Helpers*> h{nullptr};
+    return h;
+  }
+
+  explicit Helpers(int64_t count) {
+    for (int64_t i = 0; i < count; ++i) boxes_.push_back(std::make_unique<Box>());
+    for (int64_t i = 0; i < count; ++i) std::thread([box = boxes_[i].get()] { Serve(*box); }).detach();
+  }
+
+  static void Serve(Box& box) {
+    auto until = std::chrono::steady_clock::now() + kSpinAfterWork;
+    for (int spins = 1;; ++spins) {
+      uintptr_t posted = box.job.load(std::memory_order_acquire);
+      if (posted != 0 && !(posted & 1) && box.job.compare_exchange_strong(posted, posted | 1)) {
+        reinterpret_cast<Job*>(posted)->Drain();
+        box.job.store(0, std::memory_order_release);
+        until = std::chrono::steady_clock::now() + kSpinAfterWork;
+        continue;
+      }
+      Pause();
+      if (spins % 64 != 0) continue;
+      if (std::chrono::steady_clock::now() < until) {
+        if (spins % 1024 == 0) std::this_thread::yield();  // a thread that needs this core gets it
+        continue;
+      }
+      // Asleep until a call posts a job. Woken, poll again for kSpinAfterWork even if the caller
+      // took its job back meanwhile: more calls follow within a step.
+      std::unique_lock<std::mutex> lock(box.mu);
+      box.sleeping.store(true);
+      box.cv.wait(lock, [&] { return box.job.load() != 0 || box.woken.load(); });
+      box.sleeping.store(false);
+      box.woken.store(false);
+      until = std::chrono::steady_clock::now() + kSpinAfterWork;
+    }
+  }
+
+  std::vector<std::unique_ptr<Box>> boxes_;
+  std::atomic<bool> busy_{false};
+};
+
+// The threads that work on a call: this one and the helpers, as many in all as XLA's intra-op
+// pool has threads (one per core by default).
+inline int64_t Workers(xla::ffi::ThreadPool& pool) {
+  return Helpers::Get(pool.num_threads() - 1).size() + 1;
+}
+
+// item(t) for t in [0, items), on this thread and up to items - 1 helpers; returns when all are
+// done.
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, const F& item) {
-  auto work = std::make_shared<WorkCounter>();
-  const int64_t helpers = std::min<int64_t>(Workers(pool) - 1, items - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([work, items, item] {
-      tls_pool_thread = true;
-      DrainItems(*work, items, item);
-    });
-  }
-  DrainItems(*work, items, item);
-  if (work->done.load() >= items) return;
-  const auto until = std::chrono::steady_clock::now() + kSpinBeforeSleep;
-  for (int spins = 0; work->done.load() < items; ++spins) {
-    Pause();
-    if (spins % 64 == 63 && std::chrono::steady_clock::now() > until) break;
-  }
-  if (work->done.load() >= items) return;
-  work->sleeping.store(true);
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->all_done.wait(lock, [&] { return work->done.load() >= items; });
+  Helpers::Get(pool.num_threads() - 1).Run(items, item);
 }
 
 }  // namespace jaxserve
