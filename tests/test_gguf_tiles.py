@@ -125,11 +125,10 @@ def test_kernel_matches_rounded_product(fmt, m, k, n, cpu_target):
     extra=[(1, 32, 16), (3, 64, 48), (6, 96, 32), (8, 288, 32), (13, 160, 64), (17, 96, 48), (50, 576, 32),
            (130, 64, 16)]), indirect=["cpu_target"])
 def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n, cpu_target):
-    """activations="f32": x as it is. Ragged rows across the f32 multiply-adds (passes of 12 rows
-    with AVX-512BW, 4 with AVX2, whose 4-bit path takes x scaled by powers of two and adds each
-    block's offset times its sum of x; one or two rows on several chains of sums; from 8 rows
-    AVX2's passes of 4-6 rows over a tile's values widened per slice of 8 blocks, K off a slice's
-    end, in chunks of up to 48 rows) and
+    """activations="f32": x as it is. Ragged rows across the integer products of steps under 8 rows
+    (x split per block into two 16-bit parts; passes of 4 rows with AVX-512BW, 1 with AVX2), the
+    f32 multiply-adds from 8 rows (passes of 12 rows with AVX-512BW; AVX2's passes of 4-6 rows over
+    a tile's values widened per slice of 8 blocks, K off a slice's end, in chunks of up to 48 rows) and
     AMX-BF16's groups of 16 and 32 and its chunks of 128 (where the CPU has it), K of 1-48 blocks,
     plain and from a layer stack, rows of magnitudes 1e-3 to 1e3: within f32 rounding of the f64
     product (AMX takes each activation as three bf16 parts that sum to it exactly, and the weights'
@@ -149,6 +148,25 @@ def test_kernel_with_f32_activations_matches_the_f32_product(fmt, m, k, n, cpu_t
         assert got.shape == (m, n)
         assert np.all(np.abs(got - want) <= 1e-6 * bound + 1e-30), np.max(np.abs(got - want) / (bound + 1e-30))
         assert not got[m // 2].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,cpu_target", cpu_target_cases([1, 3, 7], extra=[1, 6]), indirect=["cpu_target"])
+def test_f32_activations_of_few_rows_keep_f32_precision_beside_an_outlier(fmt, m, cpu_target):
+    """Steps under 8 rows take x in two 16-bit parts per block of 32 (s * (hi + lo / 2^15), s from
+    the block's largest value): an outlier feature (300, as LLM activations have) leaves the block's
+    small values within f32 rounding of the f64 product all the same, where one 16-bit part alone
+    (2^-16 of the outlier) would be off by about 2e-6 of the bound."""
+    rng = np.random.default_rng(11 + m)
+    blocks, values = _quantized(rng.standard_normal((48, 1536)) * 0.1, fmt)
+    x = rng.standard_normal((m, 1536)).astype(np.float32)
+    x[:, 5] = 300.0
+    got = np.asarray(jax.jit(lambda a, b: cpp_kernels.tile_matmul(a, b, fmt, activations="f32"))(
+        x, pack_tiles(blocks, fmt)))
+    want = x.astype(np.float64) @ values.T.astype(np.float64)
+    bound = np.abs(x).astype(np.float64) @ np.abs(values.T).astype(np.float64)
+    assert np.all(np.abs(got - want) <= 1e-6 * bound), np.max(np.abs(got - want) / bound)
 
 
 @needs_kernel

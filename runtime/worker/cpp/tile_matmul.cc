@@ -482,9 +482,8 @@ void AmxTiles(const Args& a, int64_t g0, int64_t g1) {
 //     SmolLM2's layers, 1.9x at 32 rows, 2.3x at 64 and 3.1x at 512 (2.2x XLA's f32 GEMM there;
 //     docs/benchmarks/, "f32 products on AMX"). The tile unit's loads and stores (1 KB each), not
 //     its multiplies, bound it: the parts stay in tile registers while a work item's tiles pass.
-//   - otherwise, f32 multiply-adds: each block's 16 columns widened to f32 per input, once for up
-//     to 12 rows (the few rows of a decode step; 1.2-1.35x the f32 blocks' rows at 1-8 rows,
-//     where the records requested ahead keep the bytes coming).
+//   - otherwise, f32 multiply-adds: on AVX-512, each block's 16 columns widened to f32 per input,
+//     once for up to 12 rows; on AVX2, once per slice of blocks for all the rows (WideTilesF32).
 
 struct F32Args {
   const float* x;  // [M, K]
@@ -492,34 +491,9 @@ struct F32Args {
   float* y;
   int64_t M, K, N, nb;
   const uint16_t* parts;  // AMX: bf16 bits [3, padded, K] (hi, mid, lo), rows from M zero
-  const float* sx;        // AMX (Q4_1, Q4_K), AVX2 (4-bit formats): per (row, block) the sum of x
+  const float* sx;        // AMX (Q4_1, Q4_K): per (row, block) the sum of x
   int64_t padded;
-  const float* xs = nullptr;  // AVX2, 4-bit formats: [M, K] x scaled by 2^-NibbleShift (ScaleNibbleInputs)
 };
-
-// Where the AVX2 4-bit path finds input k of a block in its column's 32 bits: byte k % 4 (the high
-// nibbles, inputs 16-31, shifted down into the low ones first; TileValue).
-constexpr int NibbleShift(int k) { return 8 * (k % 4); }
-
-// Rows [0, M) of x for the AVX2 4-bit path: xs = x * 2^-NibbleShift(k % 32) (exact, short of
-// activations below 2^-100), and per block the sum of x.
-void ScaleNibbleInputs(const float* x, int64_t M, int64_t K, float* xs, float* sx) {
-  float scale[kBlock];
-  for (int k = 0; k < kBlock; ++k) scale[k] = std::ldexp(1.0f, -NibbleShift(k));
-  const int64_t nb = K / kBlock;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * kBlock;
-      float* out = xs + m * K + b * kBlock;
-      float sum = 0.0f;
-      for (int k = 0; k < kBlock; ++k) {
-        out[k] = xb[k] * scale[k];
-        sum += xb[k];
-      }
-      sx[m * nb + b] = sum;
-    }
-  }
-}
 
 template <int F>
 void ScalarTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
@@ -626,125 +600,13 @@ void VectorTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// AVX2: the same multiply-adds as VectorTileF32, a tile's 16 columns in two vectors of 8 (halves:
-// bytes 0-31 and 32-63 of each 64-byte vector of the record), up to kAvx2Rows rows per pass (16
-// registers: a block's two sums per row, the input's two widened halves, the broadcast input, the
-// nibble mask). Passes of 4 rows: 16 rows of SmolLM2's layers 1.4x faster than passes of 6.
-constexpr int kAvx2Rows = 4;
-
-template <int F, int MR>
-void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
-  const int64_t R = RecordBytes(F);
-  const uint8_t* rec = a.w + g * a.nb * R;
-  const float* x[MR];
-  for (int m = 0; m < MR; ++m) x[m] = a.x + (m0 + m) * a.K;
-  const float* xs[MR];  // Q4_0, Q4_1: the rows' inputs scaled by 2^-NibbleShift (ScaleNibbleInputs)
-  for (int m = 0; m < MR; ++m) xs[m] = F == kQ8_0 ? nullptr : a.xs + (m0 + m) * a.K;
-  __m256 acc[MR][2];  // the rows' sums over the blocks so far
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.nb; ++b, rec += R) {
-    for (int64_t line = 0; line < R; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
-    }
-    const uint8_t* q8 = rec + ScaleBytes(F);  // the values
-    const __m256 d[2] = {ScaleD<F>(rec, 0), ScaleD<F>(rec, 1)};
-    auto half = [&](int j, int h) {  // 8 columns' 4 bytes of vector j
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * j + 32 * h));
-    };
-    if (F != kQ8_0) {
-      // 4-bit formats: value = d * q + c (Q4_0: c = -8 d). Input k's nibble sits in byte k % 4 of its
-      // column's 32 bits (the high nibbles, inputs 16-31, shifted down first, once per block);
-      // masked in place it is q * 2^NibbleShift(k), exact in f32, and the row's input comes
-      // scaled by 2^-NibbleShift(k) (a.xs), so their product is x * q exactly: no shift per input.
-      // Each row sums x * q over the block, then adds d * that sum + c * the block's sum of x (a.sx).
-      alignas(32) uint8_t high[4 * 64];
-      for (int i = 0; i < 8; ++i) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(high + 32 * i),
-                           _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * i)), 4));
-      }
-      constexpr int CQ = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // chains per row and half: 2 * MR * CQ >= 6
-      __m256 blk[CQ][MR][2];
-      for (int i = 0; i < CQ; ++i)
-        for (int m = 0; m < MR; ++m) blk[i][m][0] = blk[i][m][1] = _mm256_setzero_ps();
-      // Inputs 4q to 4q + 3 come from vector q % 4, its low nibbles for q < 4.
-      auto quad = [&](int q) {
-        const uint8_t* src = (q < 4 ? q8 : high) + 64 * (q % 4);
-        const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32))};
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-          const __m256i mask = _mm256_set1_epi32(0xf << (8 * t));
-          const __m256 wk[2] = {_mm256_cvtepi32_ps(_mm256_and_si256(v[0], mask)),
-                                _mm256_cvtepi32_ps(_mm256_and_si256(v[1], mask))};
-          for (int m = 0; m < MR; ++m) {
-            const __m256 xk = _mm256_broadcast_ss(xs[m] + b * kBlock + 4 * q + t);
-            for (int h = 0; h < 2; ++h) blk[t % CQ][m][h] = _mm256_fmadd_ps(xk, wk[h], blk[t % CQ][m][h]);
-          }
-        }
-      };
-      if constexpr (MR <= 2) {
-#pragma GCC unroll 8
-        for (int q = 0; q < 8; ++q) quad(q);
-      } else {  // unrolled, the compiler kept every vector and mask live and spilled
-#pragma GCC unroll 1
-        for (int q = 0; q < 8; ++q) quad(q);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 cc = ScaleC<F>(rec, h, d[h]);
-        for (int m = 0; m < MR; ++m) {
-          __m256 sum = blk[0][m][h];
-          for (int i = 1; i < CQ; ++i) sum = _mm256_add_ps(sum, blk[i][m][h]);
-          acc[m][h] = _mm256_fmadd_ps(sum, d[h], acc[m][h]);
-          acc[m][h] = _mm256_fmadd_ps(cc, _mm256_broadcast_ss(a.sx + (m0 + m) * a.nb + b), acc[m][h]);
-        }
-      }
-      continue;
-    }
-    // Q8_0: each row sums x * v over the block, then scales the sum by d once.
-    constexpr int C = MR <= 2 ? 2 : 1;  // chains of sums per row and half (inputs k % C)
-    __m256 blk[C][MR][2];
-    for (int i = 0; i < C; ++i)
-      for (int m = 0; m < MR; ++m) blk[i][m][0] = blk[i][m][1] = _mm256_setzero_ps();
-#pragma GCC unroll 32
-    for (int k = 0; k < kBlock; ++k) {
-      __m256 wk[2];
-      for (int h = 0; h < 2; ++h) {
-        // byte k % 4 of vector k / 4 as int8 (q - 128), sign-extended
-        const int t = k % 4;
-        const __m256i v = _mm256_xor_si256(half(k / 4, h), _mm256_set1_epi8(static_cast<char>(0x80)));
-        wk[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), 24));
-      }
-      for (int m = 0; m < MR; ++m) {
-        const __m256 xk = _mm256_broadcast_ss(x[m] + b * kBlock + k);
-        for (int h = 0; h < 2; ++h) blk[k % C][m][h] = _mm256_fmadd_ps(xk, wk[h], blk[k % C][m][h]);
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      for (int h = 0; h < 2; ++h) {
-        __m256 sum = blk[0][m][h];
-        for (int i = 1; i < C; ++i) sum = _mm256_add_ps(sum, blk[i][m][h]);
-        acc[m][h] = _mm256_fmadd_ps(sum, d[h], acc[m][h]);
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(a.y + (m0 + m) * a.N + g * kTile + 8 * h, acc[m][h]);
-}
-
-template <int F>
-void VectorTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    RowPasses<kAvx2Rows>(a.M, [&](auto mr, int64_t m) { VectorTileF32<F, decltype(mr)::value>(a, g, m); });
-  }
-}
-
-// Wider steps (from kAvx2WideRows rows): a tile's values are widened to f32 (d * q + c, as the
-// reference's dequantized weight has them) once per slice of kAvx2SliceBlocks blocks (16 KB: in L1
-// beside the rows' inputs), and the rows pass over that copy, 4-6 at a time (up to 12 sums in
-// registers; no per-block finish), kAvx2ChunkRows rows at a time so that their inputs stay in L2
-// while a run's tiles pass. A pass does two loads and a broadcast per two multiply-adds of each
-// row, where widening in every pass (VectorTileF32) spends as many instructions again on the values.
-constexpr int64_t kAvx2WideRows = 8;
+// AVX2, from kShortRows rows (fewer take the integer products below): a tile's values are widened
+// to f32 (d * q + c, as the reference's dequantized weight has them) once per slice of
+// kAvx2SliceBlocks blocks (16 KB: in L1 beside the rows' inputs), and the rows pass over that
+// copy, 4-6 at a time (up to 12 sums in registers; no per-block finish), kAvx2ChunkRows rows at a
+// time so that their inputs stay in L2 while a run's tiles pass. A pass does two loads and a
+// broadcast per two multiply-adds of each row, where widening the values in every pass spent as
+// many instructions again on them.
 constexpr int kAvx2WideRowsPerPass = 6;
 constexpr int64_t kAvx2SliceBlocks = 8;
 constexpr int64_t kAvx2ChunkRows = 48;
@@ -843,6 +705,208 @@ void WideTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
         });
       }
     }
+  }
+}
+#endif
+
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__FMA__))
+// Steps of fewer than kShortRows rows (batch-1 decode, and the few rows of small batches) take
+// integer products: each row's activations are split per block of 32 into two 16-bit parts,
+// x = s * (hi + lo / 2^15) with s = max|x| / 32767, hi = round(x / s) and lo the rest rounded (so
+// within max|x| * 2^-31 of x: below f32's rounding of the sums), and a block's product is
+// d * s * (sum(q * hi) + 2^-15 sum(q * lo)) + c * sum(x), each integer sum exact in int32
+// (vpmaddwd: two products per 32-bit lane). Widening each weight to f32 cost a conversion and a
+// multiply-add per value and row: on AVX2 that bound a row to about 7 GB/s of weights per core,
+// under what a core reads; the integer products take two thirds of the instructions, and their
+// share on ports 0 and 1 is a third (docs/benchmarks/, "Few rows in integer products").
+constexpr int64_t kShortRows = 8;
+
+// Rows split per block for the integer products: per (row, block) 32 words, hi's 16 then lo's, word
+// 2t + p of each holding the part of inputs 4t + p (low half) and 4t + p + 2 (high half), the pair
+// that vpmaddwd multiplies with a column's inputs 4t + p and 4t + p + 2 (bytes p and p + 2 of its
+// 32 bits); s, the f32 sum of x, and the sums of hi and lo (for Q4_0's and Q8_0's bias).
+struct Short16 {
+  std::vector<int32_t> pairs;
+  std::vector<float> s, sx;
+  std::vector<int32_t> sum_hi, sum_lo;
+};
+
+void SplitShort16(const float* x, int64_t M, int64_t K, Short16& out) {
+  const int64_t nb = K / kBlock;
+  if (out.pairs.size() < static_cast<size_t>(M * nb * 32)) out.pairs.resize(M * nb * 32);
+  if (out.s.size() < static_cast<size_t>(M * nb)) {
+    out.s.resize(M * nb), out.sx.resize(M * nb), out.sum_hi.resize(M * nb), out.sum_lo.resize(M * nb);
+  }
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.0f, sx = 0.0f;
+    for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k])), sx += xb[k];
+    const float s = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    const float inv_lo = amax > 0.0f ? 32768.0f / s : 0.0f;
+    int32_t hi[kBlock], lo[kBlock], sum_hi = 0, sum_lo = 0;
+    for (int k = 0; k < kBlock; ++k) {
+      hi[k] = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
+      // x - s * hi in one rounding (a fused multiply-add), scaled to lo's units: |lo| <= 2^14 or so
+      lo[k] = static_cast<int32_t>(std::nearbyint(std::fma(-s, static_cast<float>(hi[k]), xb[k]) * inv_lo));
+      sum_hi += hi[k], sum_lo += lo[k];
+    }
+    int32_t* words = out.pairs.data() + i * 32;
+    for (int t = 0; t < 8; ++t) {
+      for (int p = 0; p < 2; ++p) {
+        auto pair = [&](const int32_t* v) {
+          return static_cast<int32_t>((static_cast<uint32_t>(v[4 * t + p]) & 0xffffu) |
+                                      (static_cast<uint32_t>(v[4 * t + p + 2]) << 16));
+        };
+        words[2 * t + p] = pair(hi);
+        words[16 + 2 * t + p] = pair(lo);
+      }
+    }
+    out.s[i] = s, out.sx[i] = sx, out.sum_hi[i] = sum_hi, out.sum_lo[i] = sum_lo;
+  }
+}
+
+struct ShortArgs {
+  const Short16* x;
+  const uint8_t* w;
+  float* y;
+  int64_t M, K, N, nb;
+};
+
+#if defined(__AVX512BW__)
+constexpr int kShortRowsPerPass = 4;
+using VecI = __m512i;
+using VecF = __m512;
+constexpr int kHalves = 1;  // a tile's 16 columns in one vector
+inline VecI LoadQ(const uint8_t* q, int j, int) { return _mm512_loadu_si512(q + 64 * j); }
+inline VecI Bytes(int32_t v) { return _mm512_set1_epi32(v); }
+inline VecI And(VecI a, VecI b) { return _mm512_and_si512(a, b); }
+inline VecI Srli16(VecI a, int n) { return _mm512_srli_epi16(a, n); }
+inline VecI Dot(VecI acc, VecI q, VecI x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, q, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(q, x));
+#endif
+}
+inline VecI SubI(VecI a, VecI b) { return _mm512_sub_epi32(a, b); }
+inline VecI ZeroI() { return _mm512_setzero_si512(); }
+inline VecF ZeroF() { return _mm512_setzero_ps(); }
+inline VecF CvtF(VecI a) { return _mm512_cvtepi32_ps(a); }
+inline VecF MulF(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF Fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF SetF(float v) { return _mm512_set1_ps(v); }
+template <int F>
+inline VecF ShortD(const uint8_t* rec, int) { return ScaleD<F>(rec); }
+template <int F>
+inline VecF ShortC(const uint8_t* rec, int, VecF d) { return ScaleC<F>(rec, d); }
+inline void StoreF(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+#else
+constexpr int kShortRowsPerPass = 1;  // 16 registers: passes of two rows were no faster
+using VecI = __m256i;
+using VecF = __m256;
+constexpr int kHalves = 2;  // columns 8h to 8h + 7: bytes 32h to 32h + 31 of each 64-byte vector
+inline VecI LoadQ(const uint8_t* q, int j, int h) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * h)); }
+inline VecI Bytes(int32_t v) { return _mm256_set1_epi32(v); }
+inline VecI And(VecI a, VecI b) { return _mm256_and_si256(a, b); }
+inline VecI Srli16(VecI a, int n) { return _mm256_srli_epi16(a, n); }
+inline VecI Dot(VecI acc, VecI q, VecI x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(q, x)); }
+inline VecI SubI(VecI a, VecI b) { return _mm256_sub_epi32(a, b); }
+inline VecI ZeroI() { return _mm256_setzero_si256(); }
+inline VecF ZeroF() { return _mm256_setzero_ps(); }
+inline VecF CvtF(VecI a) { return _mm256_cvtepi32_ps(a); }
+inline VecF MulF(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF Fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF SetF(float v) { return _mm256_set1_ps(v); }
+template <int F>
+inline VecF ShortD(const uint8_t* rec, int h) { return ScaleD<F>(rec, h); }
+template <int F>
+inline VecF ShortC(const uint8_t* rec, int h, VecF d) { return ScaleC<F>(rec, h, d); }
+inline void StoreF(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// Rows [m0, m0 + MR) over tile g. A column's 32 bits of vector j hold its inputs 4j to 4j + 3 in
+// bytes 0-3 (Q8_0: q + 128; 4-bit formats: the low nibbles, the high ones inputs 4j + 16 on);
+// masked to words they are the even inputs (bytes 0 and 2), shifted down the odd ones (1 and 3).
+template <int F, int MR>
+void ShortTile(const ShortArgs& a, int64_t g, int64_t m0) {
+  const int64_t R = RecordBytes(F);
+  const uint8_t* rec = a.w + g * a.nb * R;
+  const int32_t* xp[MR];
+  const float *s[MR], *sx[MR];
+  const int32_t *sum_hi[MR], *sum_lo[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const int64_t row = (m0 + m) * a.nb;
+    xp[m] = a.x->pairs.data() + row * 32;
+    s[m] = a.x->s.data() + row, sx[m] = a.x->sx.data() + row;
+    sum_hi[m] = a.x->sum_hi.data() + row, sum_lo[m] = a.x->sum_lo.data() + row;
+  }
+  const VecI nibbles = Bytes(0x0f0f0f0f), words = Bytes(0x00ff00ff);
+  const VecF lo_unit = SetF(1.0f / 32768.0f);
+  VecF acc[MR][kHalves];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < kHalves; ++h) acc[m][h] = ZeroF();
+  for (int64_t b = 0; b < a.nb; ++b, rec += R) {
+    for (int64_t line = 0; line < R; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
+    }
+    const uint8_t* q = rec + ScaleBytes(F);
+#pragma GCC unroll 1
+    for (int h = 0; h < kHalves; ++h) {
+      VecI hi[MR], lo[MR];
+      const int32_t* xb[MR];
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) hi[m] = lo[m] = ZeroI(), xb[m] = xp[m] + b * 32;
+      if constexpr (F == kQ8_0) {
+#pragma GCC unroll 2
+        for (int j = 0; j < 8; ++j) {
+          const VecI v = LoadQ(q, j, h);
+          const VecI even = And(v, words), odd = Srli16(v, 8);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            hi[m] = Dot(Dot(hi[m], even, Bytes(xb[m][2 * j])), odd, Bytes(xb[m][2 * j + 1]));
+            lo[m] = Dot(Dot(lo[m], even, Bytes(xb[m][16 + 2 * j])), odd, Bytes(xb[m][17 + 2 * j]));
+          }
+        }
+      } else {
+#pragma GCC unroll 1
+        for (int j = 0; j < 4; ++j) {
+          const VecI v = LoadQ(q, j, h);
+          const VecI low = And(v, nibbles), high = And(Srli16(v, 4), nibbles);
+          const VecI even = And(low, words), odd = Srli16(low, 8);
+          const VecI even4 = And(high, words), odd4 = Srli16(high, 8);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            hi[m] = Dot(Dot(hi[m], even, Bytes(xb[m][2 * j])), odd, Bytes(xb[m][2 * j + 1]));
+            lo[m] = Dot(Dot(lo[m], even, Bytes(xb[m][16 + 2 * j])), odd, Bytes(xb[m][17 + 2 * j]));
+            hi[m] = Dot(Dot(hi[m], even4, Bytes(xb[m][8 + 2 * j])), odd4, Bytes(xb[m][9 + 2 * j]));
+            lo[m] = Dot(Dot(lo[m], even4, Bytes(xb[m][24 + 2 * j])), odd4, Bytes(xb[m][25 + 2 * j]));
+          }
+        }
+      }
+      const VecF d = ShortD<F>(rec, h);
+      const VecF c = HasOffset<F>() ? ShortC<F>(rec, h, d) : d;
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        // Q4_0, Q8_0: the products of q - bias, exact in int32.
+        const VecI h_exact = Bias<F>() ? SubI(hi[m], Bytes(Bias<F>() * sum_hi[m][b])) : hi[m];
+        const VecI l_exact = Bias<F>() ? SubI(lo[m], Bytes(Bias<F>() * sum_lo[m][b])) : lo[m];
+        const VecF dot = Fma(CvtF(l_exact), lo_unit, CvtF(h_exact));
+        acc[m][h] = Fma(dot, MulF(d, SetF(s[m][b])), acc[m][h]);
+        if (HasOffset<F>()) acc[m][h] = Fma(c, SetF(sx[m][b]), acc[m][h]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < kHalves; ++h) StoreF(a.y + (m0 + m) * a.N + g * kTile + 8 * h, acc[m][h]);
+}
+
+template <int F>
+void ShortTiles(const ShortArgs& a, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    RowPasses<kShortRowsPerPass>(a.M, [&](auto mr, int64_t m) { ShortTile<F, decltype(mr)::value>(a, g, m); });
   }
 }
 #endif
@@ -1059,23 +1123,21 @@ void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* 
     return;
   }
 #endif
-#if !defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
-  if (M >= kAvx2WideRows) {
-    ForTileRuns(pool, N / kTile, 4, N / kTile, [&](int64_t g0, int64_t g1) { WideTilesF32<F>(a, g0, g1); });
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__FMA__))
+  if (M < kShortRows) {  // the rows split into 16-bit parts, then about four runs of tiles per thread
+    static thread_local Short16 x16;  // kept per calling thread, as the parts above
+    SplitShort16(x, M, K, x16);
+    const ShortArgs s{&x16, w, y, M, K, N, nb};
+    ForTileRuns(pool, N / kTile, 4, N / kTile, [&](int64_t g0, int64_t g1) { ShortTiles<F>(s, g0, g1); });
     return;
-  }
-  static thread_local std::vector<float> xs;
-  if (F != kQ8_0) {
-    if (xs.size() < static_cast<size_t>(M * K)) xs.resize(M * K);
-    if (sx.size() < static_cast<size_t>(M * nb)) sx.resize(M * nb);
-    ScaleNibbleInputs(x, M, K, xs.data(), sx.data());
-    a.xs = xs.data(), a.sx = sx.data();
   }
 #endif
   // The multiply-adds: about four runs per thread.
   ForTileRuns(pool, N / kTile, 4, N / kTile, [&](int64_t g0, int64_t g1) {
-#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512BW__)
     VectorTilesF32<F>(a, g0, g1);
+#elif defined(__AVX2__) && defined(__FMA__)
+    WideTilesF32<F>(a, g0, g1);
 #else
     ScalarTilesF32<F>(a, g0, g1);
 #endif
