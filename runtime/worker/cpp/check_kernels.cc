@@ -31,7 +31,6 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/c_api.h"
@@ -49,7 +48,8 @@ int JaxserveTilesVectorized();
 
 namespace {
 
-// The few parts of XLA's FFI API the kernels use: errors, and a thread pool.
+// The few parts of XLA's FFI API the kernels use: errors, and a thread pool's size (they schedule
+// nothing on it: parallel_for.h runs helper threads of its own).
 struct XLA_FFI_Error_Impl {
   std::string message;
 };
@@ -66,11 +66,6 @@ void ErrorDestroy(XLA_FFI_Error_Destroy_Args* args) { delete reinterpret_cast<XL
 
 constexpr int64_t kPoolThreads = 3;  // two helpers: more interleavings than one
 
-XLA_FFI_Error* Schedule(XLA_FFI_ThreadPool_Schedule_Args* args) {
-  std::thread([task = args->task, data = args->data] { task(data); }).detach();
-  return nullptr;
-}
-
 XLA_FFI_Error* NumThreads(XLA_FFI_ThreadPool_NumThreads_Args* args) {
   *args->num_threads = kPoolThreads;
   return nullptr;
@@ -84,7 +79,6 @@ XLA_FFI_Api MakeApi() {
   api.XLA_FFI_Error_Create = ErrorCreate;
   api.XLA_FFI_Error_GetMessage = ErrorGetMessage;
   api.XLA_FFI_Error_Destroy = ErrorDestroy;
-  api.XLA_FFI_ThreadPool_Schedule = Schedule;
   api.XLA_FFI_ThreadPool_NumThreads = NumThreads;
   return api;
 }
