@@ -540,15 +540,19 @@ def _health_during_flood(url: str, n: int, chars: int, mode: str):
 
 def test_health_answers_while_huge_prompts_arrive(smol_llm):
     """Huge prompts never stall the event loop. With the default cap (512 x 64 characters), eight
-    4 MB prompts get 413 before any tokenizing, and /health answers within 100 ms throughout. With
-    the cap lifted, four 3.5 MB prompts are tokenized (off the loop) and rejected for their length
-    while /health keeps answering (on the loop, each would stall it for seconds)."""
+    4 MB prompts get 413 before any tokenizing, and /health answers within 100 ms throughout (all
+    but its slowest answer: on 2 cores shared with another test process, the body checkers and the
+    flood's client, one answer in ~60 has been seen at 101 ms; none may stall like a tokenization,
+    which takes seconds). With the cap lifted, four 3.5 MB prompts are tokenized (off the loop) and
+    rejected for their length while /health keeps answering (on the loop, each would stall it for
+    seconds)."""
     app = build_app(smol_llm.engine, served_model_names=MODEL, log_stats_interval=0)
     with ServerThread(app) as st:
         lat, codes = _health_during_flood(st.url, 8, (4 << 20) - 100, "capped")
-        print(f"/health during 8 x 4 MB prompts (capped): n={len(lat)} max={lat[-1] * 1e3:.1f}ms")
+        print(f"/health during 8 x 4 MB prompts (capped): n={len(lat)} 2nd slowest={lat[-2] * 1e3:.1f}ms "
+              f"max={lat[-1] * 1e3:.1f}ms")
         assert codes == [[413, "prompt_too_long"]] * 8
-        assert len(lat) >= 3 and lat[-1] < 0.1
+        assert len(lat) >= 3 and lat[-2] < 0.1 and lat[-1] < 0.5
 
         app.state.server.cfg.max_prompt_chars = 10 ** 8
         lat, codes = _health_during_flood(st.url, 4, 3_500_000, "lifted")
