@@ -51,7 +51,7 @@ PARTS = ("devices", "cpu", "kernels", "tiny", "throughput", "bench")
 # C++ kernels with an empty kernel cache, about 50 s there). The kernels part took 40 s --quick
 # under a load average of 8 with the grouped matmul's rows (4 s of it).
 TIMEOUTS = {"devices": (30, 20), "cpu": (150, 150), "kernels": (75, 60), "tiny": (75, 90), "throughput": (180, 85),
-            "bench": (120, 45)}
+            "bench": (120, 60)}
 TAIL_LINES = 25
 PASSING = ("PASS", "n.a.")  # n.a.: the part checks nothing this machine runs (the cpu part on a GPU,
 # the throughput part on a CPU without the C++ kernels)

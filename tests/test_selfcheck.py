@@ -59,7 +59,12 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
   rows = parts["bench"]["data"]["rows"]
   ours = [r for r in rows if r["impl"].startswith("ours")]
   assert len(ours) == len(bench.prefill_cases(True)) + len(bench.decode_cases(True))
-  assert all(r["seconds"] for r in ours)
+  # Each table's first case is timed; a later one may meet the part's time budget on a loaded machine
+  # (CI's did once), and then says so in its note rather than fail.
+  for table in {r["table"] for r in ours}:
+    first = next(r for r in ours if r["table"] == table)
+    assert first["seconds"] > 0, first
+  assert all(r["seconds"] or r["note"].startswith("skip: ") for r in ours), ours
   # Nothing here can measure the H200 targets; they say so rather than pass.
   assert [t["status"] for t in report["targets"]] == ["n.a."] * 4
 
