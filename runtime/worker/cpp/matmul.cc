@@ -320,6 +320,9 @@ extern "C" int JaxserveMatmulVectorized() {
 #endif
 }
 
+// How long the helpers of this process poll after each call (parallel_for.h), as they read it.
+extern "C" int64_t JaxserveHelperPollUs() { return jaxserve::SpinAfterWork().count(); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl, MatmulBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8WeightMatmul, Int8WeightMatmulImpl, MatmulBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveF32Matmul, F32MatmulImpl, MatmulBinding());

@@ -5,8 +5,8 @@
 // kernel calls of 10-60 us each. Each call that scheduled a task on XLA's pool woke a parked
 // thread (a futex call; in a VM, an interrupt to the other core), and the caller was often not one
 // of the pool's threads, so three threads shared two cores. Our helpers instead poll for work for
-// kSpinAfterWork after each call, as llama.cpp's threads do between a graph's ops: within a step,
-// every call finds them awake. Idle longer, they sleep, and the next call wakes them. With the
+// 300 us (SpinAfterWork) after each call, as llama.cpp's threads do between a graph's ops: within
+// a step, every call finds them awake. Idle longer, they sleep, and the next call wakes them. With the
 // tiles' integer products, batch-1 steps ran 1.10x (x86-64-v4) and 1.21x (x86-64-v3) faster than
 // with tasks on XLA's pool, alternated in one window (docs/benchmarks/, "Hot helpers"); a poll of
 // 50 us instead of 300 let the helpers fall asleep within a step, and lost that.
@@ -26,6 +26,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -39,8 +40,19 @@
 
 namespace jaxserve {
 
-// How long a helper polls for the next call after its last one, before it sleeps.
-constexpr std::chrono::microseconds kSpinAfterWork{300};
+// How long a helper polls for the next call after its last one, before it sleeps: 300 us, or
+// JAXSERVE_CPU_POLL_US (0 to 1,000,000; checked in runtime/worker/cpp_kernels.py). 0 sleeps at once,
+// for a machine whose cores other processes need between our steps.
+constexpr int64_t kDefaultSpinUs = 300;
+
+inline std::chrono::microseconds SpinAfterWork() {
+  const char* env = std::getenv("JAXSERVE_CPU_POLL_US");
+  if (env == nullptr || *env == '\0') return std::chrono::microseconds(kDefaultSpinUs);
+  char* end = nullptr;
+  const long long us = std::strtoll(env, &end, 10);
+  if (*end != '\0' || us < 0 || us > 1000000) return std::chrono::microseconds(kDefaultSpinUs);
+  return std::chrono::microseconds(us);
+}
 
 inline void Pause() {
 #if defined(__x86_64__)
@@ -143,18 +155,21 @@ class Helpers {
   }
 
   explicit Helpers(int64_t count) {
+    const auto spin = SpinAfterWork();
     for (int64_t i = 0; i < count; ++i) boxes_.push_back(std::make_unique<Box>());
-    for (int64_t i = 0; i < count; ++i) std::thread([box = boxes_[i].get()] { Serve(*box); }).detach();
+    for (int64_t i = 0; i < count; ++i) {
+      std::thread([box = boxes_[i].get(), spin] { Serve(*box, spin); }).detach();
+    }
   }
 
-  static void Serve(Box& box) {
-    auto until = std::chrono::steady_clock::now() + kSpinAfterWork;
+  static void Serve(Box& box, std::chrono::microseconds spin) {
+    auto until = std::chrono::steady_clock::now() + spin;
     for (int spins = 1;; ++spins) {
       uintptr_t posted = box.job.load(std::memory_order_acquire);
       if (posted != 0 && !(posted & 1) && box.job.compare_exchange_strong(posted, posted | 1)) {
         reinterpret_cast<Job*>(posted)->Drain();
         box.job.store(0, std::memory_order_release);
-        until = std::chrono::steady_clock::now() + kSpinAfterWork;
+        until = std::chrono::steady_clock::now() + spin;
         continue;
       }
       Pause();
@@ -163,14 +178,14 @@ class Helpers {
         if (spins % 1024 == 0) std::this_thread::yield();  // a thread that needs this core gets it
         continue;
       }
-      // Asleep until a call posts a job. Woken, poll again for kSpinAfterWork even if the caller
+      // Asleep until a call posts a job. Woken, poll again for `spin` even if the caller
       // took its job back meanwhile: more calls follow within a step.
       std::unique_lock<std::mutex> lock(box.mu);
       box.sleeping.store(true);
       box.cv.wait(lock, [&] { return box.job.load() != 0 || box.woken.load(); });
       box.sleeping.store(false);
       box.woken.store(false);
-      until = std::chrono::steady_clock::now() + kSpinAfterWork;
+      until = std::chrono::steady_clock::now() + spin;
     }
   }
 
