@@ -91,7 +91,7 @@ class BadCpuTarget(UserError, ValueError):
 
 
 # JAXSERVE_CPU_POLL_US: how long the kernels' helper threads poll for the next call after each one
-# before they sleep (cpp/parallel_for.h reads it when the helpers start; checked here, at load).
+# before they sleep (cpp/parallel_for.h); checked here and handed to each library as it loads.
 POLL_ENV, DEFAULT_POLL_US, MAX_POLL_US = "JAXSERVE_CPU_POLL_US", 300, 1_000_000
 
 
@@ -248,9 +248,10 @@ def ffi_name(name: str, target: str | None = None) -> str:
 @functools.cache
 def _library_for(target: str) -> ctypes.CDLL | str:
     """Builds, loads and registers `target`'s kernels once per process: the library, or why it failed."""
-    cpu_poll_us()  # a bad value is the user's error, not a reason to fall back to XLA
+    poll_us = cpu_poll_us()  # a bad value is the user's error, not a reason to fall back to XLA
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build(target)))
+        lib.JaxserveSetHelperPollUs(ctypes.c_int64(poll_us))  # before any kernel starts the helpers
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(ffi_name(name, target), jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
@@ -349,7 +350,7 @@ def tiles_max_rows(activations: str = "q8") -> int:
 
 def helper_poll_us() -> int | None:
     """How long the kernels' helper threads poll after each call in this process, as the loaded
-    library reads JAXSERVE_CPU_POLL_US (None where the kernels are not live)."""
+    library holds it (None where the kernels are not live)."""
     if not available():
         return None
     fn = _library().JaxserveHelperPollUs

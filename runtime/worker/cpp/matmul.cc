@@ -320,7 +320,9 @@ extern "C" int JaxserveMatmulVectorized() {
 #endif
 }
 
-// How long the helpers of this process poll after each call (parallel_for.h), as they read it.
+// How long the helpers of this library poll after each call (parallel_for.h): set by the loader
+// before any kernel runs, and read back by `jaxserve env`.
+extern "C" void JaxserveSetHelperPollUs(int64_t us) { jaxserve::SpinAfterWorkUs().store(us); }
 extern "C" int64_t JaxserveHelperPollUs() { return jaxserve::SpinAfterWork().count(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8MatmulImpl, MatmulBinding());

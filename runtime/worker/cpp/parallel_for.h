@@ -26,7 +26,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -40,19 +39,15 @@
 
 namespace jaxserve {
 
-// How long a helper polls for the next call after its last one, before it sleeps: 300 us, or
-// JAXSERVE_CPU_POLL_US (0 to 1,000,000; checked in runtime/worker/cpp_kernels.py). 0 sleeps at once,
-// for a machine whose cores other processes need between our steps.
-constexpr int64_t kDefaultSpinUs = 300;
-
-inline std::chrono::microseconds SpinAfterWork() {
-  const char* env = std::getenv("JAXSERVE_CPU_POLL_US");
-  if (env == nullptr || *env == '\0') return std::chrono::microseconds(kDefaultSpinUs);
-  char* end = nullptr;
-  const long long us = std::strtoll(env, &end, 10);
-  if (*end != '\0' || us < 0 || us > 1000000) return std::chrono::microseconds(kDefaultSpinUs);
-  return std::chrono::microseconds(us);
+// How long a helper polls for the next call after its last one, before it sleeps: 300 us unless
+// the loader set JAXSERVE_CPU_POLL_US (runtime/worker/cpp_kernels.py checks it and calls
+// JaxserveSetHelperPollUs before any kernel runs; helpers read it when they start).
+inline std::atomic<int64_t>& SpinAfterWorkUs() {
+  static std::atomic<int64_t> us{300};
+  return us;
 }
+
+inline std::chrono::microseconds SpinAfterWork() { return std::chrono::microseconds(SpinAfterWorkUs().load()); }
 
 inline void Pause() {
 #if defined(__x86_64__)
