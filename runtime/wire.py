@@ -134,12 +134,34 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_raw(sock: socket.socket) -> tuple[bytes, bytearray]:
-    """The next frame's (header, payload); EOFError when the other side closed the connection."""
+def _check_lengths(nh: int, np_: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and nh + np_ > max_bytes:
+        raise ValueError(f"a frame of {nh + np_} bytes, over the {max_bytes} expected here")
+
+
+def recv_raw(sock: socket.socket, max_bytes: int | None = None) -> tuple[bytes, bytearray]:
+    """The next frame's (header, payload); EOFError when the other side closed the connection,
+    ValueError when the frame says it is longer than `max_bytes` (before reading it)."""
     nh, np_ = _LENGTHS.unpack(_recv_exact(sock, _LENGTHS.size))
+    _check_lengths(nh, np_, max_bytes)
     return bytes(_recv_exact(sock, nh)), _recv_exact(sock, np_)
 
 
-def recv_frame(sock: socket.socket, decoder: Decoder | None = None) -> tuple[str, dict]:
-    """The next frame, decoded; EOFError when the other side closed the connection."""
-    return (decoder or Decoder()).decode(*recv_raw(sock))
+def recv_frame(sock: socket.socket, decoder: Decoder | None = None,
+               max_bytes: int | None = None) -> tuple[str, dict]:
+    """The next frame, decoded; EOFError when the other side closed the connection (ValueError as
+    recv_raw, or for a header that is not a frame's)."""
+    return (decoder or Decoder()).decode(*recv_raw(sock, max_bytes))
+
+
+def split_frame(buf: bytes | bytearray, max_bytes: int) -> tuple[bytes, bytearray, int] | None:
+    """The first frame in `buf`, read so far from a non-blocking socket: (header, payload, bytes it
+    took), or None while it is incomplete; ValueError if it says it is longer than `max_bytes`."""
+    if len(buf) < _LENGTHS.size:
+        return None
+    nh, np_ = _LENGTHS.unpack_from(buf)
+    _check_lengths(nh, np_, max_bytes)
+    end = _LENGTHS.size + nh + np_
+    if len(buf) < end:
+        return None
+    return bytes(buf[_LENGTHS.size:_LENGTHS.size + nh]), bytearray(buf[_LENGTHS.size + nh:end]), end
