@@ -19,7 +19,14 @@ The control channel is a TCP connection from each follower to rank 0 on the port
 against JAX's key-value store and multihost_utils.broadcast_one_to_all in docs/benchmarks/2026-12-06-issue52-scale-out.md
 (benchmarks/dist_broadcast.py).
 
-Start-up: every rank joins `jax.distributed`, the followers connect and say their rank; each
+Start-up: every rank joins `jax.distributed`, the followers connect and prove their rank: rank 0
+sends each connection a random challenge and counts it as rank r only once it answers with r and
+HMAC-SHA256(secret, challenge, its own nonce, r) (the secret: --dist-secret, $JAXSERVE_DIST_SECRET
+or a private file, load_secret), within HELLO_TIMEOUT_S; rank 0 answers with its own HMAC, so a
+follower knows it reached rank 0. Connections are served at once, so a stranger that connects
+first (silent, garbage, a forged hello) is refused and logged with its address, and the real rank
+joins. Rank 0 listens (the coordinator, the control port) on --dist-init-addr's host or
+--dist-bind-host only. The channel is authenticated, not encrypted: docs/scaling.md. Each
 rank loads its plan; the followers send the plan's identity (model, hashes of the program and
 the weights) and rank 0 refuses a rank whose plan differs from its own, naming both; every rank
 compiles (the same warm-up, so a warm-up run's collectives pair up); the followers report their
@@ -37,24 +44,35 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
+import functools
+import hashlib
+import hmac
+import ipaddress
 import logging
 import os
+import secrets
 import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 
 from runtime.errors import UserError
-from runtime.wire import Decoder, Encoder, encode, recv_frame, recv_raw  # noqa: F401 (re-exported)
+from runtime.wire import Decoder, Encoder, encode, recv_frame, recv_raw, split_frame  # noqa: F401 (re-exported)
 
 log = logging.getLogger("runtime.distributed")
 
 DEFAULT_TIMEOUT_S = 30.0  # a call a follower has not finished by then: it is hung
 START_TIMEOUT_S = 1800.0  # loading, compiling: a big model's start takes minutes
 CONNECT_TIMEOUT_S = 120.0
+HELLO_TIMEOUT_S = 10.0  # a connection to the control port that has not proved its rank by then is closed
+HANDSHAKE_MAX_BYTES = 1024  # a challenge, hello or welcome frame is about 200 bytes
+MAX_PENDING = 32  # connections in their handshake at once; more are closed at accept
+SECRET_ENV = "JAXSERVE_DIST_SECRET"
 FAULT_EXIT_STATUS = 1
 # The ModelRunner methods a follower runs when rank 0 sends them (nothing else can be called).
 MIRRORED_METHODS = ("execute", "execute_multi_step", "copy_blocks", "prompt_logprobs", "lm_head")
@@ -70,12 +88,16 @@ class RankFailure(RuntimeError):
 @dataclass(frozen=True)
 class DistributedConfig:
     """SGLang's names: `--nnodes N --node-rank R --dist-init-addr HOST:PORT`. The control channel
-    listens on PORT+1 of HOST, which is rank 0's address."""
+    listens on PORT+1 of HOST, which is rank 0's address; rank 0 binds both ports on HOST (or on
+    `bind_host`, --dist-bind-host). `secret` (--dist-secret; else $JAXSERVE_DIST_SECRET, else a
+    private file: load_secret) is what each follower proves it knows before it counts as a rank."""
 
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    secret: str | None = field(default=None, repr=False)
+    bind_host: str | None = None
 
     def __post_init__(self):
         if isinstance(self.nnodes, bool) or not isinstance(self.nnodes, int) or self.nnodes < 1:
@@ -86,6 +108,10 @@ class DistributedConfig:
                             f"got {self.node_rank!r}")
         if not self.timeout_s > 0:
             raise UserError(f"--dist-timeout-s must be positive, got {self.timeout_s!r}")
+        if self.secret is not None and not str(self.secret).strip():
+            raise UserError("--dist-secret is empty")
+        if self.bind_host is not None and not str(self.bind_host).strip("[] "):
+            raise UserError("--dist-bind-host is empty")
         if self.nnodes > 1:
             if not self.dist_init_addr:
                 raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's address, the same "
@@ -115,13 +141,16 @@ class DistributedConfig:
 
     @classmethod
     def from_args(cls, args) -> "DistributedConfig":
-        return cls(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout_s)
+        return cls(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout_s,
+                   getattr(args, "dist_secret", None), getattr(args, "dist_bind_host", None))
 
     @classmethod
     def pop_from(cls, kwargs: dict) -> "DistributedConfig":
-        """Takes LLM(...)'s keywords nnodes, node_rank, dist_init_addr, dist_timeout_s out of `kwargs`."""
+        """Takes LLM(...)'s keywords nnodes, node_rank, dist_init_addr, dist_timeout_s, dist_secret,
+        dist_bind_host out of `kwargs`."""
         return cls(kwargs.pop("nnodes", 1), kwargs.pop("node_rank", 0), kwargs.pop("dist_init_addr", None),
-                   kwargs.pop("dist_timeout_s", DEFAULT_TIMEOUT_S))
+                   kwargs.pop("dist_timeout_s", DEFAULT_TIMEOUT_S), kwargs.pop("dist_secret", None),
+                   kwargs.pop("dist_bind_host", None))
 
 
 def add_distributed_args(ap: argparse.ArgumentParser) -> None:
@@ -136,6 +165,121 @@ def add_distributed_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                    help="rank 0 gives up on a rank that has not finished a step in this long (hung), fails "
                         "the running requests and exits")
+    g.add_argument("--dist-secret", default=None, metavar="SECRET",
+                   help=f"what every rank proves it knows before rank 0 counts it, the same on every rank "
+                        f"(better: ${SECRET_ENV}, which `ps` does not show; default: the file "
+                        "$XDG_STATE_HOME/jaxserve/dist-secret, ~/.local/state/jaxserve/dist-secret, made on "
+                        "first use: enough for ranks on one machine)")
+    g.add_argument("--dist-bind-host", default=None, metavar="HOST",
+                   help="rank 0 listens for the other ranks (jax.distributed's coordinator on PORT, the "
+                        "control channel on PORT+1) on this address (default: --dist-init-addr's host; "
+                        "0.0.0.0: every interface)")
+
+
+# ====================================================================== who may join
+
+
+def default_secret_path() -> Path:
+    state = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state"
+    return base / "jaxserve" / "dist-secret"
+
+
+def load_secret(cfg: DistributedConfig) -> tuple[bytes, str]:
+    """This launch's secret and where it came from (for messages): --dist-secret, else
+    $JAXSERVE_DIST_SECRET, else default_secret_path(), made (0600, 32 random bytes) if missing."""
+    if cfg.secret is not None:
+        return str(cfg.secret).strip().encode(), "--dist-secret"
+    env = os.environ.get(SECRET_ENV)
+    if env is not None:
+        if not env.strip():
+            raise UserError(f"${SECRET_ENV} is set but empty")
+        return env.strip().encode(), f"${SECRET_ENV}"
+    path = default_secret_path()
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        try:  # whole or not at all; a rank that made it first wins and both read its secret
+            os.link(tmp, path)
+            log.info("made this user's multi-process secret %s", path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    with open(path) as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise UserError(f"{path} (the multi-process secret) must be this user's and private (mode 600), "
+                            f"it is mode {st.st_mode & 0o777:o} of uid {st.st_uid}: chmod 600 it, or give "
+                            f"the secret in ${SECRET_ENV}")
+        text = f.read().strip()
+    if not text:
+        raise UserError(f"{path} (the multi-process secret) is empty: remove it (a new one is made) or set "
+                        f"${SECRET_ENV}")
+    return text.encode(), str(path)
+
+
+def _proof(secret: bytes, label: str, leader_nonce: bytes, follower_nonce: bytes, rank: int) -> str:
+    msg = b"|".join([b"jaxserve-dist-v1", label.encode(), leader_nonce, follower_nonce, str(rank).encode()])
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def _nonce(value) -> bytes | None:
+    """A 32-byte nonce from its hex, or None for anything else."""
+    if not isinstance(value, str) or len(value) != 64:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return None
+
+
+def _secret_hint(source: str, whose: str = "this rank's") -> str:
+    """What a secret mismatch's message says: where `whose` secret came from, and what to do."""
+    from_file = source not in ("--dist-secret", f"${SECRET_ENV}")
+    if from_file and whose != "this rank's":  # a stranger may read it: no path
+        source = "its default file"
+    return (f"every rank must be given the same secret (${SECRET_ENV}, or --dist-secret); {whose} came from "
+            f"{source}" + (" (made on first use, one per machine and user: ranks on other machines need the "
+                           "secret given)" if from_file else ""))
+
+
+def _same_proof(got, want: str) -> bool:
+    return isinstance(got, str) and hmac.compare_digest(got.encode(), want.encode())
+
+
+@functools.lru_cache(maxsize=8)  # the Leader's socket and jax's coordinator: one look-up, one warning
+def bind_address(cfg: DistributedConfig) -> tuple[int, str]:
+    """(address family, IP) rank 0 listens on: --dist-bind-host, else --dist-init-addr's host,
+    resolved (an IPv4 address first)."""
+    given, port = cfg.address()
+    host = str(cfg.bind_host).strip("[] ") if cfg.bind_host else given
+    flag = "--dist-bind-host" if cfg.bind_host else "--dist-init-addr's host"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"rank 0 cannot resolve {host!r} ({flag}) to listen on: {e.strerror}") from e
+    family, *_, sockaddr = min(infos, key=lambda i: i[0] != socket.AF_INET)
+    ip = sockaddr[0]
+    if not cfg.bind_host and ipaddress.ip_address(ip).is_loopback and not _is_loopback_name(host):
+        log.warning("rank 0 listens on %s only: %r resolves to it here, a loopback address that ranks on other "
+                    "machines cannot reach; pass --dist-bind-host with this machine's address (or 0.0.0.0)",
+                    ip, host)
+    return family, ip
+
+
+def _is_loopback_name(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _host_port(family: int, ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
 
 
 # ====================================================================== joining
@@ -145,9 +289,12 @@ def initialize(cfg: DistributedConfig) -> None:
     """jax.distributed.initialize for this rank; before anything touches a device. On CPU the
     processes' collectives go through gloo."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # jax's coordinator (rank 0's) would listen on every interface ([::]:PORT) unless told where.
+    bind = dict(coordinator_bind_address=_host_port(*bind_address(cfg), cfg.address()[1])) if cfg.is_leader else {}
     try:
         jax.distributed.initialize(coordinator_address=cfg.dist_init_addr, num_processes=cfg.nnodes,
-                                   process_id=cfg.node_rank, initialization_timeout=int(CONNECT_TIMEOUT_S))
+                                   process_id=cfg.node_rank, initialization_timeout=int(CONNECT_TIMEOUT_S),
+                                   **bind)
     except RuntimeError as e:
         if "should only be called once" not in str(e):
             raise
@@ -219,13 +366,21 @@ class Leader:
 
     def __init__(self, cfg: DistributedConfig):
         self.cfg = cfg
-        host, port = cfg.control_address
+        self._secret, self._secret_source = load_secret(cfg)
+        family, ip = bind_address(cfg)
+        port = cfg.control_address[1]
+        self.address = _host_port(family, ip, port)
         try:
-            self._listener = socket.create_server((host, port))
+            self._listener = socket.create_server((ip, port), family=family)
         except OSError as e:
-            raise UserError(f"rank 0 cannot listen on {host}:{port} for the other ranks (--dist-init-addr's "
-                            f"port + 1): {e.strerror}; pick another --dist-init-addr port") from e
+            hint = ("pick another --dist-init-addr port" if e.errno == errno.EADDRINUSE else
+                    "--dist-init-addr must be rank 0's own address as the other ranks reach it, or pass "
+                    "--dist-bind-host (an address of this machine, or 0.0.0.0)")
+            raise UserError(f"rank 0 cannot listen on {self.address} for the other ranks (--dist-init-addr's "
+                            f"port + 1): {e.strerror}; {hint}") from e
         self.peers: dict[int, socket.socket] = {}
+        self.refused: list[str] = []  # "ADDRESS: why", each connection refused during the start
+        self._pending: dict[socket.socket, _Handshake] = {}
         self.on_fault = self._default_on_fault
         self.fault: str | None = None
         self._fault_lock = threading.Lock()
@@ -242,35 +397,136 @@ class Leader:
 
     # ------------------------------------------------------------ start-up
 
-    def accept(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    def accept(self, timeout: float = CONNECT_TIMEOUT_S, hello_timeout: float = HELLO_TIMEOUT_S) -> None:
+        """Waits until every other rank has joined: each connection gets a fresh challenge and has
+        `hello_timeout` to answer it with its rank and the proof that it knows the secret. Many
+        connections are served at once, so a stranger that stays silent holds nobody up; one that
+        fails the handshake is refused (logged with its address, listed in `refused`) and never
+        takes a rank's place. RankFailure after `timeout`, naming what was refused."""
         want = set(range(1, self.cfg.nnodes))
         deadline = time.monotonic() + timeout
-        while set(self.peers) != want:
-            self._listener.settimeout(max(deadline - time.monotonic(), 0.01))
-            try:
-                sock, addr = self._listener.accept()
-            except socket.timeout:
-                missing = sorted(want - set(self.peers))
-                raise RankFailure(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
-                                  f"not connect to rank 0's control channel within {timeout:.0f} s") from None
-            sock.setblocking(True)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(timeout)
-            try:
-                kind, f = recv_frame(sock)
-            except (EOFError, OSError, ValueError):
+        sel = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        sel.register(self._listener, selectors.EVENT_READ)
+        try:
+            while set(self.peers) != want:
+                now = time.monotonic()
+                for sock, h in list(self._pending.items()):
+                    if now >= h.deadline:
+                        self._refuse(sel, sock, f"no hello within {hello_timeout:g} s of connecting")
+                if now >= deadline:
+                    raise RankFailure(self._no_show(sorted(want - set(self.peers)), timeout))
+                wake = min([deadline, *(h.deadline for h in self._pending.values())])
+                for key, _ in sel.select(max(wake - now, 0.0)):
+                    if key.fileobj is self._listener:
+                        self._admit(sel, now + hello_timeout)
+                    else:
+                        self._read_hello(sel, key.fileobj, want)
+        finally:
+            for sock, h in list(self._pending.items()):
+                log.warning("rank 0 closed a control connection from %s still in its handshake: the start "
+                            "%s without it", h.addr, "went on" if set(self.peers) == want else "stopped")
                 sock.close()
-                continue
-            rank = f.get("rank") if kind == "hello" else None
-            if rank not in want or rank in self.peers:
-                log.warning("refused a control connection from %s (it said %s %r)", addr, kind, rank)
-                sock.close()
-                continue
-            self.peers[rank] = sock
-        self._listener.close()
+            self._pending.clear()
+            sel.close()
+            self._listener.close()
         self._gone = {r: threading.Event() for r in self.peers}
         self._outstanding = {r: collections.deque() for r in self.peers}
         log.info("rank 0: ranks %s connected", sorted(self.peers))
+
+    def _admit(self, sel, deadline: float) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors, say: the next try may do
+                log.warning("rank 0 could not accept a control connection: %s", e)
+                return
+            who = _host_port(sock.family, addr[0], addr[1])
+            if len(self._pending) >= MAX_PENDING:
+                log.warning("rank 0 refused a control connection from %s: %d others are in their handshake",
+                            who, len(self._pending))
+                sock.close()
+                continue
+            h = _Handshake(who, secrets.token_bytes(32), deadline)
+            try:
+                sock.setblocking(False)
+                sock.sendall(encode("challenge", nonce=h.nonce.hex()))  # ~100 bytes: an empty buffer takes it
+            except OSError as e:
+                log.warning("rank 0 dropped a control connection from %s: %s", who, e)
+                sock.close()
+                continue
+            self._pending[sock] = h
+            sel.register(sock, selectors.EVENT_READ)
+
+    def _refuse(self, sel, sock, why: str, tell: str | None = None, secret: bool = False) -> None:
+        h = self._pending.pop(sock)
+        sel.unregister(sock)
+        log.warning("rank 0 refused a control connection from %s: %s", h.addr, why)
+        self.refused.append(f"{h.addr}: {why}")
+        if tell is not None:
+            with_suppressed_oserror(lambda: sock.sendall(encode("refuse", message=tell, secret=secret)))
+        sock.close()
+
+    def _read_hello(self, sel, sock, want: set[int]) -> None:
+        h = self._pending[sock]
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            return self._refuse(sel, sock, f"its connection failed before its hello ({e})")
+        if not data:
+            return self._refuse(sel, sock, "it closed the connection before its hello")
+        h.buf += data
+        try:
+            frame = split_frame(h.buf, HANDSHAKE_MAX_BYTES)
+            if frame is None:
+                return
+            if frame[2] != len(h.buf):
+                raise ValueError("bytes after the frame")
+            kind, f = Decoder().decode(frame[0], frame[1])
+            if not isinstance(f, dict):
+                raise ValueError("not a frame's fields")
+        except Exception:  # noqa: BLE001 - whatever it sent, it is not a hello
+            return self._refuse(sel, sock, f"it sent {len(h.buf)} bytes that are not a hello "
+                                           f"({bytes(h.buf[:16])!r}...)")
+        rank, theirs = f.get("rank"), _nonce(f.get("nonce"))
+        if kind != "hello" or isinstance(rank, bool) or not isinstance(rank, int) or theirs is None:
+            return self._refuse(sel, sock, f"it sent {str(kind)[:20]!r} {list(f)[:5]}, not a hello with a rank, a "
+                                "nonce and a proof")
+        if not _same_proof(f.get("proof"), _proof(self._secret, "hello", h.nonce, theirs, rank)):
+            why = (f"it says it is rank {rank}, but its proof does not match rank 0's secret: a stranger, or a rank "
+                   "given another secret")
+            return self._refuse(sel, sock, why, tell=f"rank 0 ({self.address}) refused rank {rank}: its answer to the "
+                                "challenge does not match rank 0's secret; "
+                                + _secret_hint(self._secret_source, whose="rank 0's"), secret=True)
+        if rank not in want or rank in self.peers:
+            why = (f"rank {rank} is already connected" if rank in self.peers else
+                   f"rank {rank} is not a follower rank of --nnodes {self.cfg.nnodes}")
+            return self._refuse(sel, sock, why, tell=f"rank 0 ({self.address}) refused rank {rank}: {why}")
+        self._pending.pop(sock)
+        sel.unregister(sock)
+        try:
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(encode("welcome", proof=_proof(self._secret, "welcome", h.nonce, theirs, rank)))
+        except OSError as e:
+            log.warning("rank 0 lost rank %d's connection from %s as it joined: %s", rank, h.addr, e)
+            sock.close()
+            return
+        self.peers[rank] = sock
+        log.info("rank 0: rank %d joined from %s", rank, h.addr)
+
+    def _no_show(self, missing: list[int], timeout: float) -> str:
+        message = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not join rank 0's "
+                   f"control channel ({self.address}) within {timeout:g} s; ")
+        if not self.refused:
+            return message + "no other connection came"
+        shown = self.refused[-5:]
+        more = f" (the last {len(shown)} shown)" if len(self.refused) > len(shown) else ""
+        return message + f"rank 0 refused {len(self.refused)} connection(s){more}: " + "; ".join(shown)
 
     def _expect(self, rank: int, kind: str, timeout: float = START_TIMEOUT_S) -> dict:
         sock = self.peers[rank]
@@ -444,6 +700,16 @@ class Leader:
         return ok
 
 
+@dataclass
+class _Handshake:
+    """A control connection that has not proved its rank yet."""
+
+    addr: str
+    nonce: bytes  # the challenge rank 0 sent it
+    deadline: float
+    buf: bytearray = field(default_factory=bytearray)
+
+
 def exit_soon(status: int, delay: float, why: str) -> None:
     """Ends the process after `delay` seconds from a daemon thread, whatever the others are doing
     (a thread inside a collective with a dead peer never returns)."""
@@ -467,26 +733,74 @@ class Follower:
 
     def __init__(self, cfg: DistributedConfig, timeout: float = CONNECT_TIMEOUT_S):
         self.cfg = cfg
+        self._secret, self._secret_source = load_secret(cfg)
         host, port = cfg.control_address
         deadline = time.monotonic() + timeout
         while True:
             try:
                 self.sock = socket.create_connection((host, port), timeout=5)
-                break
             except OSError as e:
                 if time.monotonic() > deadline:
                     raise RankFailure(f"rank {cfg.node_rank} could not reach rank 0's control channel at "
                                       f"{host}:{port} within {timeout:.0f} s ({e})") from e
                 time.sleep(0.2)
+                continue
+            try:
+                if self._handshake(f"{host}:{port}", deadline):
+                    break
+            except BaseException:
+                self.sock.close()
+                raise
+            self.sock.close()  # closed before its challenge (rank 0 busy with others): again
+            if time.monotonic() > deadline:
+                raise RankFailure(f"rank {cfg.node_rank}: rank 0's control channel at {host}:{port} closed every "
+                                  f"connection before its challenge for {timeout:.0f} s")
+            time.sleep(0.2)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(None)
-        self._send("hello", rank=cfg.node_rank)
         self._decoder = Decoder()
         self.num_calls = 0
         self.recv_seconds = 0.0  # decoding the calls, summed (waiting for them not counted)
 
     def _send(self, kind: str, **fields) -> None:
         self.sock.sendall(encode(kind, **fields))
+
+    def _handshake(self, where: str, deadline: float) -> bool:
+        """Answers rank 0's challenge with this rank and the proof, and checks rank 0's proof in
+        turn; False if the connection closed before the challenge."""
+        rank = self.cfg.node_rank
+        self.sock.settimeout(max(deadline - time.monotonic(), 1.0))
+        try:
+            kind, f = _handshake_frame(self.sock)
+        except (EOFError, ConnectionError):
+            return False
+        except socket.timeout:
+            raise RankFailure(f"rank {rank}: {where} accepted the connection but sent no challenge: is it rank 0's "
+                              "control channel (--dist-init-addr's port + 1)?") from None
+        except Exception as e:  # noqa: BLE001 - whatever it sent, it is not a challenge
+            raise RankFailure(f"rank {rank}: {where} is not rank 0's control channel: it sent something that is "
+                              f"not a challenge ({type(e).__name__}: {e})") from None
+        ours = secrets.token_bytes(32)
+        theirs = _nonce(f.get("nonce")) if kind == "challenge" else None
+        if theirs is None:
+            raise RankFailure(f"rank {rank}: {where} is not rank 0's control channel: it sent {kind!r}, not a "
+                              "challenge")
+        self._send("hello", rank=rank, nonce=ours.hex(), proof=_proof(self._secret, "hello", theirs, ours, rank))
+        try:
+            kind, f = _handshake_frame(self.sock)
+        except Exception as e:  # noqa: BLE001
+            raise RankFailure(f"rank {rank}: {where} did not answer this rank's hello "
+                              f"({type(e).__name__}{': ' + str(e) if str(e) else ''})") from None
+        if kind == "refuse":
+            message = str(f.get("message"))
+            if f.get("secret"):
+                message += f"; this rank's came from {self._secret_source}"
+            raise UserError(message)
+        if kind != "welcome" or not _same_proof(f.get("proof"), _proof(self._secret, "welcome", theirs, ours, rank)):
+            raise UserError(f"rank {rank}: {where} answered as rank 0 but did not prove that it knows this launch's "
+                            f"secret (another program on that port?); {_secret_hint(self._secret_source)}")
+        self.sock.settimeout(None)
+        return True
 
     def _expect(self, *kinds: str) -> tuple[str, dict]:
         try:
@@ -544,6 +858,13 @@ class Follower:
                 raise RankFailure(f"rank {rank} failed running {f['method']} (call {f['seq']}): {e}") from e
             self.num_calls += 1
             with_suppressed_oserror(lambda: self._send("ack", seq=f["seq"]))
+
+
+def _handshake_frame(sock: socket.socket) -> tuple[str, dict]:
+    kind, f = recv_frame(sock, max_bytes=HANDSHAKE_MAX_BYTES)
+    if not isinstance(f, dict):
+        raise ValueError("not a frame's fields")
+    return kind, f
 
 
 def with_suppressed_oserror(fn) -> None:
