@@ -419,7 +419,7 @@ class Leader:
                 wake = min([deadline, *(h.deadline for h in self._pending.values())])
                 for key, _ in sel.select(max(wake - now, 0.0)):
                     if key.fileobj is self._listener:
-                        self._admit(sel, now + hello_timeout)
+                        self._admit(sel, time.monotonic() + hello_timeout)  # (select may have waited)
                     else:
                         self._read_hello(sel, key.fileobj, want)
         finally:
