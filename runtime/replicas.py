@@ -1,21 +1,26 @@
-"""Data-parallel replicas behind a cache-aware router: `jaxserve serve --data-parallel-size N`.
+"""Data-parallel replicas behind a cache-aware front: `jaxserve serve --data-parallel-size N`.
 
     jaxserve serve --model smollm2-135m --data-parallel-size 2 --port 8000
 
 starts N engine replicas, each a `python -m runtime.serve` process of its own on 127.0.0.1 with
 its own devices (on CPU: its share of this process's cores, by CPU affinity; on GPU: its own
-CUDA_VISIBLE_DEVICES slice of tensor_parallel_size devices), and SGLang's router
-(`sglang-router`, a Rust binary from PyPI) on --host:--port in front of them. The router's
-cache-aware policy keeps a radix tree of the text each replica has served and sends a request to
-the replica holding its longest prefix (so that replica's prefix cache hits), unless the replicas'
-loads are too far apart; `--router-policy round_robin` is the baseline it is measured against
-(docs/benchmarks/2026-12-06-issue52-scale-out.md). This module is only the glue: processes, ports, the worker list.
+CUDA_VISIBLE_DEVICES slice of tensor_parallel_size devices), and in this process the front
+(runtime/front.py) on --host:--port, which answers as a single server does and sends each
+request to the replica that served the longest prefix of its prompt (so that replica's prefix
+cache hits), unless the replicas' loads are too far apart; `--router-policy round_robin` is the
+baseline it is measured against (docs/benchmarks/2026-12-06-issue52-scale-out.md). This module
+is the glue: processes, ports, logs, restarts.
 
-Faults: a replica whose process exits is taken out of the router's rotation at once (the router's
-worker API), restarted on its port, and put back once its /health answers; its in-flight requests
-fail (the router answers them with an error), the other replicas keep serving. SIGTERM (or SIGINT)
-drains every replica (each refuses new requests and finishes its own, as a single server does),
-then stops the router; exit status 0.
+Secrets and logs: the API key reaches the replicas in their environment (JAXSERVE_API_KEY), never
+on a command line. The replicas' output goes to this process's stderr, each line prefixed with
+`replica I |`; `--replica-log-dir [DIR]` writes it to files instead, in DIR or in
+$XDG_STATE_HOME/jaxserve/replicas-PORT (~/.local/state), a directory of mode 0700.
+
+Faults: a replica whose process exits is taken out of the front's rotation at once, restarted on
+its port, and put back once its /health answers; a request it had not begun to answer is sent
+once more by the front, to a live replica, and a stream it had begun ends with an error event;
+the other replicas keep serving. SIGTERM (or SIGINT) drains every replica (each refuses new
+requests and finishes its own, as a single server does), then stops the front; exit status 0.
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ from pathlib import Path
 import httpx
 
 from runtime.errors import UserError
+from runtime.front import POLICIES, Upstream
 
 log = logging.getLogger("runtime.replicas")
 
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 START_TIMEOUT_S = 1800.0  # a replica's start: loading and compiling
 RESTART_BACKOFF_S = 5.0  # a replica that exits sooner after its start waits this long to be restarted
 
@@ -50,7 +55,7 @@ class Replica:
     cores: list[int] | None
     env: dict
     argv: list[str]
-    log_path: Path
+    log: "LogSink"
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -68,10 +73,7 @@ class Replica:
             if cores:
                 os.sched_setaffinity(0, cores)
 
-        log_file = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log_file, stderr=subprocess.STDOUT,
-                                     preexec_fn=pin, start_new_session=True)
-        log_file.close()
+        self.proc = self.log.popen(self.argv, env=self.env, preexec_fn=pin)
         self.started_at = time.monotonic()
         log.info("replica %d: pid %d on %s%s", self.index, self.proc.pid, self.url,
                  f", cores {cores}" if cores else "")
@@ -85,7 +87,7 @@ class Replica:
 
 def die_with_parent() -> None:
     """In a child before exec: SIGTERM when the thread that started it ends (Linux), so that a
-    launcher killed outright leaves no replica or router behind. Children are started from the
+    launcher killed outright leaves no replica behind. Children are started from the
     launcher's main thread only."""
     try:
         import ctypes
@@ -127,33 +129,98 @@ def replica_envs(n: int, tp: int) -> list[dict]:
     return [dict(base, CUDA_VISIBLE_DEVICES=",".join(ids[i * tp:(i + 1) * tp])) for i in range(n)]
 
 
-def router_command(host: str, port: int, urls: list[str], policy: str) -> list[str]:
-    """sglang-router's command line. Its own health checks stay on (every 5 s) as a second line of
-    defence; retries are off: a request is answered once, by the replica it went to, so a crash
-    fails its in-flight requests instead of running them twice."""
-    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-            "--worker-urls", *urls, "--policy", policy, "--disable-retries", "--health-check-interval-secs", "5",
-            "--health-failure-threshold", "2", "--health-success-threshold", "1", "--log-level", "warn",
-            "--worker-startup-timeout-secs", "600"]
+class LogSink:
+    """Where a child's output goes: this process's stderr, each line prefixed with `name | `, or,
+    with a log directory, a file of mode 0600 in it."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, name: str, log_dir: Path | None):
+        self.name = name
+        self.path = log_dir / f"{name.replace(' ', '')}.log" if log_dir is not None else None
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        if self.path is not None:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                return subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
+            finally:
+                os.close(fd)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                **kwargs)
+        threading.Thread(target=self._pump, args=(proc.stdout,), name=f"log-{self.name}", daemon=True).start()
+        return proc
+
+    def _pump(self, pipe) -> None:
+        prefix = f"{self.name} | "
+        with pipe:
+            for line in iter(pipe.readline, b""):
+                with self._lock:
+                    try:
+                        sys.stderr.write(prefix + line.decode("utf-8", "replace").rstrip("\n") + "\n")
+                        sys.stderr.flush()
+                    except (OSError, ValueError):  # our stderr is gone: keep draining the child's pipe
+                        pass
+
+    def where(self) -> str:
+        return str(self.path) if self.path is not None else f"the lines prefixed '{self.name} |' above"
+
+
+def default_log_dir(port: int) -> Path:
+    """$XDG_STATE_HOME/jaxserve/replicas-PORT (~/.local/state/...): logs are state, not cache."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "jaxserve" / f"replicas-{port}"
+
+
+def make_private_dir(path: Path) -> Path:
+    """`path` and its missing parents, the last of mode 0700 (logs hold prompts and outputs)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        if not path.is_dir():
+            raise UserError(f"--replica-log-dir {path}: exists and is not a directory") from None
+    return path
+
+
+def start_front(cfg, live, every, host: str, port: int, first_replica: str, policy: str = "cache_aware"):
+    """The front (runtime.front) on host:port in a thread of this process: (Front, ServerThread).
+    Without served model names in `cfg`, it names the model as the first replica's /v1/models does
+    (a --plan's own name)."""
+    from runtime.entrypoints.openai.api_server import ServerThread
+    from runtime.front import Front, build_front_app
+
+    if not cfg.served_model_names:
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        models = httpx.get(first_replica + "/v1/models", headers=headers, timeout=30).json()
+        cfg.served_model_names = [m["id"] for m in models["data"]]
+    front = Front(cfg, live, every, policy)
+    return front, ServerThread(build_front_app(front), host=host, port=port, log_level="warning").start()
 
 
 class ReplicaSet:
-    """N replicas and the router; `run()` until SIGTERM."""
+    """N replicas and the front; `run()` until SIGTERM."""
 
     def __init__(self, serve_argv: list[str], n: int, *, host: str, port: int, policy: str, tp: int,
-                 log_dir: Path, shutdown_grace_s: float):
+                 log_dir: Path | None, shutdown_grace_s: float, api_key: str | None = None,
+                 front_config=None):
+        from runtime.entrypoints.openai.serving import ServerConfig
+
         self.n, self.host, self.port, self.policy = n, host, port, policy
         self.log_dir = log_dir
         self.shutdown_grace_s = shutdown_grace_s
-        log_dir.mkdir(parents=True, exist_ok=True)
+        self.front_config = front_config or ServerConfig([], api_key)
         cores = split_cores(n)
         envs = replica_envs(n, tp)
         self.replicas = []
         for i in range(n):
             p = free_port()
             argv = [sys.executable, "-m", "runtime.serve", *serve_argv, "--host", "127.0.0.1", "--port", str(p)]
-            self.replicas.append(Replica(i, p, cores[i], envs[i], argv, log_dir / f"replica{i}.log"))
-        self.router: subprocess.Popen | None = None
+            env = dict(envs[i], JAXSERVE_API_KEY=api_key) if api_key else envs[i]
+            self.replicas.append(Replica(i, p, cores[i], env, argv, LogSink(f"replica {i}", log_dir)))
+        self.serving: set[int] = set()  # the replicas in the front's rotation
+        self.front = None
+        self.front_thread = None
         self._stopping = threading.Event()
 
     # ------------------------------------------------------------ start
@@ -162,25 +229,18 @@ class ReplicaSet:
         for r in self.replicas:
             r.start()
         self._wait_healthy(self.replicas)
-        cmd = router_command(self.host, self.port, [r.url for r in self.replicas], self.policy)
-        with open(self.log_dir / "router.log", "a") as f:
-            self.router = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                           preexec_fn=die_with_parent)
-        url = f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
-        t0 = time.monotonic()
-        while True:
-            if self.router.poll() is not None:
-                raise RuntimeError(f"the router exited ({self.router.returncode}); see {self.log_dir / 'router.log'}")
-            try:
-                if httpx.get(url + "/readiness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 120:
-                raise RuntimeError(f"the router did not become ready; see {self.log_dir / 'router.log'}")
-            time.sleep(0.2)
-        self.router_url = url
-        log.info("router (%s) on http://%s:%d over %d replicas", self.policy, self.host, self.port, self.n)
+        self.serving = {r.index for r in self.replicas}
+        self._start_front()
+
+    def _start_front(self) -> None:
+        def live() -> list:
+            return [Upstream(r.index, r.url) for r in self.replicas
+                    if r.index in self.serving and r.proc is not None and r.proc.poll() is None]
+
+        self.front, self.front_thread = start_front(
+            self.front_config, live, lambda: [Upstream(r.index, r.url) for r in self.replicas], self.host,
+            self.port, first_replica=self.replicas[0].url, policy=self.policy)
+        log.info("front (%s routing) on http://%s:%d over %d replicas", self.policy, self.host, self.port, self.n)
 
     def _wait_healthy(self, replicas) -> None:
         t0 = time.monotonic()
@@ -189,7 +249,7 @@ class ReplicaSet:
             for r in list(waiting):
                 if r.proc.poll() is not None:
                     raise RuntimeError(f"replica {r.index} exited with status {r.proc.returncode} while starting; "
-                                       f"see {r.log_path}")
+                                       f"see {r.log.where()}")
                 if r.healthy():
                     waiting.remove(r)
             if time.monotonic() - t0 > START_TIMEOUT_S:
@@ -198,28 +258,13 @@ class ReplicaSet:
 
     # ------------------------------------------------------------ faults
 
-    def _router_workers(self, action: str, url: str) -> None:
-        """The router's worker API: `add` (POST /workers) or `remove` (DELETE /workers/{id}) a replica."""
-        try:
-            if action == "add":
-                r = httpx.post(f"{self.router_url}/workers", json={"url": url}, timeout=30)
-            else:
-                workers = httpx.get(f"{self.router_url}/workers", timeout=10).json().get("workers", [])
-                ids = [w["id"] for w in workers if w.get("url") == url]
-                if not ids:
-                    return
-                r = httpx.delete(f"{self.router_url}/workers/{ids[0]}", timeout=10)
-            if r.status_code >= 300:
-                log.warning("router: %s %s: HTTP %d %s", action, url, r.status_code, r.text[:200])
-        except (httpx.HTTPError, ValueError) as e:
-            log.warning("router: %s %s: %s", action, url, e)
-
     def _restart(self, r: Replica) -> threading.Thread:
         """Out of rotation and started again (this thread: the children die with it, see
         die_with_parent); back in rotation from a thread of its own once healthy."""
         log.error("replica %d (pid %d) exited with status %s: out of rotation, restarting", r.index, r.proc.pid,
                   r.proc.returncode)
-        self._router_workers("remove", r.url)
+        self.serving.discard(r.index)
+        self.front.router.forget(r.index)  # its prefix cache is gone with it
         r.restarts += 1
         r.start()
 
@@ -230,7 +275,7 @@ class ReplicaSet:
                 log.error("replica %d did not come back: %s", r.index, e)
                 return
             if not self._stopping.is_set():
-                self._router_workers("add", r.url)
+                self.serving.add(r.index)
                 log.info("replica %d is back in rotation (restart %d)", r.index, r.restarts)
 
         t = threading.Thread(target=back, name=f"replica-{r.index}-back", daemon=True)
@@ -244,20 +289,20 @@ class ReplicaSet:
                 t = coming_back.get(r.index)
                 if t is not None and t.is_alive():
                     continue  # starting: _wait_healthy sees it exit again
-                if (r.proc.poll() is not None and not self._stopping.is_set()
-                        and time.monotonic() - r.started_at > RESTART_BACKOFF_S):  # no tight crash loop
-                    coming_back[r.index] = self._restart(r)
-            if self.router.poll() is not None and not self._stopping.is_set():
-                log.error("the router exited with status %s; stopping", self.router.returncode)
-                self.stop()
-                raise SystemExit(1)
+                if r.proc.poll() is not None and not self._stopping.is_set():
+                    self.serving.discard(r.index)  # out of the front's rotation at once
+                    if time.monotonic() - r.started_at > RESTART_BACKOFF_S:  # no tight crash loop
+                        coming_back[r.index] = self._restart(r)
             self._stopping.wait(0.25)
 
     # ------------------------------------------------------------ stop
 
     def stop(self) -> None:
-        """Drains every replica (SIGTERM: each finishes its requests within its grace), then stops the router."""
+        """Refuses new requests at the front (503, as a draining server), drains every replica
+        (SIGTERM: each finishes its requests within its grace), then stops the front."""
         self._stopping.set()
+        if self.front is not None:
+            self.front.draining = True
         for r in self.replicas:
             if r.proc is not None and r.proc.poll() is None:
                 r.proc.send_signal(signal.SIGTERM)
@@ -271,33 +316,35 @@ class ReplicaSet:
                 log.warning("replica %d did not stop in time: killing it", r.index)
                 r.proc.kill()
                 r.proc.wait(10)
-        if self.router is not None and self.router.poll() is None:
-            self.router.send_signal(signal.SIGTERM)
-            try:
-                self.router.wait(10)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-                self.router.wait(10)
-        log.info("every replica and the router stopped")
+        if self.front_thread is not None:
+            self.front_thread.stop()
+        log.info("every replica and the front stopped")
 
 
-def strip_args(argv: list[str], names: dict[str, bool]) -> list[str]:
-    """argv without the flags in `names` (flag -> takes a value), in either --flag v or --flag=v form."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
+def strip_args(argv: list[str], names: dict[str, bool | None], options: set[str] = frozenset()) -> list[str]:
+    """argv without the flags in `names` (flag -> takes a value: True, False, or None for an optional
+    one), in either --flag v or --flag=v form, or abbreviated as argparse allows (a prefix of one of
+    `names` that is none of the parser's `options`)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
         flag = a.split("=", 1)[0]
-        if flag in names:
-            skip = names[flag] and "=" not in a
-            continue
-        out.append(a)
+        i += 1
+        if flag not in names and flag.startswith("--") and flag not in options:
+            full = [n for n in names if n.startswith(flag)]
+            flag = full[0] if len(full) == 1 else flag
+        if flag not in names:
+            out.append(a)
+        elif "=" not in a and i < len(argv) and (names[flag] or (names[flag] is None
+                                                                  and not argv[i].startswith("-"))):
+            i += 1  # its value
     return out
 
 
+# The launcher's own flags, and --api-key (the replicas take it from their environment, not their
+# command line, where `ps` shows it).
 REPLICA_FLAGS = {"--data-parallel-size": True, "--router-policy": True, "--host": True, "--port": True,
-                 "--replica-log-dir": True}
+                 "--replica-log-dir": None, "--api-key": True}
 
 
 def main(argv: list[str], args) -> int:
@@ -307,12 +354,22 @@ def main(argv: list[str], args) -> int:
     if args.nnodes > 1:
         raise UserError("--data-parallel-size with --nnodes is not supported: run the multi-process "
                         "engine's ranks yourself, one replica at a time")
+    from runtime.entrypoints.openai.api_server import parse_args
+    from runtime.entrypoints.openai.serving import ServerConfig
+
     check_port(args.host, args.port)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll
-    log_dir = Path(args.replica_log_dir or Path.cwd() / f"jaxserve-replicas-{args.port}")
-    rs = ReplicaSet(strip_args(argv, REPLICA_FLAGS), args.data_parallel_size, host=args.host, port=args.port,
-                    policy=args.router_policy, tp=args.tensor_parallel_size, log_dir=log_dir,
-                    shutdown_grace_s=args.shutdown_grace_s)
+    log_dir = None
+    if args.replica_log_dir is not None:
+        log_dir = make_private_dir(Path(args.replica_log_dir) if args.replica_log_dir else default_log_dir(args.port))
+    # The front answers as the replicas' server would: its limits on connections and bodies too.
+    front = ServerConfig(list(args.served_model_name or []), args.api_key, max_body_bytes=args.max_body_bytes,
+                         header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                         keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections)
+    options = set(parse_args([])[0]._option_string_actions)
+    rs = ReplicaSet(strip_args(argv, REPLICA_FLAGS, options), args.data_parallel_size, host=args.host,
+                    port=args.port, policy=args.router_policy, tp=args.tensor_parallel_size, log_dir=log_dir,
+                    shutdown_grace_s=args.shutdown_grace_s, api_key=args.api_key, front_config=front)
     signals = {"n": 0}
     stopper = threading.Thread(target=rs.stop, daemon=True)
 
@@ -326,7 +383,8 @@ def main(argv: list[str], args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         rs.start()
-        log.info("serving on http://%s:%d: %d replicas (logs in %s)", args.host, args.port, rs.n, log_dir)
+        log.info("serving on http://%s:%d: %d replicas (their logs %s)", args.host, args.port, rs.n,
+                 f"in {log_dir}" if log_dir else "above, each line prefixed 'replica I |'")
         rs.monitor()
     except BaseException:
         stopped_by_signal = rs._stopping.is_set()  # a SIGTERM while starting: the replicas' exits are no error
@@ -342,12 +400,15 @@ def main(argv: list[str], args) -> int:
 
 
 def add_replica_args(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("data-parallel replicas behind a router")
+    g = ap.add_argument_group("data-parallel replicas behind a cache-aware front")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="start this many engine replicas (one process each, its own devices or cores) behind "
-                        "sglang-router's cache-aware routing on --host:--port")
-    g.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
-                   help="how the router picks a replica (cache_aware: the longest cached prefix, within a load "
+                        "one front on --host:--port that routes each request to the replica caching the "
+                        "longest prefix of its prompt")
+    g.add_argument("--router-policy", default="cache_aware", choices=POLICIES,
+                   help="how the front picks a replica (cache_aware: the longest cached prefix, within a load "
                         "balance)")
-    g.add_argument("--replica-log-dir", default=None,
-                   help="the replicas' and the router's logs (default: ./jaxserve-replicas-PORT)")
+    g.add_argument("--replica-log-dir", default=None, nargs="?", const="", metavar="DIR",
+                   help="write the replicas' output to files in DIR (made with mode 0700), or "
+                        "with no DIR in $XDG_STATE_HOME/jaxserve/replicas-PORT (~/.local/state); default: this "
+                        "process's stderr, each line prefixed 'replica I |'")

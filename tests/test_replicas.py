@@ -19,13 +19,17 @@ import pytest
 
 from conftest import CACHE_DIR, ROOT, SMOL_ARGS, golden_arrays, golden_prompts
 
-from runtime.replicas import REPLICA_FLAGS, router_command, split_cores, strip_args
+from runtime.front import BALANCE_ABS, Router, Upstream, merge_metrics, prefix_blocks
+from runtime.replicas import REPLICA_FLAGS, LogSink, make_private_dir, split_cores, strip_args
 
 
-def test_replica_command_line_drops_the_launchers_flags():
+def test_replica_command_line_drops_the_launchers_flags_and_the_key():
     argv = ["--model", "m", "--data-parallel-size", "2", "--port=8000", "--host", "0.0.0.0", "--router-policy",
-            "round_robin", "--max-num-seqs", "4", "--replica-log-dir=/tmp/x"]
+            "round_robin", "--max-num-seqs", "4", "--replica-log-dir=/tmp/x", "--api-key", "sk-1"]
     assert strip_args(argv, REPLICA_FLAGS) == ["--model", "m", "--max-num-seqs", "4"]
+    # --replica-log-dir's value is optional; --api-key may be abbreviated as argparse allows
+    argv = ["--replica-log-dir", "--model", "m", "--api-k=sk-2", "--replica-log-dir", "/tmp/y", "--api", "sk-3"]
+    assert strip_args(argv, REPLICA_FLAGS, {"--model"}) == ["--model", "m"]
 
 
 def test_cores_split_evenly_and_disjoint():
@@ -35,12 +39,74 @@ def test_cores_split_evenly_and_disjoint():
     assert split_cores(len(cores) + 1) == [None] * (len(cores) + 1)  # fewer cores than replicas: shared
 
 
-def test_router_is_cache_aware_without_retries():
-    cmd = router_command("127.0.0.1", 9000, ["http://127.0.0.1:1", "http://127.0.0.1:2"], "cache_aware")
-    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
-    assert cmd[cmd.index("--policy") + 1] == "cache_aware" and "--disable-retries" in cmd
-    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == ["http://127.0.0.1:1",
-                                                                                  "http://127.0.0.1:2"]
+R0, R1 = Upstream(0, "http://127.0.0.1:1"), Upstream(1, "http://127.0.0.1:2")
+
+
+def test_cache_aware_routing_follows_the_prefix_within_a_load_balance():
+    router = Router("cache_aware")
+    system_a, system_b = "You are a pirate. " * 20, "You answer in French. " * 20
+    a = prefix_blocks("/v1/completions", {"prompt": system_a + "Where is the gold?"})
+    b = prefix_blocks("/v1/completions", {"prompt": system_b + "Quelle heure est-il ?"})
+    first_a = router.choose([R0, R1], a)
+    router.load[first_a.index] += 1  # in flight: the next new prefix goes to the other replica
+    first_b = router.choose([R0, R1], b)
+    assert first_b != first_a
+    for question in ("What ship?", "Which island?", "How many men?"):  # each user of a system prompt: its replica
+        assert router.choose([R0, R1], prefix_blocks("/v1/completions", {"prompt": system_a + question})) == first_a
+        assert router.choose([R0, R1], prefix_blocks("/v1/completions", {"prompt": [system_b + question]})) == first_b
+    router.load[first_a.index] += BALANCE_ABS + 1  # too far ahead: passed over whatever it holds
+    assert router.choose([R0, R1], a) == first_b
+    router.load[first_a.index] = 0
+    router.forget(first_a.index)  # restarted: it holds nothing, and the prefix went to the other one
+    assert router.matched(first_a.index, a) == 0 and router.choose([R0, R1], a) == first_b
+    assert router.choose([first_a], a) == first_a  # the only live one
+
+
+def test_prefix_blocks_of_chats_and_token_ids():
+    chat = [{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "Hi"}]
+    turn2 = chat + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    one, two = prefix_blocks("/v1/chat/completions", {"messages": chat}), prefix_blocks("/v1/chat/completions",
+                                                                                         {"messages": turn2})
+    assert len(one) >= 3 and two[:len(one) - 1] == one[:-1]  # the next turn extends the conversation's blocks
+    ids = list(range(100))
+    assert prefix_blocks("/v1/completions", {"prompt": ids}) == prefix_blocks("/v1/completions", {"prompt": [ids]})
+    assert len(prefix_blocks("/v1/completions", {"prompt": ids})) == 100 // 16
+    assert prefix_blocks("/v1/completions", {"prompt": [ids, ids]}) == []  # a batch: no one prefix
+    assert prefix_blocks("/v1/completions", {"prompt": 3}) == [] and prefix_blocks("/v1/completions", [1]) == []
+
+
+def test_round_robin_alternates():
+    router = Router("round_robin")
+    assert [router.choose([R0, R1], []).index for _ in range(4)] in ([1, 0, 1, 0], [0, 1, 0, 1])
+
+
+def test_metrics_of_replicas_merge_with_an_engine_label():
+    a = ('# HELP vllm:num_requests_running Running.\n# TYPE vllm:num_requests_running gauge\n'
+         'vllm:num_requests_running{model_name="m"} 2.0\n# HELP up_total Up.\n# TYPE up_total counter\nup_total 1.0\n')
+    b = a.replace("2.0", "3.0").replace("up_total 1.0", "up_total 5.0")
+    merged = merge_metrics([(0, a), (1, b)])
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    running = {s.labels["engine"]: s.value for s in families["vllm:num_requests_running"].samples}
+    assert running == {"0": 2.0, "1": 3.0}
+    assert all(s.labels["model_name"] == "m" for s in families["vllm:num_requests_running"].samples)
+    assert {s.labels["engine"]: s.value for s in families["up"].samples} == {"0": 1.0, "1": 5.0}
+    assert merged.count("# HELP vllm:num_requests_running") == 1 and merged.count("# TYPE up_total") == 1
+
+
+def test_replica_output_goes_to_stderr_prefixed_or_to_a_private_file(tmp_path, capfd):
+    code = "import sys; print('hello'); print('oops', file=sys.stderr)"
+    proc = LogSink("replica 3", None).popen([sys.executable, "-c", code])
+    proc.wait(30)
+    time.sleep(0.2)  # the pump thread writes the last line
+    err = capfd.readouterr().err
+    assert "replica 3 | hello" in err and "replica 3 | oops" in err
+    d = make_private_dir(tmp_path / "state" / "jaxserve" / "replicas-8000")
+    assert (d.stat().st_mode & 0o777) == 0o700
+    sink = LogSink("replica 0", d)
+    sink.popen([sys.executable, "-c", code]).wait(30)
+    assert sink.path.read_text().split() == ["hello", "oops"] and (sink.path.stat().st_mode & 0o777) == 0o600
 
 
 def test_bad_data_parallel_size_is_one_line():

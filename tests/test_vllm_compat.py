@@ -10,7 +10,7 @@ import re
 
 import httpx
 import pytest
-from conftest import SMOL_ARGS
+from conftest import SMOL_ARGS, front_over
 
 from models.engine_config import resolve_dtype
 from runtime.core.sampling_params import SamplingParams
@@ -47,17 +47,23 @@ def offline(smol_llm):
             "gen": smol_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]}
 
 
-@pytest.fixture(scope="class")
-def srv(smol_llm, offline):
+@pytest.fixture(scope="class", params=["server", "front"])
+def srv(request, smol_llm, offline):
+    """The server's URL; "front": the same server behind what `serve --data-parallel-size N` puts on
+    the user's port (sglang-router and our front), which must answer every test alike."""
     app = build_app(smol_llm.engine, served_model_names=[MODEL], log_stats_interval=0)
     with ServerThread(app) as st:
-        yield st
+        if request.param == "server":
+            yield st.url
+        else:
+            with front_over([st.url], [MODEL]) as url:
+                yield url
     assert not smol_llm.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="class")
 def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=120) as c:
+    with httpx.Client(base_url=srv, timeout=120) as c:
         yield c
 
 
@@ -65,7 +71,7 @@ def http(srv):
 def oai(srv):
     import openai
 
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=srv + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def chat_body(**kw) -> dict:
@@ -361,7 +367,7 @@ class TestVLLMCompat:
         off = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, name: VLLM_UNSUPPORTED[name]})
         assert off.status_code == 200, off.text
 
-    def test_vllm_metrics(self, http, smol_llm):
+    def test_vllm_metrics(self, http, smol_llm, request):
         before = http.get("/metrics").text
         n0 = histogram(before, "vllm:request_prompt_tokens")[0]
         it0 = histogram(before, "vllm:iteration_tokens_total")
@@ -394,6 +400,8 @@ class TestVLLMCompat:
         info = re.search(r"^vllm:cache_config_info\{([^}]*)\} 1\.0$", text, re.M)
         assert info, "vllm:cache_config_info not in /metrics"
         labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+        # Behind the front each replica's samples carry engine="i", as vLLM labels data-parallel engines.
+        assert labels.pop("engine", None) == ("0" if request.node.callspec.params["srv"] == "front" else None)
         assert labels == {"block_size": str(bm.block_size), "num_gpu_blocks": str(bm.num_blocks),
                           "enable_prefix_caching": str(bm.enable_prefix_caching),
                           "cache_dtype": resolve_dtype(smol_llm.engine.engine_config.dtype),

@@ -97,40 +97,7 @@ class Server(CompletionServing, ChatServing):
     # ------------------------------------------------------------ plumbing
 
     async def read_body(self, request: Request) -> bytes:
-        """The raw body of a JSON request: 415 unless it says application/json (so a web page cannot
-        post to a keyless local server without a CORS preflight), 413 if too large, 408 if too slow."""
-        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if ctype != "application/json":
-            raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
-                           code="unsupported_media_type")
-        length = request.headers.get("content-length")
-        limit = self.cfg.max_body_bytes
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise APIError(413, f"request body is {int(length)} bytes; the limit is {limit} bytes",
-                           code="request_too_large")
-
-        chunks: list[bytes] = []
-
-        async def read() -> bytes:
-            size = 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise APIError(413, f"request body exceeds the limit of {limit} bytes",
-                                   code="request_too_large")
-                chunks.append(chunk)
-            return b"".join(chunks)
-
-        try:
-            return await asyncio.wait_for(read(), self.cfg.body_timeout_s)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g}s",
-                           code="request_timeout", headers={"Connection": "close"}) from None
-        except ClientDisconnect:  # one line per such request (its answer goes nowhere), no traceback
-            why = request.scope.get(PROTOCOL_ERROR_KEY) or (f"the client closed the connection after "
-                                                            f"{sum(map(len, chunks))} of {length or '?'} body bytes")
-            log.warning("%s %s from %s: %s", request.method, request.url.path, peer(request.client), why)
-            raise APIError(400, why, code="incomplete_body") from None
+        return await read_body(request, self.cfg)
 
     def parse(self, raw: bytes, model_cls):
         """JSON body -> request model, or the APIError refusing it (admission.admit: run off the event
@@ -510,6 +477,44 @@ class Server(CompletionServing, ChatServing):
             raise bad_request(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "tokens",
                               "invalid_token_id")
         return json_response({"prompt": self.tokenizer.decode(r.tokens)})
+
+
+async def read_body(request: Request, cfg: ServerConfig, json_only: bool = True) -> bytes:
+    """The raw body of a JSON request: 415 unless it says application/json (so a web page cannot
+    post to a keyless local server without a CORS preflight; `json_only=False`: any type), 413 if
+    too large, 408 if too slow."""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if json_only and ctype != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                       code="unsupported_media_type")
+    length = request.headers.get("content-length")
+    limit = cfg.max_body_bytes
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body is {int(length)} bytes; the limit is {limit} bytes",
+                       code="request_too_large")
+
+    chunks: list[bytes] = []
+
+    async def read() -> bytes:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), cfg.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {cfg.body_timeout_s:g}s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:  # one line per such request (its answer goes nowhere), no traceback
+        why = request.scope.get(PROTOCOL_ERROR_KEY) or (f"the client closed the connection after "
+                                                        f"{sum(map(len, chunks))} of {length or '?'} body bytes")
+        log.warning("%s %s from %s: %s", request.method, request.url.path, peer(request.client), why)
+        raise APIError(400, why, code="incomplete_body") from None
 
 
 def peer(addr) -> str:
