@@ -1,4 +1,4 @@
-"""Cache-aware routing against round robin, on replicas behind sglang-router (issue 52).
+"""Cache-aware routing against round robin, on replicas behind the front (runtime/front.py).
 
     .venv/bin/python benchmarks/dp_router.py                       # SmolLM2, dp=2, 256 requests
     .venv/bin/python benchmarks/dp_router.py --num-prompts 64 --request-rate 2
@@ -6,7 +6,7 @@
 For each policy, starts `python -m runtime.serve --data-parallel-size 2 --router-policy P`
 afresh (cold prefix caches), sends `jaxserve bench serve`'s shared-prefix workload (8 long
 system prompts shared by the users, arriving interleaved at random, Poisson arrivals) through the
-router, reads the replicas' prefix-cache counters from their /metrics, then stops it with
+front, reads the replicas' prefix-cache counters from their /metrics, then stops it with
 SIGTERM. The KV pool is sized (--num-kv-blocks) so that one replica holds half the system
 prompts with room for its running requests, not all of them: the cache pressure under which
 where a prefix goes matters. Prints one Markdown table.

@@ -43,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from runtime.entrypoints.openai.http_server import Gate
 from runtime.entrypoints.openai.protocol import APIError, dumps
 from runtime.entrypoints.openai.serving import (BULK_BODY_BYTES, ServerConfig, _SSEResponse, _until_disconnect,
                                                 read_body)
@@ -383,8 +384,6 @@ def _labelled(sample: str, index: int) -> str:
 def build_front_app(front: Front) -> Starlette:
     """The ASGI app: the single server's gate (API key on the same paths, 503 while draining), then
     `Front.handle` for every path."""
-    from runtime.entrypoints.openai.api_server import _Gate
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         try:
@@ -401,6 +400,6 @@ def build_front_app(front: Front) -> Starlette:
 
     app = Starlette(routes=[Route("/{path:path}", front.handle, methods=METHODS)], lifespan=lifespan,
                     exception_handlers={APIError: api_error, Exception: server_error})
-    app.add_middleware(_Gate, server=front)
+    app.add_middleware(Gate, server=front)
     app.state.server = front  # the uvicorn settings (connections, timeouts) come from front.cfg
     return app

@@ -187,7 +187,7 @@ def start_front(cfg, live, every, host: str, port: int, first_replica: str, poli
     """The front (runtime.front) on host:port in a thread of this process: (Front, ServerThread).
     Without served model names in `cfg`, it names the model as the first replica's /v1/models does
     (a --plan's own name)."""
-    from runtime.entrypoints.openai.api_server import ServerThread
+    from runtime.entrypoints.openai.http_server import ServerThread
     from runtime.front import Front, build_front_app
 
     if not cfg.served_model_names:
@@ -347,14 +347,14 @@ REPLICA_FLAGS = {"--data-parallel-size": True, "--router-policy": True, "--host"
                  "--replica-log-dir": None, "--api-key": True}
 
 
-def main(argv: list[str], args) -> int:
-    """`serve --data-parallel-size N`: argv is the server's command line, args its parse."""
+def main(argv: list[str], args, options: set[str] = frozenset()) -> int:
+    """`serve --data-parallel-size N`: argv is the server's command line, args its parse, options
+    every option string of its parser."""
     from runtime.args import check_port
 
     if args.nnodes > 1:
         raise UserError("--data-parallel-size with --nnodes is not supported: run the multi-process "
                         "engine's ranks yourself, one replica at a time")
-    from runtime.entrypoints.openai.api_server import parse_args
     from runtime.entrypoints.openai.serving import ServerConfig
 
     check_port(args.host, args.port)
@@ -366,7 +366,6 @@ def main(argv: list[str], args) -> int:
     front = ServerConfig(list(args.served_model_name or []), args.api_key, max_body_bytes=args.max_body_bytes,
                          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                          keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections)
-    options = set(parse_args([])[0]._option_string_actions)
     rs = ReplicaSet(strip_args(argv, REPLICA_FLAGS, options), args.data_parallel_size, host=args.host,
                     port=args.port, policy=args.router_policy, tp=args.tensor_parallel_size, log_dir=log_dir,
                     shutdown_grace_s=args.shutdown_grace_s, api_key=args.api_key, front_config=front)

@@ -4,7 +4,8 @@ name and the public names for embedding it: `build_app(engine)` and `ServerThrea
 
 import sys
 
-from runtime.entrypoints.openai.api_server import ServerThread, build_app, main, parse_args, serve
+from runtime.entrypoints.openai.api_server import build_app, main, parse_args, serve
+from runtime.entrypoints.openai.http_server import ServerThread
 from runtime.entrypoints.openai.protocol import VLLM_UNSUPPORTED, APIError
 
 __all__ = ["APIError", "ServerThread", "VLLM_UNSUPPORTED", "build_app", "main", "parse_args", "serve"]

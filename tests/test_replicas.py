@@ -1,8 +1,9 @@
-"""Data-parallel replicas behind sglang-router (runtime.replicas): the glue's pieces, and a real
+"""Data-parallel replicas behind the front (runtime.replicas, runtime.front): the glue's pieces, the
+routing, the front answering as the server does, and a real
 `python -m runtime.serve --data-parallel-size 2` on SmolLM2 (two replica processes, one core
-each, and the router): HF's golden tokens through the router, a crashed replica taken out,
-restarted and put back while the other serves, and SIGTERM draining all. Every child process
-has a deadline and is killed in `finally`.
+each): HF's golden tokens through the front, a crashed replica's queued requests retried on the
+other, the replica restarted and put back, and SIGTERM draining all. Every child process has a
+deadline and is killed in `finally`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -125,19 +127,38 @@ def _replica_urls(log: str) -> list[str]:
     return [m.group(2) for m in re.finditer(r"replica (\d+): pid \d+ on (http://\S+?),? ", log)][:2]
 
 
+def _cmdlines() -> list[str]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                out.append(open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode("utf-8", "replace"))
+            except OSError:
+                pass
+    return out
+
+
 @pytest.mark.slow
-def test_dp2_golden_tokens_crash_recovery_and_sigterm(tmp_path):
+def test_dp2_front_golden_tokens_retries_crash_recovery_and_sigterm(tmp_path):
+    """`serve --data-parallel-size 2` on SmolLM2 with the key in JAXSERVE_API_KEY, run from an empty
+    directory: HF's golden tokens through the front; no process shows the key; no file appears in
+    the working directory; a replica killed with requests queued on it: they succeed on the other
+    replica, and the stream it had begun ends with an error event and [DONE]; the replica comes
+    back; SIGTERM drains all."""
     port = _free_port()
+    key = "sk-dp2-secret-4242"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
     args = [sys.executable, "-m", "runtime.serve", "--model", "smollm2-135m", "--data-parallel-size", "2",
-            "--port", str(port), "--compilation-cache-dir", str(CACHE_DIR), "--replica-log-dir", str(tmp_path),
-            "--shutdown-grace-s", "30"]
+            "--port", str(port), "--compilation-cache-dir", str(CACHE_DIR), "--shutdown-grace-s", "30"]
     for k, v in SMOL_ARGS.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     log_path = tmp_path / "launcher.log"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXSERVE_API_KEY": key, "PYTHONPATH": str(ROOT)}
     with open(log_path, "w") as f:
-        proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=f,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {key}"}
     try:
         t0 = time.monotonic()
         while "serving on" not in log_path.read_text():
@@ -146,52 +167,75 @@ def test_dp2_golden_tokens_crash_recovery_and_sigterm(tmp_path):
             time.sleep(1)
         replicas = _replica_urls(log_path.read_text())
         assert len(replicas) == 2
-        with httpx.Client(base_url=url, timeout=120) as c:
-            assert c.get("/v1/models").json()["data"][0]["id"] == "smollm2-135m"  # the router asked /model_info
-            # HF's golden greedy tokens, through the router (text prompts: it routes on text).
-            for p in golden_prompts():
+        assert not [c for c in _cmdlines() if key in c]  # the key is in no process's command line
+        assert "replica 0 | " in log_path.read_text() and "replica 1 | " in log_path.read_text()
+        with httpx.Client(base_url=url, timeout=120, headers=auth) as c:
+            assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            card = c.get("/v1/models").json()["data"][0]
+            assert card["id"] == "smollm2-135m" and card["max_model_len"] == SMOL_ARGS["max_model_len"]
+            for p in golden_prompts():  # HF's golden greedy tokens, as text and as token ids
                 g = golden_arrays(p["name"])
-                r = c.post("/v1/completions", json={"model": "smollm2-135m", "prompt": p["rendered_text"], "max_tokens": 16, "temperature": 0,
-                                                    "ignore_eos": True, "return_token_ids": True})
-                assert r.status_code == 200, r.text
-                ch = r.json()["choices"][0]
-                assert ch["prompt_token_ids"] == g["prompt_ids"].tolist()
-                assert ch["token_ids"] == g["gen_ids"].tolist()[:16], p["name"]
-            # A crash: the stream on the killed replica ends with an error, not a hang; the other
-            # replica keeps serving; the launcher restarts the dead one and the router takes it back.
-            with c.stream("POST", "/v1/completions", json={"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 300,
-                                                          "ignore_eos": True, "temperature": 0, "stream": True}) as r:
+                for prompt in (p["rendered_text"], g["prompt_ids"].tolist()):
+                    r = c.post("/v1/completions", json={"model": "smollm2-135m", "prompt": prompt, "max_tokens": 16,
+                                                        "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+                    assert r.status_code == 200, r.text
+                    ch = r.json()["choices"][0]
+                    assert ch["prompt_token_ids"] == g["prompt_ids"].tolist()
+                    assert ch["token_ids"] == g["gen_ids"].tolist()[:16], p["name"]
+            metrics = c.get("/metrics").text
+            assert 'engine="0"' in metrics and 'engine="1"' in metrics
+
+            # A crash with requests queued: a stream that has begun, then 12 requests with its prefix
+            # (cache-aware: the same replica, 16 batch slots: some run, the rest wait).
+            prefix = "Tell me a long story about the sea, the ships, the sailors and the storms. " * 4
+            body = {"model": "smollm2-135m", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            results: list = []
+            with c.stream("POST", "/v1/completions", json={**body, "prompt": prefix + "Begin.", "max_tokens": 400,
+                                                           "stream": True}) as r:
                 lines = r.iter_lines()
                 next(line for line in lines if line.startswith("data: {"))
                 running = [_running(u) for u in replicas]
                 victim = replicas[running.index(max(running))]
+
+                def one(i):
+                    try:
+                        results.append(httpx.post(url + "/v1/completions", headers=auth, timeout=300,
+                                                  json={**body, "prompt": prefix + f"Chapter {i}."}))
+                    except httpx.HTTPError as e:
+                        results.append(e)
+
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+                for t in threads:
+                    t.start()
+                t1 = time.monotonic()
+                while _running(victim, "vllm:num_requests_waiting") + _running(victim) < 8:
+                    assert time.monotonic() - t1 < 60, "the requests did not reach the stream's replica"
+                    time.sleep(0.05)
                 pid = int(re.search(rf"pid (\d+) on {re.escape(victim)}", log_path.read_text()).group(1))
                 tk = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
-                rest = []
-                try:  # the router cuts the stream off (or ends it with an error): not a hang
-                    rest = [line for line in lines if line]
-                except httpx.TransportError:
-                    pass
+                rest = [line for line in lines if line]
             assert time.monotonic() - tk < 30
-            assert not any('"finish_reason":"length"' in x.replace(" ", "") for x in rest), rest[-3:]
-            time.sleep(2)  # the launcher saw the exit and took the replica out of the router's rotation
-            for _ in range(4):  # the survivor answers while the other restarts
-                r = c.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 4,
-                                                    "temperature": 0})
-                assert r.status_code == 200, r.text
+            assert rest[-1] == "data: [DONE]" and '"replica_failed"' in rest[-2], rest[-3:]
+            for t in threads:
+                t.join(300)
+            assert len(results) == 12
+            for r in results:  # each sent once more, to the live replica
+                assert isinstance(r, httpx.Response) and r.status_code == 200, r
+                assert r.json()["usage"]["completion_tokens"] == 12
+            assert "sending it once more" in log_path.read_text()
             t0 = time.monotonic()
             while "back in rotation" not in log_path.read_text():
                 assert proc.poll() is None, log_path.read_text()[-3000:]
                 assert time.monotonic() - t0 < 600, "the replica was not restarted"
                 time.sleep(1)
-            workers = c.get("/workers").json()["workers"]
-            assert sorted(w["url"] for w in workers) == sorted(replicas) and all(w["is_healthy"] for w in workers)
+            assert c.get("/health").status_code == 200
         log = log_path.read_text()
-        assert f"exited with status -9: out of rotation, restarting" in log
+        assert "exited with status -9: out of rotation, restarting" in log
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0
-        assert "every replica and the router stopped" in log_path.read_text()
+        assert "every replica and the front stopped" in log_path.read_text()
+        assert list(cwd.iterdir()) == []  # no log or other file in the working directory
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -202,9 +246,9 @@ def test_dp2_golden_tokens_crash_recovery_and_sigterm(tmp_path):
                 _kill_quietly(int(m.group(1)))
 
 
-def _running(url: str) -> float:
+def _running(url: str, name: str = "vllm:num_requests_running") -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def _kill_quietly(pid: int) -> None:
@@ -212,3 +256,78 @@ def _kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+KEY = "sk-front-1"
+MODEL = "smollm2-135m"
+
+
+def _cases() -> list[tuple[str, str, object, dict]]:
+    """(method, path, JSON body or raw bytes, extra headers): shapes a single server answers."""
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    return [
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": [1, 504, 3458], "max_tokens": 3, "temperature": 0}, {}),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": [[1, 504], [3458, 314]], "max_tokens": 2,
+                                     "temperature": 0}, {}),
+        ("POST", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}, {}),
+        ("POST", "/v1/chat/completions", {"messages": chat, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                                          "structured_outputs": {"regex": "[0-9]+"}, "prompt_logprobs": 1}, {}),
+        ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}, {}),
+        ("POST", "/v1/completions", b'{"model": "x", "prompt": "hi",', {}),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, {}),
+        ("POST", "/v1/completions", {"model": "another-model", "prompt": "hi"}, {}),
+        ("POST", "/v1/completions", b'{"prompt": "hi"}', {"Content-Type": "text/plain"}),
+        ("POST", "/tokenize", {"prompt": "hello world"}, {}),
+        ("POST", "/detokenize", {"tokens": [1, 504, 3458]}, {}),
+        ("GET", "/version", None, {}),
+        ("GET", "/v1/models", None, {}),
+        ("GET", "/openapi.json", None, {}),
+        ("GET", "/no-such-path", None, {}),
+        ("DELETE", "/v1/models", None, {}),
+        ("GET", "/v1/models", None, {"Authorization": "Bearer wrong"}),
+        ("POST", "/tokenize", {"prompt": "hi"}, {"Authorization": ""}),
+        ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 1}, {"Authorization": f"Basic {KEY}"}),
+    ]
+
+
+def _answer(c: httpx.Client, method: str, path: str, body, headers: dict):
+    h = {"Authorization": f"Bearer {KEY}", **headers}
+    h = {k: v for k, v in h.items() if v}
+    if isinstance(body, bytes):
+        r = c.request(method, path, content=body, headers={"Content-Type": "application/json", **h})
+    else:
+        r = c.request(method, path, json=body, headers=h)
+    try:
+        got = r.json()
+    except ValueError:
+        got = r.text
+    if isinstance(got, dict):  # this request's own id and time
+        got = {k: v for k, v in got.items() if k not in ("id", "created")}
+    return r.status_code, r.headers.get("content-type"), r.headers.get("www-authenticate"), got
+
+
+def test_the_front_answers_every_request_as_the_server_does(smol_llm):
+    """The same server alone and behind the front, both with --api-key: the same status, headers
+    that matter and body for token-id prompts, a missing model, bad bodies, every endpoint, and
+    requests without the key; /health and /metrics need no key on either."""
+    from conftest import front_over
+
+    from runtime.serve import ServerThread, build_app
+
+    app = build_app(smol_llm.engine, served_model_names=MODEL, api_key=KEY, log_stats_interval=0)
+    with ServerThread(app) as st, front_over([st.url], [MODEL], api_key=KEY) as front_url, \
+            httpx.Client(base_url=st.url, timeout=120) as alone, httpx.Client(base_url=front_url, timeout=120) as front:
+        for method, path, body, headers in _cases():
+            want = _answer(alone, method, path, body, headers)
+            assert _answer(front, method, path, body, headers) == want, (method, path, body, headers)
+        assert front.get("/health").status_code == 200
+        assert front.get("/metrics").status_code == 200 and 'engine="0"' in front.get("/metrics").text
+        import openai
+
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=front_url + "/v1", api_key="nope", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=front_url + "/v1", api_key=KEY, max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+        tokens = good.completions.create(model=MODEL, prompt=[1, 504, 3458], max_tokens=3, temperature=0)
+        assert tokens.choices[0].text
+    assert not smol_llm.engine.has_unfinished_requests()

@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import signal
 import sys
-import threading
 import time
-from http import HTTPStatus
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,57 +27,19 @@ from starlette.routing import Route
 from runtime.async_engine import DEFAULT_MAX_QUEUE
 from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_CHARS
 from runtime.entrypoints.openai.checker import DEFAULT_BODY_CHECKERS
+from runtime.entrypoints.openai.http_server import Gate, UvicornServer, uvicorn_config
 from runtime.entrypoints.openai.protocol import APIError
 from runtime.entrypoints.openai.serving import (BULK_BODY_BYTES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                                                DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN,
-                                                PROTOCOL_ERROR_KEY, Server, ServerConfig, _version, peer)
+                                                DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN, Server,
+                                                ServerConfig, _version)
 
 log = logging.getLogger("runtime.serve")
 
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
-MAX_HEADER_BYTES = 64 << 10  # a request head larger than this gets 431
 
 
 # ====================================================================== the app
-
-
-class _Gate:
-    """ASGI middleware: API key and shutdown checks before any handler runs."""
-
-    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
-
-    def __init__(self, app, server: Server):
-        self.app = app
-        self.server = server
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            path = scope["path"]
-            s = self.server
-            err = None
-            if s.draining and path not in ("/metrics", "/health"):
-                err = APIError(503, "the server is shutting down", code="server_shutting_down",
-                               headers={"Retry-After": str(s.cfg.retry_after_s)})
-            elif s.cfg.api_key and path.startswith(self.PROTECTED):
-                auths = [v for k, v in scope["headers"] if k == b"authorization"]
-                if len(auths) > 1:  # which one a proxy checked is anyone's guess
-                    err = APIError(400, "more than one Authorization header", code="invalid_api_key")
-                elif not _bearer_matches(auths[0] if auths else b"", s.cfg.api_key):
-                    err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            if err is not None:
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _bearer_matches(value: bytes, key: str) -> bool:
-    """`Bearer KEY`: the scheme in any case and one or more spaces after it (RFC 9110 11.4); the key
-    exactly, trailing whitespace included."""
-    scheme, sep, token = value.decode("latin-1").partition(" ")
-    return bool(sep) and scheme.lower() == "bearer" and hmac.compare_digest(token.lstrip(" ").encode("latin-1"),
-                                                                            key.encode())
 
 
 def build_app(engine, *, served_model_names: list[str] | str | None = None, api_key: str | None = None,
@@ -125,7 +84,8 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
 
     async def model_info(request):
         # What sglang-router asks a worker when it registers it (/model_info, then /get_model_info),
-        # as SGLang answers: the model its /v1/models then lists. No tokenizer_path: the router
+        # as SGLang answers, for a user who puts one in front of several servers (our own
+        # --data-parallel-size front does not need them): the model its /v1/models then lists. No tokenizer_path: the router
         # would load one to tokenize for its own use; it routes on the request's text.
         return JSONResponse({"model_path": names[0], "tokenizer_path": None, "is_generation": True})
 
@@ -151,7 +111,7 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
-    app.add_middleware(_Gate, server=server)
+    app.add_middleware(Gate, server=server)
     app.state.server = server
     return app
 
@@ -159,178 +119,12 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
 # ====================================================================== running it
 
 
-class _UvicornServer:
-    """uvicorn.Server without its own signal handling: SIGTERM/SIGINT drain (see `serve`)."""
-
-    def __new__(cls, config):
-        import uvicorn
-
-        class S(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                yield
-
-        return S(config)
-
-
-def _guarded_protocol(header_timeout_s: float, max_connections: int):
-    """uvicorn's llhttp (httptools) protocol, which holds requests to RFC 9112 where h11 is lenient
-    (a body framed by both Transfer-Encoding and Content-Length, the request-smuggling shape; bare-LF
-    line endings; bad chunk sizes), plus what it lacks against slow or numerous clients:
-    connections past `max_connections` are closed at accept; one that has not sent a full request
-    head within `header_timeout_s` (of connecting, or of its previous response) is closed; a head
-    over MAX_HEADER_BYTES gets 431. A malformed request is one log line, not a traceback; an
-    Authorization value keeps its trailing whitespace, so the key must match exactly."""
-    import httptools
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class GuardedHTTPProtocol(HttpToolsProtocol):
-        _header_timer = None
-        _in_head = True  # the bytes received now belong to a request head
-        _head_bytes = 0  # the URL and headers parsed so far
-        _pending_head_bytes = 0  # received while the head is still incomplete
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                log.warning("%d connections open (limit %d): closing a new one", len(self.connections) - 1,
-                            max_connections)
-                transport.close()
-                return
-            self._arm_header_timer()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm_header_timer()
-
-        def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            super().connection_lost(exc)
-
-        def _arm_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
-
-        def _header_timeout(self) -> None:
-            # A request whose head arrived has a live cycle; its body has the body timeout.
-            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
-                self.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            self._unset_keepalive_if_required()
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError as e:
-                if self._head_bytes > MAX_HEADER_BYTES:  # on_header stopped the parser
-                    self._refuse(431, f"the request head is larger than {MAX_HEADER_BYTES} bytes")
-                else:
-                    self._refuse(400, f"malformed HTTP request: {e}")
-                return
-            except httptools.HttpParserUpgrade:  # as uvicorn's own
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                else:
-                    self._unsupported_upgrade_warning()
-                return
-            if self._in_head:  # still no end of the head (llhttp itself keeps no limit)
-                self._pending_head_bytes += len(data)
-                if self._pending_head_bytes > MAX_HEADER_BYTES:
-                    self._refuse(431, f"the request head is larger than {MAX_HEADER_BYTES} bytes")
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._in_head, self._head_bytes, self._pending_head_bytes = True, 0, 0
-
-        def on_url(self, url: bytes) -> None:
-            self._head_bytes += len(url)
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._head_bytes += len(name) + len(value) + 4
-            if self._head_bytes > MAX_HEADER_BYTES:
-                raise ValueError("request head too large")  # feed_data raises; data_received answers 431
-            super().on_header(name, value)
-            if self.headers[-1][0] == b"authorization":
-                self.headers[-1] = (b"authorization", value)  # as sent: "Bearer KEY " is not KEY
-
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            super().on_headers_complete()
-
-        def _refuse(self, status: int, reason: str) -> None:
-            """One line in the log and an error body, then the connection closes. When the request's
-            head had arrived, its handler (reading the body) writes that line, with this reason."""
-            cycle = self.cycle
-            in_flight = cycle is not None and not cycle.response_complete
-            if in_flight:
-                cycle.scope[PROTOCOL_ERROR_KEY] = reason
-            else:
-                log.warning("refused a request from %s: %s", peer(self.client), reason)
-            if in_flight and cycle.response_started:  # no second answer after one begun
-                self.transport.close()
-                return
-            body = APIError(status, reason, code="bad_http_request").response().body
-            head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n"
-            self.transport.write(head % (status, HTTPStatus(status).phrase.encode(), len(body)) + b"\r\n" + body)
-            self.transport.close()
-
-    return GuardedHTTPProtocol
-
-
-def _uvicorn_config(app, host: str, port: int, **kwargs):
-    import uvicorn
-
-    server = getattr(getattr(app, "state", None), "server", None)
-    cfg = server.cfg if server is not None else ServerConfig([])  # another ASGI app: the defaults
-    return uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=2,
-                          http=_guarded_protocol(cfg.header_timeout_s, cfg.max_connections),
-                          limit_concurrency=cfg.max_connections + 1, timeout_keep_alive=cfg.keep_alive_timeout_s,
-                          **kwargs)
-
-
-class ServerThread:
-    """Runs an app on uvicorn in a background thread (tests, benchmarks). `url` once `start()` returns."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.app = app
-        self.host = host
-        self.server = _UvicornServer(_uvicorn_config(app, host, port, log_level=log_level, access_log=False))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-        self.port: int | None = None
-
-    def start(self, timeout: float = 60.0) -> "ServerThread":
-        self.thread.start()
-        t0 = time.monotonic()
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
 async def serve(app, host: str, port: int, *, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
                 log_level: str = "info", access_log: bool = False) -> None:
     """Serves until SIGTERM/SIGINT; then refuses new requests (503), drains in-flight ones for up to
     `shutdown_grace_s`, aborts whatever is left, and returns. A second signal exits at once."""
     server: Server = app.state.server
-    uv = _UvicornServer(_uvicorn_config(app, host, port, log_level=log_level, access_log=access_log,
+    uv = UvicornServer(uvicorn_config(app, host, port, log_level=log_level, access_log=access_log,
                                         log_config=None))
     loop = asyncio.get_running_loop()
     state = {"signals": 0}
@@ -454,7 +248,7 @@ def main(argv=None) -> int:
     if args.data_parallel_size > 1:  # a router in front of replicas, each this command at dp 1
         from runtime import replicas
 
-        return replicas.main(list(sys.argv[1:] if argv is None else argv), args)
+        return replicas.main(list(sys.argv[1:] if argv is None else argv), args, set(ap._option_string_actions))
     from runtime import distributed
     from runtime.args import quiet_tpu_probe
     from runtime.build import build_engine
