@@ -3,7 +3,7 @@
     jaxserve env            # or: python -m runtime.collect_env
     jaxserve env --json     # the same as one JSON object
 
-Like `vllm collect-env`: paste its output into an issue. Secrets (JAXSERVE_API_KEY) are shown
+Like `vllm collect-env`: paste its output into an issue. Secrets (JAXSERVE_API_KEY, JAXSERVE_DIST_SECRET) are shown
 only as set / not set.
 """
 
@@ -25,7 +25,7 @@ PACKAGES = ("jaxserve", "jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "flax", 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
             "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_VISIBLE_DEVICES", "JAXSERVE_DEBUG", "JAXSERVE_CPU_TARGET",
             "JAXSERVE_CPU_POLL_US", "JAXSERVE_KERNEL_CACHE", "JAXSERVE_GGUF_CACHE", "XDG_CACHE_HOME")
-SECRET_ENV_VARS = ("JAXSERVE_API_KEY",)
+SECRET_ENV_VARS = ("JAXSERVE_API_KEY", "JAXSERVE_DIST_SECRET")
 
 
 def _version(package: str) -> str | None:

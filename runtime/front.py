@@ -13,7 +13,7 @@ Routing (`--router-policy`, SGLang's cache-aware policy in outline): each replic
 the hashes of the prompt prefixes, in blocks of 64 characters (16 ids for token-id prompts), that
 were sent to it, least recently used first out. A request goes to the replica matching the
 longest prefix if that covers more than half its blocks, else to the least loaded one (the fewest
-requests in flight, then the smallest index); a replica with 32 more requests in flight than the
+requests in flight, then the fewest blocks held); a replica with 32 more requests in flight than the
 least loaded is passed over whatever it holds. round_robin, power_of_two and random are the
 baselines. sglang-router did this before; it is not used because it re-serializes each request
 from its own schema and drops the fields it does not know (vLLM's `structured_outputs`,
@@ -99,7 +99,9 @@ class Router:
         if self.policy == "power_of_two":
             return self.least_loaded(self._rng.sample(live, min(2, len(live))))
         least = self.least_loaded(live)
-        pick = least
+        # A prompt no replica holds goes to the least loaded one, and among those to the one holding
+        # the fewest blocks, so that the prefixes spread over the replicas' caches.
+        pick = min(live, key=lambda r: (self.load[r.index], len(self.index.get(r.index, ())), r.index))
         if blocks and all(self.load[r.index] - self.load[least.index] <= BALANCE_ABS for r in live):
             best = max(live, key=lambda r: (self.matched(r.index, blocks), -self.load[r.index]))
             if self.matched(best.index, blocks) > CACHE_THRESHOLD * len(blocks):
