@@ -17,7 +17,10 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-GOLDEN_DIR = Path(os.environ.get("GOLDEN_DIR", ROOT.parent / "shared" / "golden"))
+# HF transformers' outputs the engine is held to (tests/data/golden/README.md); GOLDEN_DIR points
+# the tests at another copy (set but empty: this one).
+REPO_GOLDEN_DIR = ROOT / "tests" / "data" / "golden"
+GOLDEN_DIR = Path(os.environ.get("GOLDEN_DIR") or REPO_GOLDEN_DIR)
 # One compile cache for the whole run (and across runs on the same machine): each bucket of the
 # real model is compiled once, not once per test module.
 CACHE_DIR = Path(os.environ.get("JAXSERVE_TEST_CACHE", Path.home() / ".cache" / "jaxserve-tests" / "xla"))
@@ -31,8 +34,8 @@ def pytest_configure(config):
         # Test modules read the golden prompts when they are collected; say what is missing once.
         raise pytest.UsageError(
             f"the tests need the golden outputs of HF transformers, and {GOLDEN_DIR} has none (no prompts.json). "
-            f"They live beside the checkout, in ../shared/golden (../shared/DESIGN.md, 'The default model and the golden "
-            f"data'); point GOLDEN_DIR=/path/to/golden at a copy if yours is elsewhere.")
+            f"The repository holds them in tests/data/golden, the default when GOLDEN_DIR is unset; "
+            f"tests/data/make_golden.py remakes them.")
     from runtime.worker.model_runner import enable_compilation_cache
 
     enable_compilation_cache(CACHE_DIR)

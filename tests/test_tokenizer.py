@@ -1,15 +1,11 @@
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from conftest import golden_arrays, golden_prompts
 from models.tokenizer import Tokenizer
 from models.weights import find_smollm2_gguf, read_gguf_index
 
-GOLDEN = Path(os.environ.get("GOLDEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "golden"))
-PROMPTS = json.loads((GOLDEN / "prompts.json").read_text())
+PROMPTS = golden_prompts()
 
 VARIED_TEXTS = [
     "Hello, world!",
@@ -45,7 +41,7 @@ def hf_tokenizer_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=[p["name"] for p in PROMPTS])
 def test_golden_prompt_ids(tok, prompt):
-    golden = np.load(GOLDEN / f"{prompt['name']}.npz")["prompt_ids"].tolist()
+    golden = golden_arrays(prompt["name"])["prompt_ids"].tolist()
     if prompt["kind"] == "chat":
         rendered = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True)
         assert rendered == prompt["rendered_text"]

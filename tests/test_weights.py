@@ -1,10 +1,10 @@
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import golden_arrays
 from models.config import ModelConfig, get_preset
 from tolerances import SAME_MATH_F64
 from models.weights import (
@@ -26,8 +26,6 @@ from models.weights import (
     source_names,
     unpermute_qk_rows,
 )
-
-GOLDEN = Path(os.environ.get("GOLDEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "golden"))
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +271,7 @@ def _reference_forward(config: ModelConfig, w: dict, ids: np.ndarray) -> np.ndar
 def test_weights_reproduce_golden_logits(smollm2):
     """End to end: numpy forward on our weights matches transformers' logits for a golden prompt."""
     config, weights, _ = smollm2
-    g = np.load(GOLDEN / "p1_fibonacci.npz")
+    g = golden_arrays("p1_fibonacci")
     logits = _reference_forward(config, weights, g["prompt_ids"])
     assert np.abs(logits[-1] - g["last_logits"]).max() < 1e-3
     top1 = logits.argmax(-1)

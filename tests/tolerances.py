@@ -14,9 +14,12 @@ BITWISE = dict(rtol=0, atol=0)
 # Our f32 lowering against HF transformers' f32 forward on SmolLM2: 30 layers summed in another
 # order; 10x SAME_MATH_F32 because the error compounds over the depth.
 HF_LOGITS = dict(rtol=0, atol=1e-4)
-# Golden top-10 logits (from HF, stored in ../shared/golden with 4 decimals) and full-engine runs
-# (paged KV, chunked prefill, buckets) against them: the rounding of the stored values dominates.
+# Golden logits (HF's f32, stored unrounded in tests/data/golden) against full-engine runs (paged KV,
+# chunked prefill, buckets): the golden data's own bar (its README) for an f32 engine over 30 layers.
 GOLDEN_LOGITS = dict(rtol=0, atol=1e-3)
+# HF's f32 run remade (tests/data/make_golden.py) against the committed golden logits: torch's CPU
+# kernels sum in another order on another CPU or release; 5.25 against 5.24 moved them by 6e-5.
+GOLDEN_REMAKE = dict(rtol=0, atol=1e-4)
 # Logits closer than this may legitimately swap order between two f32 engines.
 ORDER_GAP = 2e-3
 # XLA against the Pallas interpreter over several engine steps: the online softmax's chunk
