@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--baseline", type=Path, required=True, help="another sampler.py")
     ap.add_argument("--case", choices=list(CASES), default="greedy")
     ap.add_argument("--golden", type=Path, default=None, metavar="DIR",
-                    help="rows of real SmolLM2 logits: each DIR/*.npz's last_logits (../shared/golden), "
+                    help="rows of real SmolLM2 logits: each DIR/*.npz's last_logits (tests/data/golden), "
                          "repeated to 64 rows; default: standard normal logits (a flat distribution)")
     ap.add_argument("--compile", type=int, default=0, metavar="N",
                     help="time the cold compile of the engine's first N buckets instead")

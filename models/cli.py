@@ -1,6 +1,6 @@
 """The command-line basics every CLI shares: one-line user errors, engine flags and their units,
 and `--model` resolution. `runtime.args` and `runtime.errors` re-export them; `ir.dump` imports
-them from here, since DESIGN lets it import models and passes but not runtime.
+them from here, since the layering lets it import models and passes but not runtime.
 
 A `UserError` is a mistake the person at the keyboard can fix (a model that does not exist, a
 busy port, a plan that does not fit). `run_main` prints it as `error: ...` with no traceback;

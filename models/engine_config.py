@@ -1,7 +1,7 @@
 """Engine arguments, with vLLM's names (`runtime.config` re-exports them).
 
 They live in models, below runtime, because the command-line layer (models.cli) builds its engine
-flags from them, and `ir.dump` uses that layer while DESIGN lets it import only models and passes.
+flags from them, and `ir.dump` uses that layer while the layering lets it import only models and passes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pallas kernels (FlashAttention prefill, paged attention, the grouped matmul of mixture-of-experts
 layers) with jnp references.
 
-This package imports only jax; see DESIGN.md.
+This package imports only jax (docs/ARCHITECTURE.md, "Rules for contributors").
 """
 
 from pallas_kernels.flash_attention import BlockSizes as FlashAttentionBlockSizes

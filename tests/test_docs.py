@@ -86,7 +86,7 @@ def test_the_readme_is_a_first_visit():
     assert len(text.splitlines()) <= 250
     for guide in GUIDES:
         assert f"(docs/{guide}.md)" in text, f"the README does not link docs/{guide}.md"
-    assert "../shared/golden" in text and ".venv/bin/jaxserve" in text and "source .venv/bin/activate" in text
+    assert "tests/data/golden" in text and ".venv/bin/jaxserve" in text and "source .venv/bin/activate" in text
 
 
 def test_every_guide_starts_with_what_the_reader_can_do():

@@ -1,4 +1,5 @@
-"""DESIGN's layering, checked from the source: what each folder may import, and no import cycles.
+"""The layering (docs/ARCHITECTURE.md, "Rules for contributors"), checked from the source: what
+each folder may import, and no import cycles.
 
 Every project module is parsed with `ast` (nothing is imported), and every import counts: at
 module level or inside a function, `import x`, `from x import y`, and imports by name:
@@ -15,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ir", "passes", "models", "pallas_kernels", "runtime")
 
-# DESIGN, "What each folder may import" (a folder may always import itself).
+# What each folder may import (a folder may always import itself).
 ALLOWED = {
     "ir": set(),
     "passes": {"ir"},
@@ -114,7 +115,7 @@ def test_folders_import_only_what_design_allows():
         for dep, line in sorted(deps.items()):
             if dep.split(".")[0] not in allowed:
                 bad.append(f"{MODULES[module].relative_to(ROOT)}:{line} imports {dep}")
-    assert not bad, "imports DESIGN forbids:\n" + "\n".join(bad)
+    assert not bad, "imports the layering forbids (docs/ARCHITECTURE.md):\n" + "\n".join(bad)
 
 
 # The worker runs what the compiler made: it may read a pass's result (the memory plan it is sized
