@@ -64,7 +64,7 @@ def rank_main(args) -> None:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from runtime import distributed, wire
+    from runtime.distributed import multiprocess as distributed, wire
     from runtime.build import build_runner
     from runtime.plan import load_plan
 
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     if args.rank is not None:
         rank_main(args)
         return 0
-    from runtime.distributed import free_port_pair
+    from runtime.distributed.multiprocess import free_port_pair
 
     addr = f"127.0.0.1:{free_port_pair()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

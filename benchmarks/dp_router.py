@@ -1,4 +1,4 @@
-"""Cache-aware routing against round robin, on replicas behind the front (runtime/front.py).
+"""Cache-aware routing against round robin, on replicas behind the front (runtime/distributed/front.py).
 
     .venv/bin/python benchmarks/dp_router.py                       # SmolLM2, dp=2, 256 requests
     .venv/bin/python benchmarks/dp_router.py --num-prompts 64 --request-rate 2
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 def run_policy(policy: str, args, log_dir: Path):
     from runtime.bench_serve import run
-    from runtime.replicas import free_port
+    from runtime.distributed.replicas import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "runtime.serve", "--model", args.model, "--data-parallel-size", "2",

@@ -1,5 +1,5 @@
 """What the --data-parallel-size front adds to a request: the same server alone and behind the
-front (runtime/front.py), in this process, alternating, on SmolLM2-135M.
+front (runtime/distributed/front.py), in this process, alternating, on SmolLM2-135M.
 
     .venv/bin/python benchmarks/front_latency.py                 # 200 rounds
     .venv/bin/python benchmarks/front_latency.py --rounds 50

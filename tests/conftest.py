@@ -323,11 +323,11 @@ fails is a failure). JAX's
 
 @contextlib.contextmanager
 def front_over(urls: list[str], names: list[str], api_key: str | None = None, policy: str = "cache_aware"):
-    """What `serve --data-parallel-size N` puts on the user's port (runtime.front), over servers
-    already running at `urls` (replica i is urls[i]). Yields the front's URL."""
+    """What `serve --data-parallel-size N` puts on the user's port (runtime.distributed.front), over
+    servers already running at `urls` (replica i is urls[i]). Yields the front's URL."""
     from runtime.entrypoints.openai.serving import ServerConfig
-    from runtime.front import Upstream
-    from runtime.replicas import start_front
+    from runtime.distributed.front import Upstream
+    from runtime.distributed.replicas import start_front
 
     ups = [Upstream(i, u) for i, u in enumerate(urls)]
     front, thread = start_front(ServerConfig(list(names), api_key), lambda: ups, lambda: ups, "127.0.0.1", 0,

@@ -30,9 +30,9 @@ import pytest
 
 from conftest import ROOT
 
-from runtime.distributed import (SECRET_ENV, DistributedConfig, Follower, Leader, RankFailure, _mismatch,
+from runtime.distributed.multiprocess import (SECRET_ENV, DistributedConfig, Follower, Leader, RankFailure, _mismatch,
                                  free_port_pair, load_secret)
-from runtime.wire import Decoder, Encoder, encode, recv_frame
+from runtime.distributed.wire import Decoder, Encoder, encode, recv_frame
 from runtime.errors import UserError
 
 TINY = ["--model", "tiny", "--tensor-parallel-size", "2", "--max-model-len", "64", "--max-num-seqs", "2",
@@ -432,7 +432,7 @@ def test_rank0_listens_only_where_asked(bind_host, want):
     "localhost:PORT" listens on 127.0.0.1 only, for the coordinator and the control channel;
     --dist-bind-host 0.0.0.0 opens both to every interface."""
     port = free_port_pair()
-    script = ("from runtime.distributed import DistributedConfig, join\n"
+    script = ("from runtime.distributed.multiprocess import DistributedConfig, join\n"
               f"join(DistributedConfig(2, 0, 'localhost:{port}', bind_host={bind_host!r}))")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)

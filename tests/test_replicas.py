@@ -1,4 +1,4 @@
-"""Data-parallel replicas behind the front (runtime.replicas, runtime.front): the glue's pieces, the
+"""Data-parallel replicas behind the front (runtime.distributed.replicas, runtime.distributed.front): the glue's pieces, the
 routing, the front answering as the server does, and a real
 `python -m runtime.serve --data-parallel-size 2` on SmolLM2 (two replica processes, one core
 each): HF's golden tokens through the front, a crashed replica's queued requests retried on the
@@ -21,8 +21,8 @@ import pytest
 
 from conftest import CACHE_DIR, ROOT, SMOL_ARGS, golden_arrays, golden_prompts
 
-from runtime.front import BALANCE_ABS, Router, Upstream, merge_metrics, prefix_blocks
-from runtime.replicas import REPLICA_FLAGS, LogSink, make_private_dir, split_cores, strip_args
+from runtime.distributed.front import BALANCE_ABS, Router, Upstream, merge_metrics, prefix_blocks
+from runtime.distributed.replicas import REPLICA_FLAGS, LogSink, make_private_dir, split_cores, strip_args
 
 
 def test_replica_command_line_drops_the_launchers_flags_and_the_key():
@@ -118,7 +118,7 @@ def test_bad_data_parallel_size_is_one_line():
 
 
 def _free_port() -> int:
-    from runtime.replicas import free_port
+    from runtime.distributed.replicas import free_port
 
     return free_port()
 

@@ -50,7 +50,7 @@ def offline(smol_llm):
 @pytest.fixture(scope="class", params=["server", "front"])
 def srv(request, smol_llm, offline):
     """The server's URL; "front": the same server behind what `serve --data-parallel-size N` puts on
-    the user's port (runtime.front), which must answer every test alike."""
+    the user's port (runtime.distributed.front), which must answer every test alike."""
     app = build_app(smol_llm.engine, served_model_names=[MODEL], log_stats_interval=0)
     with ServerThread(app) as st:
         if request.param == "server":

@@ -28,7 +28,7 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m", *, check_invariants: bool = False, progress: bool = True,
                  **engine_args):
-        from runtime import distributed
+        from runtime.distributed import multiprocess as distributed
 
         dist = distributed.DistributedConfig.pop_from(engine_args)
         self.group = distributed.join(dist) if dist.enabled else None  # before anything touches a device
@@ -121,7 +121,7 @@ class LLM:
                         if bar:
                             bar.update(1)
                 if self.group is not None and self.group.fault is not None:
-                    from runtime.distributed import RankFailure
+                    from runtime.distributed.multiprocess import RankFailure
 
                     raise RankFailure(self.group.fault)
                 if not engine.has_unfinished_requests() and len(done) < len(ids):

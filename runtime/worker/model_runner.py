@@ -92,7 +92,7 @@ def _advance_decode(inputs: dict, tokens, block_size: int) -> dict:
 def on_every_rank(method):
     """A call that runs a computation on the mesh: under multi-process tensor parallelism every
     process must run it, in the same order on the same arrays. Rank 0's runner sends it to the
-    other ranks (`mirror`, runtime.distributed.Leader) before running it."""
+    other ranks (`mirror`, runtime.distributed.multiprocess.Leader) before running it."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):

@@ -200,8 +200,8 @@ SERVER_LIMIT_FLAGS = (
 
 def parse_args(argv=None):
     from runtime.args import ArgumentParser, add_engine_args
-    from runtime.distributed import add_distributed_args
-    from runtime.replicas import add_replica_args
+    from runtime.distributed.multiprocess import add_distributed_args
+    from runtime.distributed.replicas import add_replica_args
 
     ap = ArgumentParser(prog="python -m runtime.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         from runtime import replicas
 
         return replicas.main(list(sys.argv[1:] if argv is None else argv), args, set(ap._option_string_actions))
-    from runtime import distributed
+    from runtime.distributed import multiprocess as distributed
     from runtime.args import quiet_tpu_probe
     from runtime.build import build_engine
 
@@ -324,7 +324,7 @@ def _load_plan(ap, args):
 def _follow(group, plan, source, args) -> int:
     """A follower rank: the plan's runner, compiled as rank 0 compiles its own, running rank 0's
     calls until rank 0 says stop (exit 0) or disappears (RankFailure: exit 1)."""
-    from runtime import distributed
+    from runtime.distributed import multiprocess as distributed
     from runtime.build import build_runner
 
     group.introduce(distributed.plan_identity(plan, source))

@@ -1,5 +1,5 @@
 """The HTTP layer every jaxserve server shares, the single server's and the --data-parallel-size
-front's (runtime/front.py): the gate (API key and drain checks before any handler), uvicorn with
+front's (runtime/distributed/front.py): the gate (API key and drain checks before any handler), uvicorn with
 llhttp and the guards it lacks against slow or numerous clients, and a server in a thread."""
 
 from __future__ import annotations

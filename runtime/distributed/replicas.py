@@ -5,7 +5,7 @@
 starts N engine replicas, each a `python -m runtime.serve` process of its own on 127.0.0.1 with
 its own devices (on CPU: its share of this process's cores, by CPU affinity; on GPU: its own
 CUDA_VISIBLE_DEVICES slice of tensor_parallel_size devices), and in this process the front
-(runtime/front.py) on --host:--port, which answers as a single server does and sends each
+(runtime/distributed/front.py) on --host:--port, which answers as a single server does and sends each
 request to the replica that served the longest prefix of its prompt (so that replica's prefix
 cache hits), unless the replicas' loads are too far apart; `--router-policy round_robin` is the
 baseline it is measured against (docs/benchmarks/2026-12-06-issue52-scale-out.md). This module
@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 
 from runtime.errors import UserError
-from runtime.front import POLICIES, Upstream
+from runtime.distributed.front import POLICIES, Upstream
 
 log = logging.getLogger("runtime.replicas")
 
@@ -184,11 +184,11 @@ def make_private_dir(path: Path) -> Path:
 
 
 def start_front(cfg, live, every, host: str, port: int, first_replica: str, policy: str = "cache_aware"):
-    """The front (runtime.front) on host:port in a thread of this process: (Front, ServerThread).
+    """The front (runtime.distributed.front) on host:port in a thread of this process: (Front, ServerThread).
     Without served model names in `cfg`, it names the model as the first replica's /v1/models does
     (a --plan's own name)."""
     from runtime.entrypoints.openai.http_server import ServerThread
-    from runtime.front import Front, build_front_app
+    from runtime.distributed.front import Front, build_front_app
 
     if not cfg.served_model_names:
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
