@@ -246,7 +246,7 @@ def main(argv=None) -> int:
 
         raise UserError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1:  # a router in front of replicas, each this command at dp 1
-        from runtime import replicas
+        from runtime.distributed import replicas
 
         return replicas.main(list(sys.argv[1:] if argv is None else argv), args, set(ap._option_string_actions))
     from runtime.distributed import multiprocess as distributed
