@@ -61,9 +61,9 @@ import numpy as np  # noqa: E402
 
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
-from runtime.config import EngineConfig  # noqa: E402
+from config.engine_config import EngineConfig  # noqa: E402
 from runtime.entrypoints.llm import LLM  # noqa: E402
-from runtime.plan import compile_plan  # noqa: E402
+from runtime.engine.plan import compile_plan  # noqa: E402
 
 from bench_engine_args import COMMON, parse_pairs  # noqa: E402
 

@@ -6,7 +6,7 @@ between rounds, so both modes run the same executables), in alternating rounds.
 Each case decodes `--new` tokens (greedy, `ignore_eos`, detokenized as a user would get them) after
 32-token prompts, for 1, 16 or 64 sequences at once; new prompts each round (the prefix cache is
 off anyway). Prints one JSON line per case: output tok/s, the median of the rounds, on / off, and
-the host time per step left on the critical path (`runtime.bench.step_breakdown`).
+the host time per step left on the critical path (`runtime.tools.bench.step_breakdown`).
 Run on a quiet machine (uptime < 1).
 """
 
@@ -27,10 +27,10 @@ import numpy as np  # noqa: E402
 
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
-from runtime.bench import step_breakdown  # noqa: E402
-from runtime.config import EngineConfig  # noqa: E402
+from runtime.tools.bench import step_breakdown  # noqa: E402
+from config.engine_config import EngineConfig  # noqa: E402
 from runtime.entrypoints.llm import LLM  # noqa: E402
-from runtime.plan import compile_plan  # noqa: E402
+from runtime.engine.plan import compile_plan  # noqa: E402
 
 
 def main() -> int:

@@ -31,9 +31,9 @@ def main() -> None:
     from test_hostile import HOSTILE_GRAMMARS, _latency_during_burst
 
     from models.weights import load_model
-    from runtime.config import EngineConfig
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
+    from runtime.engine.plan import compile_plan
     from runtime.serve import ServerThread, build_app
 
     conftest.pytest_configure(None)

@@ -86,8 +86,8 @@ def main() -> int:
 
 def compile_buckets(old, n: int, rounds: int) -> int:
     from models.weights import load_model
-    from runtime.config import EngineConfig
-    from runtime.plan import compile_plan
+    from config.engine_config import EngineConfig
+    from runtime.engine.plan import compile_plan
     from runtime.worker.model_runner import ModelRunner
 
     jax.config.update("jax_enable_compilation_cache", False)

@@ -23,9 +23,9 @@ import numpy as np  # noqa: E402
 
 from models.config import get_preset  # noqa: E402
 from models.weights import load_model, random_weights  # noqa: E402
-from runtime.plan import compile_plan  # noqa: E402
-from runtime.config import EngineConfig  # noqa: E402
-from runtime.build import build_runner  # noqa: E402
+from runtime.engine.plan import compile_plan  # noqa: E402
+from config.engine_config import EngineConfig  # noqa: E402
+from runtime.engine.build import build_runner  # noqa: E402
 
 
 def startup(quantization: str | None = None) -> dict:

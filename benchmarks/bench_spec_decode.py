@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
-from runtime.config import EngineConfig  # noqa: E402
+from config.engine_config import EngineConfig  # noqa: E402
 from runtime.entrypoints.llm import LLM  # noqa: E402
-from runtime.plan import compile_plan  # noqa: E402
+from runtime.engine.plan import compile_plan  # noqa: E402
 
 ITEMS = ("apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango, nectarine, "
          "orange, papaya, quince, raspberry, strawberry, tangerine, ugli fruit, vanilla bean, watermelon")

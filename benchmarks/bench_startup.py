@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.weights import GGUF_CACHE_ENV  # noqa: E402
-from runtime.bench_soak import start_server  # noqa: E402
+from runtime.tools.bench_soak import start_server  # noqa: E402
 from runtime.worker.executables import ENV_SWITCH  # noqa: E402
 
 

@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from models.engine_config import GGUF_ACTIVATIONS, KERNEL_BACKENDS, MATMUL_PRECISIONS, QUANTIZATIONS  # noqa: E402
+from config.engine_config import GGUF_ACTIVATIONS, KERNEL_BACKENDS, MATMUL_PRECISIONS, QUANTIZATIONS  # noqa: E402
 from models.weights import load_model  # noqa: E402
 from runtime import SamplingParams  # noqa: E402
-from runtime.bench import hf_model  # noqa: E402
-from runtime.config import EngineConfig  # noqa: E402
+from runtime.tools.bench import hf_model  # noqa: E402
+from config.engine_config import EngineConfig  # noqa: E402
 from runtime.entrypoints.llm import LLM  # noqa: E402
-from runtime.plan import compile_plan  # noqa: E402
+from runtime.engine.plan import compile_plan  # noqa: E402
 
 
 def timed(fn) -> float:

@@ -65,8 +65,8 @@ def rank_main(args) -> None:
     from jax.experimental import multihost_utils
 
     from runtime.distributed import multiprocess as distributed, wire
-    from runtime.build import build_runner
-    from runtime.plan import load_plan
+    from runtime.engine.build import build_runner
+    from runtime.engine.plan import load_plan
 
     cfg = distributed.DistributedConfig(2, args.rank, args.dist_init_addr)
     group = distributed.join(cfg)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_policy(policy: str, args, log_dir: Path):
-    from runtime.bench_serve import run
+    from runtime.tools.bench_serve import run
     from runtime.distributed.replicas import free_port
 
     port = free_port()

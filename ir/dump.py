@@ -10,7 +10,7 @@ The IR only needs the model config, so this works for every preset (and for an H
 config.json). The output is deterministic: the same arguments give the same bytes.
 
 This is the one module in `ir/` that imports `models` and `passes` (among them the command-line
-basics every CLI shares, `models.cli`: flag names, units, one-line errors): it is a command-line
+basics every CLI shares, `config.flags`: flag names, units, one-line errors): it is a command-line
 face of the compiler, not part of the IR core.
 """
 
@@ -22,11 +22,11 @@ from pathlib import Path
 
 from ir.graph import Graph
 from ir.printer import print_graph
-from models.cli import (ArgumentParser, UserError, add_engine_args, check_max_model_len, parse_memory,
+from config.flags import (ArgumentParser, UserError, add_engine_args, check_max_model_len, parse_memory,
                         resolve_model_config, run_main)
-from models.engine_config import CPU_DEVICE_MEMORY, EngineConfig
+from config.engine_config import CPU_DEVICE_MEMORY, EngineConfig
 
-# Engine flags shared with every other CLI (models.cli: names, units, dtype aliases). A dump
+# Engine flags shared with every other CLI (config.flags: names, units, dtype aliases). A dump
 # plans for the CPU budget and float32 unless told otherwise, so its output doesn't depend on the
 # machine it runs on.
 DUMP_ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "tensor_parallel_size", "enable_expert_parallel", "quantization",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from ir.kv_groups import window_blocks_per_seq
-from models.cli import ArgumentParser
+from config.flags import ArgumentParser
 from models.config import PRESETS, ModelConfig
 
 SEQ_LENS: tuple[int, ...] = tuple(256 << i for i in range(7))  # 256 .. 16384

@@ -88,7 +88,7 @@ def _identity(graph: Graph) -> Graph:
 
 
 # The last pass, and the only one that reads opts.scan_layers: a caller that decides the layout
-# from what the passes before it made (runtime.plan.build_graph) stops before it and starts there.
+# from what the passes before it made (runtime.engine.plan.build_graph) stops before it and starts there.
 MEMORY_PASS = "plan_memory"
 
 

@@ -10,7 +10,7 @@ def __getattr__(name):
 
         return LLM
     if name == "LLMEngine":
-        from runtime.engine import LLMEngine
+        from runtime.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(name)

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 # A mistyped flag is reported against this script, the command the user typed.
-JAXSERVE_PROG="runtime.serve=$0" exec .venv/bin/python -m runtime.cli serve "$@"
+JAXSERVE_PROG="runtime.serve=$0" exec .venv/bin/python -m runtime.tools.cli serve "$@"

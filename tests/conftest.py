@@ -103,9 +103,9 @@ def golden_teacher_forced(runner) -> tuple[int, int, dict[str, float]]:
 def golden_llm(smollm2, **engine):
     """An LLM on the real SmolLM2 sized for the golden accuracy tests (the longest golden prompt,
     293 tokens, plus 32 generated; 32-token steps), with these EngineConfig fields."""
-    from runtime.config import EngineConfig
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
+    from runtime.engine.plan import compile_plan
 
     config, weights, tok = smollm2
     args = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64) | engine
@@ -131,9 +131,9 @@ def tiny_llm(seed: int = 2, check_invariants: bool = True, config=None, tokenize
     if given, and these EngineConfig fields: the tests' one way to build a small engine."""
     from models.config import get_preset
     from models.weights import random_weights
-    from runtime.config import EngineConfig
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
+    from runtime.engine.plan import compile_plan
 
     cfg = config or get_preset("tiny")
     plan = compile_plan(None, EngineConfig(**engine), weights=random_weights(cfg, seed=seed), config=cfg,
@@ -209,8 +209,8 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smol_llm(smollm2):
     """A warmed-up LLM on the real SmolLM2 (f32), shared by the end-to-end tests."""
-    from runtime.plan import compile_plan
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import compile_plan
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
 
     config, weights, tok = smollm2

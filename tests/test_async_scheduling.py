@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_bpe_tokenizer, tiny_llm
 from runtime import SamplingParams
-from runtime.config import EngineConfig
+from config.engine_config import EngineConfig
 from runtime.core.sampling_params import StructuredOutputsParams
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64)

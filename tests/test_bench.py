@@ -1,4 +1,4 @@
-"""`jaxserve bench` (runtime/bench.py) on the tiny model: requests arriving at a rate, and a share of
+"""`jaxserve bench` (runtime/tools/bench.py) on the tiny model: requests arriving at a rate, and a share of
 them constrained to a JSON schema, each against the plain all-at-once run."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from conftest import tiny_bpe_tokenizer
-from runtime import bench
+from runtime.tools import bench
 
 
 @pytest.fixture(scope="module")
 def tiny():
     from models.config import get_preset
     from models.weights import random_weights
-    from runtime.build import build_runner
-    from runtime.config import EngineConfig
-    from runtime.plan import compile_plan
+    from runtime.engine.build import build_runner
+    from config.engine_config import EngineConfig
+    from runtime.engine.plan import compile_plan
 
     tok = tiny_bpe_tokenizer()
     cfg = replace(get_preset("tiny"), name="tiny-bpe", vocab_size=300, eos_token_id=tok.eos_token_id)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from runtime import bench_soak
+from runtime.tools import bench_soak
 
 
 class FakeServer:
@@ -114,7 +114,7 @@ def test_each_fault_fails_its_check(fault, check):
 
 
 def test_cli_exit_code_and_report(capsys):
-    from runtime import cli
+    from runtime.tools import cli
 
     with FakeServer(recompile=True) as srv:
         rc = cli.main(["bench", "soak", "--url", srv.url, "--duration-min", "0.005", "--rate", "20",

@@ -1,10 +1,10 @@
-"""runtime.build: the one compilation-cache rule every entry point shares."""
+"""runtime.engine.build: the one compilation-cache rule every entry point shares."""
 
 from pathlib import Path
 
 import jax
 
-from runtime.build import compilation_cache_dir, default_compilation_cache
+from runtime.engine.build import compilation_cache_dir, default_compilation_cache
 
 
 class _Plan:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import cli
-from runtime.args import parse_dtype, parse_memory
-from runtime.config import EngineConfig
+from runtime.tools import cli
+from runtime.entrypoints.args import parse_dtype, parse_memory
+from config.engine_config import EngineConfig
 from runtime.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def free_port():
 # ------------------------------------------------------------------------------ the command
 
 def test_help_lists_every_subcommand():
-    r = _run("-m", "runtime.cli", "--help")
+    r = _run("-m", "runtime.tools.cli", "--help")
     assert r.returncode == 0, r.stderr
     for name in ("serve", "compile", "bench", "dump", "selfcheck", "kv-table", "env"):
         assert re.search(rf"^\s+{re.escape(name)}\b", r.stdout, re.M), name
@@ -70,7 +70,7 @@ def test_help_lists_every_subcommand():
 def test_console_script_resolves_to_cli_main():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     module, _, func = meta["project"]["scripts"]["jaxserve"].partition(":")
-    assert module == "runtime.cli"
+    assert module == "runtime.tools.cli"
     assert getattr(__import__(module, fromlist=[func]), func) is cli.main
 
 
@@ -204,7 +204,7 @@ def test_help_examples_name_the_command_typed(capsys, argv, typed, module):
 
 
 def test_vllm_underscore_spellings_are_the_dashed_flags():
-    from models.cli import ArgumentParser, add_engine_args
+    from config.flags import ArgumentParser, add_engine_args
 
     ap = ArgumentParser(prog="x")
     add_engine_args(ap)
@@ -230,7 +230,7 @@ def test_errors_name_the_command_the_user_typed(monkeypatch, capsys):
 @pytest.mark.parametrize("command", [("serve",), ("compile", "--out", "/tmp/never"), ("compile", "--dry-run"),
                                      ("dump",), ("bench",)])
 def test_unknown_model(capsys, command, monkeypatch):
-    monkeypatch.setattr("runtime.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr("runtime.engine.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
     line = _one_line_error(*_cli(capsys, *command, "--model", "smolm2-135m")[::2])
     assert "unknown model 'smolm2-135m'" in line and "did you mean --model smollm2-135m?" in line
 
@@ -243,14 +243,14 @@ def test_preset_without_bundled_weights(capsys):
 
 @pytest.mark.parametrize("command", [("compile", "--dry-run"), ("serve",), ("dump",)])
 def test_max_model_len_beyond_the_model(capsys, command, monkeypatch):
-    monkeypatch.setattr("runtime.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr("runtime.engine.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
     line = _one_line_error(*_cli(capsys, command[0], "--model", "smollm2-135m", *command[1:],
                                  "--max-model-len", "100000")[::2])
     assert "--max-model-len 100000" in line and "--max-model-len 8192 or less" in line
 
 
 def test_missing_plan_directory_is_named(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("runtime.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr("runtime.engine.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
     missing = tmp_path / "plans" / "smollm2"
     line = _one_line_error(*_cli(capsys, "serve", "--plan", str(missing))[::2])
     assert f"--plan {missing}: no such directory" in line and "jaxserve compile" in line
@@ -260,7 +260,7 @@ def test_missing_plan_directory_is_named(capsys, tmp_path, monkeypatch):
 
 
 def test_busy_port_is_reported_before_anything_loads(capsys, busy_port, monkeypatch):
-    monkeypatch.setattr("runtime.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setattr("runtime.engine.plan.load_plan", lambda *a, **k: pytest.fail("server started"))
     line = _one_line_error(*_cli(capsys, "serve", "--model", "tiny", "--max-model-len", "256",
                                  "--port", str(busy_port))[::2])
     assert f"port {busy_port} on 127.0.0.1 is already in use" in line and "--port" in line
@@ -283,7 +283,7 @@ def test_bench_baseline_hf_without_torch_fails_before_any_jax_run(capsys, monkey
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
-    monkeypatch.setattr("runtime.compile.compile_plan", lambda *a, **k: pytest.fail("compiled"))
+    monkeypatch.setattr("runtime.tools.compile.compile_plan", lambda *a, **k: pytest.fail("compiled"))
     line = _one_line_error(*_cli(capsys, "bench", "--model", "tiny", "--baseline", "hf")[::2])
     assert "--baseline hf needs torch" in line and ".[dev]" in line
 
@@ -295,7 +295,7 @@ def test_bench_serve_without_a_server(capsys, free_port):
 
 
 def test_bench_wants_a_model_not_a_plan(capsys, tmp_path):
-    from runtime.plan import PLAN_VERSION
+    from runtime.engine.plan import PLAN_VERSION
 
     (tmp_path / "plan.json").write_text(f'{{"version": {PLAN_VERSION}}}')
     line = _one_line_error(*_cli(capsys, "bench", "--model", str(tmp_path))[::2])
@@ -315,9 +315,9 @@ def test_debug_shows_the_traceback(capsys):
 
 
 def test_python_m_forms_give_the_same_one_line_errors():
-    for argv in (["-m", "runtime.compile", "--model", "nope", "--dry-run"],
+    for argv in (["-m", "runtime.tools.compile", "--model", "nope", "--dry-run"],
                  ["-m", "ir.dump", "--model", "nope"],
-                 ["-m", "runtime.cli", "serve", "--model", "nope"]):
+                 ["-m", "runtime.tools.cli", "serve", "--model", "nope"]):
         r = _run(*argv)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "unknown model 'nope'" in r.stderr
@@ -448,7 +448,7 @@ def test_bootstrap_runs_pip_only_when_pyproject_changes(tmp_path):
 def test_serve_sh_passes_every_flag_through(tmp_path, flags):
     repo = _fake_repo(tmp_path)
     subprocess.run(["bash", str(repo / "scripts" / "serve.sh"), *flags], check=True)
-    assert _calls(repo)[-1] == " ".join(["-m", "runtime.cli", "serve", *flags])
+    assert _calls(repo)[-1] == " ".join(["-m", "runtime.tools.cli", "serve", *flags])
     assert (repo / "prog.log").read_text().strip() == f"runtime.serve={repo / 'scripts' / 'serve.sh'}"
 
 
@@ -461,7 +461,7 @@ NOT_RUN = {
     "curl": "needs a running server; tests/test_serve.py covers the endpoint",
     ".venv/bin/pip install": "installs packages; scripts/bootstrap.sh does it (test_bootstrap_*)",
 }
-CHEAP = ("--dry-run", "dump", "kv-table", "env", "ir.dump", "models.kv_table", "runtime.collect_env")
+CHEAP = ("--dry-run", "dump", "kv-table", "env", "ir.dump", "models.kv_table", "runtime.tools.collect_env")
 # The README and every guide: their shell blocks are what a reader copies.
 DOC_FILES = ("README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
 
@@ -490,7 +490,7 @@ def _as_argv(cmd: str) -> tuple[dict, list[str]]:
         env[k] = v
     words[0] = words[0].removeprefix(".venv/bin/")  # the venv's jaxserve and python are the ones tested
     if words[0] == "jaxserve":
-        words = ["-m", "runtime.cli", *words[1:]]
+        words = ["-m", "runtime.tools.cli", *words[1:]]
     elif words[:2] == ["python", "-m"]:
         words = words[1:]
     else:
@@ -524,7 +524,7 @@ def _help_text(argv: list[str]) -> str:
     import io
 
     module, args = argv[1], argv[2:]
-    main = cli.main if module == "runtime.cli" else importlib.import_module(module).main
+    main = cli.main if module == "runtime.tools.cli" else importlib.import_module(module).main
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as e:
         main([*args, "--help"])
@@ -572,7 +572,7 @@ def test_packaged_presets_pass_the_preflight(model, monkeypatch):
     the pre-flight; gemma-3-270m was refused as having no bundled weights."""
     def load_plan(*a, **k):
         raise _PreflightPassed
-    monkeypatch.setattr("runtime.plan.load_plan", load_plan)
+    monkeypatch.setattr("runtime.engine.plan.load_plan", load_plan)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

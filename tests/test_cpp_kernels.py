@@ -19,7 +19,7 @@ from ir import OPS
 from ir.int8 import INT8_ACTIVATIONS
 from ir.attention_ops import paged_attention_reference
 from pallas_kernels.testing import random_paged_cache
-from runtime.config import EngineConfig
+from config.engine_config import EngineConfig
 from runtime.worker import cpp_kernels, executor
 from runtime.worker.kernels import (BF16_BITS, CPP_F32_MAX_ROWS, CPP_INT8_MAX_ROWS, CPP_INT8_WEIGHT_ONLY_MAX_ROWS,
                                     matmul_cpp, matmul_int8_cpp, paged_attention_xla)
@@ -630,7 +630,7 @@ def test_cpu_target_setting(monkeypatch, tmp_path, caplog):
 
 
 def test_env_report_shows_the_target_and_its_paths(monkeypatch, tmp_path):
-    from runtime import collect_env
+    from runtime.tools import collect_env
 
     monkeypatch.setenv("JAXSERVE_CPU_TARGET", "none")
     report = collect_env.format_report(collect_env.collect())

@@ -10,17 +10,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_configuration_page_is_generated_from_the_flag_table():
-    from models.config_doc import markdown
+    from config.doc import markdown
 
     page = (ROOT / "docs" / "configuration.md").read_text()
-    assert page == markdown(), "docs/configuration.md is stale: python -m models.config_doc > docs/configuration.md"
+    assert page == markdown(), "docs/configuration.md is stale: python -m config.doc > docs/configuration.md"
 
 
 def test_every_flag_and_field_is_on_the_configuration_page():
     import dataclasses
 
-    from models.cli import _ENGINE_FLAGS
-    from models.engine_config import EngineConfig
+    from config.flags import _ENGINE_FLAGS
+    from config.engine_config import EngineConfig
 
     page = (ROOT / "docs" / "configuration.md").read_text()
     for field in dataclasses.fields(EngineConfig):

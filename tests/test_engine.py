@@ -11,7 +11,7 @@ import pytest
 from conftest import SMOL_ARGS, golden_arrays, golden_prompts
 from runtime import SamplingParams
 from runtime.entrypoints.llm import LLM
-from runtime.workload import synthetic_workload
+from runtime.tools.workload import synthetic_workload
 from tolerances import GOLDEN_LOGITS
 
 TINY_ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)

@@ -1,4 +1,4 @@
-"""EngineConfig's checks (runtime.config) and the engine flags that build it (runtime.args).
+"""EngineConfig's checks (config.engine_config) and the engine flags that build it (runtime.entrypoints.args).
 
 Pure Python: nothing here compiles or touches a device.
 """
@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
-from runtime.args import ArgumentParser, add_engine_args, engine_config_from_args, engine_kwargs_from_args
-from runtime.config import KERNEL_BACKENDS, EngineConfig, resolve_dtype
+from runtime.entrypoints.args import ArgumentParser, add_engine_args, engine_config_from_args, engine_kwargs_from_args
+from config.engine_config import KERNEL_BACKENDS, EngineConfig, resolve_dtype
 
 GiB, MiB = 1 << 30, 1 << 20
 CONFIG_LOGGER = EngineConfig.__module__  # where EngineConfig logs the values it changes
@@ -184,7 +184,7 @@ def test_cpu_scans_f32_layers_where_the_f32_kernel_reads_them_in_place(engine, e
     assert EngineConfig(**engine).scans_layers("cpu", blocks_in_place=True) is expected
 
 
-# ------------------------------------------------------------------------------ flags (runtime.args)
+# ------------------------------------------------------------------------------ flags (runtime.entrypoints.args)
 
 def _parser() -> ArgumentParser:
     ap = ArgumentParser(prog="t")
@@ -255,8 +255,8 @@ def test_every_engine_field_has_a_flag_or_says_why_not():
     forgotten on the command line."""
     import dataclasses
 
-    from models.cli import _ENGINE_FLAGS, NO_FLAG_FIELDS
-    from runtime.config import EngineConfig
+    from config.flags import _ENGINE_FLAGS, NO_FLAG_FIELDS
+    from config.engine_config import EngineConfig
 
     flagged = {name for name, *_ in _ENGINE_FLAGS}
     fields = {f.name for f in dataclasses.fields(EngineConfig)}

@@ -19,9 +19,9 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from models.config import get_preset
 from models.weights import random_weights
-from runtime.build import build_runner
-from runtime.config import EngineConfig
-from runtime.plan import compile_plan
+from runtime.engine.build import build_runner
+from config.engine_config import EngineConfig
+from runtime.engine.plan import compile_plan
 from runtime.worker import executables
 from runtime.worker.model_runner import ModelRunner
 

@@ -19,10 +19,10 @@ from ir.blocks import BLOCK_FORMATS, KEPT_FORMATS, blocks_name, dequantize_block
 from models.config import get_preset
 from models.weights import expected_shapes, random_weights
 from runtime import SamplingParams
-from runtime.config import EngineConfig
+from config.engine_config import EngineConfig
 from runtime.core.buckets import BucketTable
 from runtime.entrypoints.llm import LLM
-from runtime.plan import build_graph, compile_plan
+from runtime.engine.plan import build_graph, compile_plan
 from runtime.worker import cpp_kernels
 
 FORMATS = tuple(BLOCK_FORMATS)
@@ -189,7 +189,7 @@ ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, devi
 
 def served_graph(weights, **engine):
     cfg = get_preset("tiny")
-    from runtime.plan import weight_block_formats
+    from runtime.engine.plan import weight_block_formats
 
     graph, memory, _ = build_graph(cfg, EngineConfig(**(ENGINE | engine)), BucketTable.build(32, 8),
                                    device_memory=1 << 30, keep_pass_texts=False,
@@ -245,8 +245,8 @@ def test_loader_blocks_are_its_f32_weights(smollm2_weights):
 def test_plan_before_the_weights_counts_their_blocks(smollm2_weights):
     """The pre-flight's and dry run's memory plan (no weights loaded) knows the blocks from the GGUF
     header index, so it sizes the KV pool as the real compile does."""
-    from runtime.args import model_block_formats, plan_without_weights
-    from runtime.plan import weight_block_formats
+    from runtime.entrypoints.args import model_block_formats, plan_without_weights
+    from runtime.engine.plan import weight_block_formats
 
     config, weights = smollm2_weights
     formats = model_block_formats("smollm2-135m")
@@ -323,7 +323,7 @@ def test_smollm2_greedy_tokens_with_and_without_blocks():
 
 
 def test_safetensors_from_weights_with_blocks(tmp_path):
-    """An HF safetensors file written from a GGUF's weights (as `runtime.bench --baseline hf` does)
+    """An HF safetensors file written from a GGUF's weights (as `runtime.tools.bench --baseline hf` does)
     holds the f32 tensors only: blocks have no HF name."""
     from models.weights import load_safetensors, save_safetensors
 
@@ -339,7 +339,7 @@ def test_safetensors_from_weights_with_blocks(tmp_path):
 @pytest.mark.slow
 def test_saved_plan_keeps_the_blocks(tmp_path):
     """A plan saved with its blocks (u8 params in the Orbax checkpoint) loads and decodes as before."""
-    from runtime.plan import Plan
+    from runtime.engine.plan import Plan
 
     cfg = get_preset("tiny")
     plan = compile_plan(None, EngineConfig(**dict(ENGINE, num_kv_blocks=40, gguf_blocks=True)),
@@ -365,7 +365,7 @@ def test_dump_shows_the_blocks_when_asked(capsys):
     assert "matmul_blocks(" in out and "%layers.0.wqkv.q4_1" in out and "%embed.q8_0" in out
     assert dump.main(["--model", "smollm2-135m", "--after", "gguf_blocks"]) == 0
     assert "matmul_blocks(" not in capsys.readouterr().out
-    from models.cli import UserError
+    from config.flags import UserError
 
     with pytest.raises(UserError, match="brings no GGUF blocks"):
         dump.main(["--model", "tiny", "--gguf-blocks", "true"])

@@ -23,9 +23,9 @@ from ir.blocks import BLOCK_FORMATS, TILE_COLUMNS, blocks_shape, pack_tiles, rou
 from ir.layers import matrices_are_blocks
 from models.config import get_preset
 from runtime import SamplingParams
-from runtime.config import EngineConfig
+from config.engine_config import EngineConfig
 from runtime.entrypoints.llm import LLM
-from runtime.plan import compile_plan
+from runtime.engine.plan import compile_plan
 from runtime.worker import cpp_kernels, executor
 from test_gguf_blocks import ALL_Q4_1, _quantized, block_weights, engine_workload
 from test_gguf_blocks import ENGINE as ROWS_ENGINE
@@ -241,7 +241,7 @@ def test_pass_packs_tiles_where_n_allows():
     """Every matrix of the tiny model in tiles, but an LM head of 264 columns (not a multiple of 16),
     which keeps the file's rows; the memory plan counts the tiles' bytes."""
     from runtime.core.buckets import BucketTable
-    from runtime.plan import build_graph, weight_block_formats
+    from runtime.engine.plan import build_graph, weight_block_formats
 
     cfg = dataclasses.replace(get_preset("tiny"), vocab_size=264)
     weights = block_weights(cfg, 0, ALL_Q4_1)
@@ -494,7 +494,7 @@ def test_pass_tiles_q4_k_and_leaves_it_f32_elsewhere():
     an LM head of 264 columns in Q4_K (N off 16) stays a plain matmul. Without tiles (the file's
     rows), the Q4_K weights stay plain matmuls and the other formats read their rows."""
     from runtime.core.buckets import BucketTable
-    from runtime.plan import build_graph, weight_block_formats
+    from runtime.engine.plan import build_graph, weight_block_formats
 
     cfg = dataclasses.replace(Q4_K_CFG, vocab_size=264)
     formats = weight_block_formats(block_weights(cfg, 0, dict(Q4_K_FORMATS, lm_head="q4_k")))

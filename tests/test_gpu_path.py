@@ -16,8 +16,8 @@ from ir import bind_shape
 from models.config import get_preset
 from runtime import SamplingParams
 from runtime.core.buckets import BucketTable
-from runtime.plan import build_graph, compile_plan
-from runtime.config import EngineConfig, resolve_dtype
+from runtime.engine.plan import build_graph, compile_plan
+from config.engine_config import EngineConfig, resolve_dtype
 from runtime.worker.executor import JNP_DTYPES, build_step, state_names
 from runtime.worker.kernels import BF16_BITS, pool_storage_dtype
 from runtime.entrypoints.llm import LLM

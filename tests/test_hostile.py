@@ -1059,7 +1059,7 @@ def test_sigterm_ends_every_stream_with_abort_then_done(tmp_path):
 
 
 def test_soak_measures_the_server_process(smol_llm):
-    from runtime.bench_soak import SoakRow, growth_checks, proc_stats, soak_async
+    from runtime.tools.bench_soak import SoakRow, growth_checks, proc_stats, soak_async
 
     import faulthandler
 

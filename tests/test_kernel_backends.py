@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from runtime import SamplingParams
-from runtime.plan import compile_plan
-from runtime.config import EngineConfig
+from runtime.engine.plan import compile_plan
+from config.engine_config import EngineConfig
 from runtime.entrypoints.llm import LLM
 from tolerances import BACKENDS_F32
 

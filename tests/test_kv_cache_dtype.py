@@ -19,7 +19,7 @@ from models.config import get_preset
 from models.llama import lower
 from passes.pipeline import PipelineOptions, memory_report, run_pipeline
 from runtime import SamplingParams
-from runtime.config import EngineConfig
+from config.engine_config import EngineConfig
 from runtime.worker.kernels import BF16_BITS, kv_write_xla, paged_attention_xla, pool_storage_dtype
 from tolerances import BITWISE, SAME_MATH_F32
 
@@ -56,7 +56,7 @@ def test_engine_config_names_and_checks_the_kv_dtype():
 
 
 def test_cli_flag_reaches_the_engine_config():
-    from models.cli import ArgumentParser, add_engine_args, engine_config_from_args
+    from config.flags import ArgumentParser, add_engine_args, engine_config_from_args
 
     ap = ArgumentParser()
     add_engine_args(ap)

@@ -3,9 +3,9 @@ each folder may import, and no import cycles.
 
 Every project module is parsed with `ast` (nothing is imported), and every import counts: at
 module level or inside a function, `import x`, `from x import y`, and imports by name:
-`importlib.import_module("runtime.x")`; an f-string such as `f"runtime.bench_{name}"` stands for
+`importlib.import_module("runtime.x")`; an f-string such as `f"runtime.tools.bench_{name}"` stands for
 every module whose name starts with its constant head; and a module that imports by a computed
-name (runtime.cli's command table) imports every project module it names in a string.
+name (runtime.tools.cli's command table) imports every project module it names in a string.
 """
 
 from __future__ import annotations
@@ -14,18 +14,20 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("ir", "passes", "models", "pallas_kernels", "runtime")
+PACKAGES = ("ir", "passes", "models", "pallas_kernels", "config", "runtime")
 
 # What each folder may import (a folder may always import itself).
 ALLOWED = {
     "ir": set(),
-    "passes": {"ir"},
-    "models": {"ir"},
+    "passes": {"ir", "config"},
+    "models": {"ir", "config"},
     "pallas_kernels": set(),
-    "runtime": {"ir", "passes", "models", "pallas_kernels"},
+    # The engine's settings and flag table: the flags' checks look up a model's presets and files.
+    "config": {"ir", "models"},
+    "runtime": {"ir", "passes", "models", "pallas_kernels", "config"},
 }
-# The one exception: ir/dump.py, the command-line face, may import models and passes.
-EXCEPTIONS = {"ir.dump": {"models", "passes"}}
+# The one exception: ir/dump.py, the command-line face, may import models, passes and the flags.
+EXCEPTIONS = {"ir.dump": {"models", "passes", "config"}}
 IMPORT_BY_NAME = {"import_module", "run_module", "__import__"}
 
 
@@ -102,9 +104,51 @@ def imports_of(module: str) -> dict[str, int]:
 GRAPH = {m: imports_of(m) for m in MODULES}
 
 
+# runtime/'s rooms (docs/ARCHITECTURE.md), and which other rooms each may import: the engine knows
+# nothing of how it is served; the distributed pieces serve through the HTTP layer; only the tools
+# and the `python -m` names at the top may import the tools.
+RUNTIME_ROOMS = {
+    "core": set(),
+    "worker": {"core"},
+    "engine": {"core", "worker"},
+    "entrypoints": {"core", "worker", "engine", "distributed"},
+    "distributed": {"entrypoints"},
+    "tools": {"core", "worker", "engine", "entrypoints", "distributed"},
+}
+# What may stand loose in runtime/: the package, its errors, and the `python -m` names users and
+# the documents rely on (each a few lines that call a room's main).
+RUNTIME_LOOSE = {"__init__", "errors", "serve", "compile", "bench", "selfcheck"}
+
+
+def test_runtime_is_in_rooms():
+    loose = {p.stem for p in (ROOT / "runtime").glob("*.py")}
+    assert loose == RUNTIME_LOOSE and len(loose) <= 8, f"runtime/'s loose files: {sorted(loose)}"
+    rooms = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").is_file()}
+    assert rooms == set(RUNTIME_ROOMS), f"runtime/'s rooms: {sorted(rooms)}"
+    for name in RUNTIME_LOOSE - {"__init__", "errors"}:
+        assert len((ROOT / "runtime" / f"{name}.py").read_text().splitlines()) <= 20, f"runtime/{name}.py is a name, not code"
+
+
+def test_runtime_rooms_import_what_the_map_allows():
+    bad = []
+    for module, deps in sorted(GRAPH.items()):
+        parts = module.split(".")
+        if parts[0] != "runtime" or len(parts) < 3 or parts[1] not in RUNTIME_ROOMS:
+            continue
+        for dep, line in sorted(deps.items()):
+            dparts = dep.split(".")
+            if dparts[0] != "runtime" or len(dparts) < 2 or dparts[1] in (parts[1], "errors"):
+                continue
+            if parts[1] == "tools" and len(dparts) == 2 and dparts[1] in RUNTIME_LOOSE:
+                continue  # the `python -m` names the jaxserve command runs
+            if dparts[1] not in RUNTIME_ROOMS[parts[1]]:
+                bad.append(f"{MODULES[module].relative_to(ROOT)}:{line} imports {dep}")
+    assert not bad, "imports across runtime/'s rooms that its map forbids:\n" + "\n".join(bad)
+
+
 def test_every_folder_is_found():
     assert {m.split(".")[0] for m in MODULES} == set(PACKAGES)
-    assert "ir.graph" in MODULES and "runtime.engine" in MODULES
+    assert "ir.graph" in MODULES and "runtime.engine.llm_engine" in MODULES
 
 
 def test_folders_import_only_what_design_allows():
@@ -227,7 +271,7 @@ def _third_party_imports(path: Path) -> set[str]:
 
 def test_runtime_core_is_host_only():
     """runtime/core/ (scheduler, block manager, sequences, params) is plain Python: no jax, and nothing
-    from the project outside runtime.core but the engine settings (models.engine_config), so its
+    from the project outside runtime.core but the engine settings (config.engine_config), so its
     tests run in milliseconds without a device."""
     bad = []
     for module, path in sorted(MODULES.items()):
@@ -237,7 +281,7 @@ def test_runtime_core_is_host_only():
         if jaxy:
             bad.append(f"{path.relative_to(ROOT)} imports {sorted(jaxy)}")
         bad += [f"{path.relative_to(ROOT)}:{line} imports {dep}" for dep, line in GRAPH[module].items()
-                if not dep.startswith("runtime.core") and dep != "models.engine_config"]
+                if not dep.startswith("runtime.core") and dep != "config.engine_config"]
     assert not bad, "runtime/core must stay host-only:\n" + "\n".join(bad)
 
 

@@ -27,7 +27,7 @@ if __name__ == "__main__":  # the child: forced host devices, before anything im
 import pytest  # noqa: E402
 
 from conftest import tiny_bpe_tokenizer, tiny_llm  # noqa: E402
-from models.cli import DoesNotFit  # noqa: E402
+from config.flags import DoesNotFit  # noqa: E402
 
 MiB = 1 << 20
 # The tiny model's engine: its 512 positions, a 256 MiB budget and a bucket table of 9 (every mode
@@ -135,8 +135,8 @@ def test_a_max_model_len_the_measurement_leaves_no_room_for_is_refused(monkeypat
 def _tiny_runner(num_kv_blocks, preset="tiny", max_model_len=256, **engine):
     from models.config import get_preset
     from models.weights import random_weights
-    from runtime.config import EngineConfig
-    from runtime.plan import compile_plan
+    from config.engine_config import EngineConfig
+    from runtime.engine.plan import compile_plan
     from runtime.worker.model_runner import ModelRunner
 
     cfg = get_preset(preset)
@@ -214,8 +214,8 @@ def test_structured_outputs_start_at_defaults_and_fit():
 # ------------------------------------------------------------------------ per device, and on a GPU
 
 def test_cpu_budget_is_split_across_tensor_parallel_devices():
-    from runtime.config import CPU_DEVICE_MEMORY, EngineConfig
-    from runtime.plan import measure_device_memory
+    from config.engine_config import CPU_DEVICE_MEMORY, EngineConfig
+    from runtime.engine.plan import measure_device_memory
 
     assert measure_device_memory(EngineConfig())[0] == CPU_DEVICE_MEMORY
     assert measure_device_memory(EngineConfig(tensor_parallel_size=4))[0] == CPU_DEVICE_MEMORY // 4
@@ -245,9 +245,9 @@ def test_gpu_plans_from_the_allocators_numbers(monkeypatch, gpu, total, model, t
     import jax
 
     from models.config import get_preset
-    from runtime.args import kv_fits, plan_without_weights
-    from runtime.config import EngineConfig
-    from runtime.plan import measure_device_memory
+    from runtime.entrypoints.args import kv_fits, plan_without_weights
+    from config.engine_config import EngineConfig
+    from runtime.engine.plan import measure_device_memory
 
     in_use = 512 << 20
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [FakeGpu(total, in_use)])
@@ -375,9 +375,9 @@ def test_rss_under_tensor_parallelism_stays_within_the_one_budget():
 
 @pytest.mark.slow
 def test_smollm2_bf16_starts_at_its_defaults(smollm2):
-    from runtime.config import EngineConfig
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
+    from runtime.engine.plan import compile_plan
 
     config, weights, tok = smollm2
     plan = compile_plan(None, EngineConfig(dtype="bfloat16"), weights=weights, config=config, tokenizer=tok)

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.async_engine import _waiting_by_reason
+from runtime.engine.async_engine import _waiting_by_reason
 from runtime.core.block_manager import BlockManager
 from runtime.core.buckets import BucketTable
-from models.engine_config import resolve_dtype
+from config.engine_config import resolve_dtype
 from runtime.core.sampling_params import SamplingParams
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Request
@@ -44,8 +44,8 @@ VLLM_NEWER = ["vllm:num_requests_waiting_by_reason", "vllm:request_max_num_gener
 def tiny_engine():
     from models.config import get_preset
     from models.weights import random_weights
-    from runtime.compile import compile_plan
-    from runtime.config import EngineConfig
+    from runtime.tools.compile import compile_plan
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
 
     cfg = get_preset("tiny")

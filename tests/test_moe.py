@@ -210,9 +210,9 @@ def test_presets_count_their_experts():
                                         ("qwen3-235b-a22b", 8, True)])
 def test_dry_run_weights_per_device(name, tp, ep):
     """The memory plan counts the experts: bf16 weights per device within 2% of params x 2 / tp."""
-    from runtime.config import EngineConfig
+    from config.engine_config import EngineConfig
     from runtime.core.buckets import BucketTable
-    from runtime.plan import build_graph
+    from runtime.engine.plan import build_graph
 
     engine = EngineConfig(dtype="bfloat16", tensor_parallel_size=tp, device_memory=141 << 30,
                           enable_expert_parallel=ep)
@@ -225,8 +225,8 @@ def test_dry_run_weights_per_device(name, tp, ep):
 def test_predicted_moe_scratch_matches_xla():
     """The memory plan's grouped-lowering scratch against XLA's temp_size on XLA:CPU (the grouped
     matmul's tile loop), on a model whose experts dominate."""
-    from runtime.config import EngineConfig
-    from runtime.plan import compile_plan
+    from config.engine_config import EngineConfig
+    from runtime.engine.plan import compile_plan
     from runtime.worker.model_runner import ModelRunner
     from models.weights import random_weights
 
@@ -577,8 +577,8 @@ def _child_tp() -> dict:
     from conftest import CACHE_DIR
     from models.weights import random_weights
     from runtime import SamplingParams
-    from runtime.plan import compile_plan
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import compile_plan
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
     from runtime.worker.model_runner import enable_compilation_cache
     from test_shard import COLLECTIVE

@@ -603,7 +603,7 @@ def test_a_rank_with_another_plan_is_refused_at_start(tmp_path):
     plan_dir = tmp_path / "plan"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     other = [*TINY[2:], "--max-num-seqs", "4"]  # argparse keeps the last value
-    subprocess.run([sys.executable, "-m", "runtime.compile", "--model", "tiny", *other, "--out", str(plan_dir)],
+    subprocess.run([sys.executable, "-m", "runtime.tools.compile", "--model", "tiny", *other, "--out", str(plan_dir)],
                    cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
     rank0, rank1, _, logs = _serve_pair(tmp_path, wait=False, rank1_model=["--plan", str(plan_dir)])
     try:

@@ -17,8 +17,8 @@ def fuzz_server(smollm2):
 
     from models.config import get_preset
     from models.weights import random_weights
-    from runtime.plan import compile_plan
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import compile_plan
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
 
     _, _, tok = smollm2

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import ROOT
 from runtime import SamplingParams
-from runtime.plan import Plan, compile_plan
-from runtime.config import EngineConfig
+from runtime.engine.plan import Plan, compile_plan
+from config.engine_config import EngineConfig
 from runtime.entrypoints.llm import LLM
 
 ARGS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
@@ -64,7 +64,7 @@ def test_plan_rejects_graph_changing_overrides(tmp_path):
 
 def test_compile_cli_dry_run_shows_memory_plan_and_reacts_to_args():
     def dry(*extra):
-        r = subprocess.run([sys.executable, "-m", "runtime.compile", "--model", "llama-2-7b", "--dry-run",
+        r = subprocess.run([sys.executable, "-m", "runtime.tools.compile", "--model", "llama-2-7b", "--dry-run",
                             "--dtype", "bfloat16", "--device-memory", "80", *extra],
                            capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert r.returncode == 0, r.stderr

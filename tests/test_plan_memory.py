@@ -242,8 +242,8 @@ XLA_BUCKETS = [(32, 4), (64, 16), (128, 16)]
 
 @pytest.fixture(scope="module")
 def smol_plan(smollm2):
-    from runtime.plan import compile_plan
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import compile_plan
+    from config.engine_config import EngineConfig
 
     config, weights, tok = smollm2
     # The plan the XLA backend runs: a cpp plan's GGUF tiles stand in for their weights, which

@@ -81,8 +81,8 @@ def test_an_int8_tied_head_under_weight_only_int8_computes_the_quantized_product
 
 
 def test_quantize_lm_head_needs_a_quantization():
-    from models.cli import add_engine_args, engine_config_from_args
-    from runtime.config import EngineConfig
+    from config.flags import add_engine_args, engine_config_from_args
+    from config.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
         EngineConfig(quantize_lm_head=True)
@@ -116,10 +116,10 @@ def test_weight_bytes_halve_bf16_and_quarter_f32():
     scales = sum(4 * p.shape[0] for p in q.params if p.attr("int8_scale"))
     assert weight_bytes(q) == weight_bytes(f32) - 3 * mm + scales
 
-    # A real model, as `runtime.compile --dry-run` plans it: llama-2-7b (32 layers, untied).
+    # A real model, as `runtime.tools.compile --dry-run` plans it: llama-2-7b (32 layers, untied).
     from runtime.core.buckets import BucketTable
-    from runtime.plan import build_graph
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import build_graph
+    from config.engine_config import EngineConfig
 
     cfg = get_preset("llama-2-7b")
     plans = {}

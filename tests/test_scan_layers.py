@@ -16,8 +16,8 @@ from ir.layers import find_layers
 from models.config import get_preset
 from runtime import SamplingParams
 from runtime.core.buckets import BucketTable
-from runtime.plan import build_graph
-from runtime.config import EngineConfig
+from runtime.engine.plan import build_graph
+from config.engine_config import EngineConfig
 from runtime.worker import cpp_kernels
 from runtime.worker.executor import JNP_DTYPES, build_step, step_layout
 from runtime.entrypoints.llm import LLM

@@ -14,14 +14,14 @@ import pytest
 
 from conftest import ROOT
 from pallas_kernels import bench
-from runtime import selfcheck, selfcheck_parts
+from runtime.tools import selfcheck, selfcheck_parts
 
 
 @pytest.mark.slow  # five subprocesses, about a minute; CI runs it
 def test_quick_run_passes_with_a_table_and_json(tmp_path):
   out = tmp_path / "selfcheck.json"
   t0 = time.monotonic()
-  proc = subprocess.run([sys.executable, "-m", "runtime.selfcheck", "--quick", "--json", str(out)],
+  proc = subprocess.run([sys.executable, "-m", "runtime.tools.selfcheck", "--quick", "--json", str(out)],
                         cwd=ROOT, capture_output=True, text=True, timeout=360)
   elapsed = time.monotonic() - t0
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -72,7 +72,7 @@ def test_quick_run_passes_with_a_table_and_json(tmp_path):
 def test_cpu_part_checks_the_kernels_against_their_references(monkeypatch):
   """A block product that is off by a little fails its rows, and only those; every other check
   of the part runs and passes (the GGUF ones here: they are the fast ones)."""
-  from runtime import selfcheck_cpu
+  from runtime.tools import selfcheck_cpu
   from runtime.worker import cpp_kernels
 
   if not cpp_kernels.available():
@@ -89,7 +89,7 @@ def test_cpu_part_checks_the_kernels_against_their_references(monkeypatch):
 def test_cpu_part_is_na_off_the_cpu(monkeypatch, tmp_path):
   import jax
 
-  from runtime import selfcheck_cpu
+  from runtime.tools import selfcheck_cpu
 
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   ok, summary, data = selfcheck_cpu.part_cpu(SimpleNamespace())

@@ -437,7 +437,7 @@ class TestServer:
         assert 0 <= after["padding_waste_ratio"] < 1
 
     def test_bench_smoke(self, srv):
-        from runtime import bench_serve
+        from runtime.tools import bench_serve
 
         res = bench_serve.run(srv.url, request_rates=[8.0], num_prompts=3, seed=1, max_input_len=24,
                               max_output_len=4, num_warmups=1)

@@ -159,8 +159,8 @@ def test_memory_plan_per_device_bytes():
 def test_llama_70b_tp8_dry_run_plan():
     """The predicted per-device memory for llama-2-70b at tp=8, bf16 (no weights loaded)."""
     from runtime.core.buckets import BucketTable
-    from runtime.plan import Plan, build_graph
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import Plan, build_graph
+    from config.engine_config import EngineConfig
 
     cfg = get_preset("llama-2-70b")
     engine = EngineConfig(dtype="bfloat16", tensor_parallel_size=8, device_memory=141 << 30)
@@ -263,8 +263,8 @@ def _collectives(hlo: str) -> list[tuple[str, str]]:
 
 def _engine_case(cfg, weights, tp: int, prompts, params, tokenizer=None, quantization=None,
                  scan_layers=None) -> dict:
-    from runtime.plan import compile_plan
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import compile_plan
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
 
     engine = EngineConfig(**SMALL_ENGINE, tensor_parallel_size=tp, quantization=quantization,
@@ -318,8 +318,8 @@ def _plan_restart(prompts, params) -> dict:
     import tempfile
 
     from models.weights import random_weights
-    from runtime.plan import compile_plan
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import compile_plan
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
 
     cfg = tiny()

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from models.engine_config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
+from config.engine_config import MAX_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 from runtime.core.spec_decode import NgramProposer, make_proposer
 
 
@@ -67,7 +67,7 @@ def test_config_names_unsupported_method():
 def test_step_rows_hold_a_whole_draft():
     """A verify step lays k drafts out as k+1 rows: the bucket table holds them even for one
     sequence; wider batches share their max_num_seqs rows with drafts."""
-    from models.engine_config import EngineConfig
+    from config.engine_config import EngineConfig
     from runtime.core.buckets import BucketTable
 
     spec = {"method": "ngram", "num_speculative_tokens": 4}

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import tiny_llm
 from runtime import SamplingParams
-from runtime.config import EngineConfig
+from config.engine_config import EngineConfig
 
 ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=96)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -120,7 +120,7 @@ def smol_spec_llm(smollm2):
     """SmolLM2 with n-gram speculation, the shared engine's settings otherwise."""
     from conftest import SMOL_ARGS
     from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
+    from runtime.engine.plan import compile_plan
 
     config, weights, tok = smollm2
     plan = compile_plan(None, EngineConfig(**SMOL_ARGS, speculative_config=NGRAM), weights=weights, config=config,
@@ -164,7 +164,7 @@ def test_smollm2_one_sequence_engine_drafts_the_copied_list(smollm2, smol_llm):
     and its greedy tokens are the plain engine's."""
     from conftest import SMOL_ARGS
     from runtime.entrypoints.llm import LLM
-    from runtime.plan import compile_plan
+    from runtime.engine.plan import compile_plan
 
     config, weights, tok = smollm2
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

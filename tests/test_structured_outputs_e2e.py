@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 from conftest import tiny_bpe_tokenizer
 
-from runtime.plan import compile_plan
-from runtime.config import EngineConfig
+from runtime.engine.plan import compile_plan
+from config.engine_config import EngineConfig
 from runtime.core.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
 from runtime.entrypoints.llm import LLM
 from runtime.worker.model_runner import num_backend_compiles

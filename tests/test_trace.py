@@ -8,8 +8,8 @@ import pytest
 from models.config import get_preset
 from models.weights import random_weights
 from runtime import SamplingParams
-from runtime.plan import compile_plan
-from runtime.config import EngineConfig
+from runtime.engine.plan import compile_plan
+from config.engine_config import EngineConfig
 from runtime.entrypoints.llm import LLM
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from conftest import SMOL_ARGS, front_over
 
-from models.engine_config import resolve_dtype
+from config.engine_config import resolve_dtype
 from runtime.core.sampling_params import SamplingParams
 from runtime.serve import VLLM_UNSUPPORTED, ServerThread, build_app
 

@@ -1,5 +1,5 @@
 """Speculative decoding, host side: the proposers (n-gram prompt lookup). Their settings are
-`SpeculativeConfig` (vLLM's names), an engine setting in models.engine_config."""
+`SpeculativeConfig` (vLLM's names), an engine setting in config.engine_config."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from models.engine_config import SpeculativeConfig
+from config.engine_config import SpeculativeConfig
 
 class Proposer(Protocol):
     """Proposes up to k draft tokens to follow `token_ids` (prompt + output so far); [] for none."""

@@ -350,7 +350,7 @@ REPLICA_FLAGS = {"--data-parallel-size": True, "--router-policy": True, "--host"
 def main(argv: list[str], args, options: set[str] = frozenset()) -> int:
     """`serve --data-parallel-size N`: argv is the server's command line, args its parse, options
     every option string of its parser."""
-    from runtime.args import check_port
+    from runtime.entrypoints.args import check_port
 
     if args.nnodes > 1:
         raise UserError("--data-parallel-size with --nnodes is not supported: run the multi-process "

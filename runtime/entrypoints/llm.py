@@ -6,9 +6,9 @@ import atexit
 import sys
 from typing import Sequence
 
-from runtime.build import build_engine
-from runtime.plan import Plan, load_plan
-from runtime.outputs import RequestOutput
+from runtime.engine.build import build_engine
+from runtime.engine.plan import Plan, load_plan
+from runtime.engine.outputs import RequestOutput
 from runtime.core.sampling_params import SamplingParams
 
 class LLM:
@@ -53,7 +53,7 @@ class LLM:
             atexit.register(self.group.stop)  # before jax.distributed's own exit barrier (atexit runs LIFO)
 
     def _follow(self, progress: bool) -> None:
-        from runtime.build import build_runner
+        from runtime.engine.build import build_runner
 
         runner = build_runner(self.plan, release_host_weights=True)
         runner.warmup(progress=progress)

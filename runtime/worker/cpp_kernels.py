@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.cli import UserError
+from config.flags import UserError
 from models.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Compiled executables saved whole, so that a warm start skips tracing and lowering as well as
 compiling.
 
-JAX's persistent compilation cache (runtime.build) keys an executable by its lowered program, so a
+JAX's persistent compilation cache (runtime.engine.build) keys an executable by its lowered program, so a
 warm start still traces each bucket's step in Python and lowers it to StableHLO just to find the
 key: about 1-2 s per bucket of the unrolled 30-layer SmolLM2 step, as much as loading the
 executable itself (docs/benchmarks/, "Start-up"). This store keys each executable by what its program
@@ -30,14 +30,14 @@ recently used entries (a load or a save is a use) go until the directory holds a
 JAXSERVE_EXECUTABLE_STORE_MAX_GB (default 4; the default SmolLM2 engine's entries take 110 MB).
 
 A store may be backed by a `shared` one (`jaxserve compile` backs a plan directory's store with
-the per-user store that `jaxserve serve --model` fills, runtime.build): a miss in its own directory
+the per-user store that `jaxserve serve --model` fills, runtime.engine.build): a miss in its own directory
 loads the entry from the shared one and keeps a copy (a hard link where the file system allows),
 so that the plan directory still holds all it needs, and an executable it compiles goes to both.
 The key names no directory, so the same model and flags find the same entries either way.
 
 Code that changes a trace without changing those sources (a test's monkeypatch, a benchmark's
 swapped module) must not use the store: `JAXSERVE_EXECUTABLE_STORE=0` turns it off, and
-runtime.build uses it only where it chooses the compilation cache itself.
+runtime.engine.build uses it only where it chooses the compilation cache itself.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import numpy as np
 
 from ir import OPS, Graph
 from ir.layers import Layers, find_layers, matrices_are_blocks
-from models.engine_config import target_platform
-from runtime.config import KERNEL_BACKENDS
+from config.engine_config import target_platform
+from config.engine_config import KERNEL_BACKENDS
 from ir.attrs import ALL_REDUCE, ANNOTATION_ATTRS, NEW_KV_WRITTEN
 
 JNP_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,

@@ -21,7 +21,7 @@ from ir import bind_shape
 from ir.head import HEAD_INPUT, head_graph
 from ir.kv_groups import (BLOCK_TABLES, BLOCKS_DIM, SLOT_MAPPING, WINDOW_BLOCK_TABLES, WINDOW_BLOCKS_DIM,
                           WINDOW_SLOT_MAPPING, is_window_pool, kv_window)
-from models.cli import DoesNotFit
+from config.flags import DoesNotFit
 from passes.plan_memory import MemoryPlan
 from runtime.worker.executables import ExecutableStore, num_backend_compiles  # noqa: F401  (re-exported)
 from runtime.worker.executor import JNP_DTYPES, build_step, resolve_backend, scans_layers, state_names, step_layout
@@ -152,7 +152,7 @@ class ModelRunner:
 
     def __init__(self, plan, backend: str | None = None, mesh=None, executables: str | Path | None = None,
                  release_host_weights: bool = False, shared_executables: str | Path | None = None):
-        """The persistent compilation cache is set by runtime.build.build_runner, not here; so is
+        """The persistent compilation cache is set by runtime.engine.build.build_runner, not here; so is
         `executables`, the directory of an ExecutableStore (runtime.worker.executables), which
         saves this runner's compiled executables whole (not under tensor parallelism: a sharded
         executable's devices are not part of the store's key). `shared_executables`: another

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from runtime.async_engine import DEFAULT_MAX_QUEUE
+from runtime.engine.async_engine import DEFAULT_MAX_QUEUE
 from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_CHARS
 from runtime.entrypoints.openai.checker import DEFAULT_BODY_CHECKERS
 from runtime.entrypoints.openai.http_server import Gate, UvicornServer, uvicorn_config
@@ -164,7 +164,7 @@ async def serve(app, host: str, port: int, *, shutdown_grace_s: float = DEFAULT_
 
 def _explicit_engine_kwargs(ap: argparse.ArgumentParser, args) -> dict:
     """Engine args the user actually set (a saved plan keeps its own values for the others)."""
-    from runtime.args import engine_kwargs_from_args
+    from runtime.entrypoints.args import engine_kwargs_from_args
 
     kw = engine_kwargs_from_args(args)
     return {k: v for k, v in kw.items() if v is not None and v != ap.get_default(k)}
@@ -199,7 +199,7 @@ SERVER_LIMIT_FLAGS = (
 
 
 def parse_args(argv=None):
-    from runtime.args import ArgumentParser, add_engine_args
+    from runtime.entrypoints.args import ArgumentParser, add_engine_args
     from runtime.distributed.multiprocess import add_distributed_args
     from runtime.distributed.replicas import add_replica_args
 
@@ -250,8 +250,8 @@ def main(argv=None) -> int:
 
         return replicas.main(list(sys.argv[1:] if argv is None else argv), args, set(ap._option_string_actions))
     from runtime.distributed import multiprocess as distributed
-    from runtime.args import quiet_tpu_probe
-    from runtime.build import build_engine
+    from runtime.entrypoints.args import quiet_tpu_probe
+    from runtime.engine.build import build_engine
 
     dist = distributed.DistributedConfig.from_args(args)
     group = distributed.join(dist) if dist.enabled else None  # before anything touches a device
@@ -312,8 +312,8 @@ def main(argv=None) -> int:
 
 def _load_plan(ap, args):
     """(plan, its source) from --plan or --model, after the pre-flight checks."""
-    from runtime.args import engine_kwargs_from_args, preflight
-    from runtime.plan import load_plan
+    from runtime.entrypoints.args import engine_kwargs_from_args, preflight
+    from runtime.engine.plan import load_plan
 
     preflight(args)
     if args.plan:
@@ -325,7 +325,7 @@ def _follow(group, plan, source, args) -> int:
     """A follower rank: the plan's runner, compiled as rank 0 compiles its own, running rank 0's
     calls until rank 0 says stop (exit 0) or disappears (RankFailure: exit 1)."""
     from runtime.distributed import multiprocess as distributed
-    from runtime.build import build_runner
+    from runtime.engine.build import build_runner
 
     group.introduce(distributed.plan_identity(plan, source))
     runner = build_runner(plan, args.compilation_cache_dir, release_host_weights=True)

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from runtime.async_engine import ABORTED, DEFAULT_MAX_QUEUE, EngineLoop, QueueFull
+from runtime.engine.async_engine import ABORTED, DEFAULT_MAX_QUEUE, EngineLoop, QueueFull
 from runtime.core.sampling_params import RequestError, SamplingParams
 from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_CHARS, GrammarLimits
 from runtime.entrypoints.openai import admission
@@ -439,7 +439,7 @@ class Server(CompletionServing, ChatServing):
 
     async def openapi(self, request: Request) -> Response:
         if self._openapi is None:
-            from runtime.openapi import openapi_schema
+            from runtime.entrypoints.openai.openapi import openapi_schema
 
             self._openapi = openapi_schema(
                 {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
@@ -447,7 +447,7 @@ class Server(CompletionServing, ChatServing):
         return json_response(self._openapi)
 
     async def docs(self, request: Request) -> Response:
-        from runtime.openapi import DOCS_HTML
+        from runtime.entrypoints.openai.openapi import DOCS_HTML
 
         return Response(DOCS_HTML.format(title="jaxserve", schema_url="/openapi.json"), 200,
                         media_type="text/html")

@@ -1,5 +1,5 @@
 """The command-line basics every CLI shares: one-line user errors, engine flags and their units,
-and `--model` resolution. `runtime.args` and `runtime.errors` re-export them; `ir.dump` imports
+and `--model` resolution. `runtime.entrypoints.args` and `runtime.errors` re-export them; `ir.dump` imports
 them from here, since the layering lets it import models and passes but not runtime.
 
 A `UserError` is a mistake the person at the keyboard can fix (a model that does not exist, a
@@ -8,7 +8,7 @@ busy port, a plan that does not fit). `run_main` prints it as `error: ...` with 
 Anything else is a bug and keeps its traceback.
 
 Memory sizes take `80`, `80G`, `80GiB` or `512MiB`; a bare number is GiB. Dtypes take `auto` and
-the aliases of models.engine_config (float32/fp32/f32, bfloat16/bf16, float16/half/f16).
+the aliases of config.engine_config (float32/fp32/f32, bfloat16/bf16, float16/half/f16).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from models.engine_config import (CPU_DEVICE_MEMORY, DTYPE_ALIASES, GGUF_ACTIVATIONS, KERNEL_BACKENDS,
+from config.engine_config import (CPU_DEVICE_MEMORY, DTYPE_ALIASES, GGUF_ACTIVATIONS, KERNEL_BACKENDS,
                                   KV_CACHE_DTYPES, MATMUL_PRECISIONS, QUANTIZATIONS, EngineConfig)
 
 USER_ERROR_EXIT = 2  # argparse's exit code for a bad command line
@@ -77,7 +77,7 @@ DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)
 
 
 # What to call a command in its messages when the user reached it another way than `python -m`:
-# "MODULE=NAME" (runtime.cli sets "runtime.serve=jaxserve serve"; scripts/serve.sh
+# "MODULE=NAME" (runtime.tools.cli sets "runtime.serve=jaxserve serve"; scripts/serve.sh
 # "runtime.serve=scripts/serve.sh"), so an error names the command the user typed.
 PROG_ENV = "JAXSERVE_PROG"
 
@@ -212,7 +212,7 @@ def format_gib(num_bytes: int) -> str:
 
 # The one flag table: (field, flags, argparse kwargs, vLLM's equivalent). Defaults come from
 # EngineConfig unless a command overrides them. Each help is one line of meaning (docs/configuration.md
-# is generated from this table: `python -m models.config_doc`); measurements live in the guides.
+# is generated from this table: `python -m config.doc`); measurements live in the guides.
 _ENGINE_FLAGS = (
     ("max_model_len", ("--max-model-len",), dict(type=int, help="longest prompt + output, in tokens"),
      "--max-model-len"),

@@ -11,9 +11,9 @@ import numpy as np
 from runtime.core import detokenizer
 from runtime.core.scheduler import Scheduler
 from runtime.core.sequence import Request, Sequence
-from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.engine.outputs import CompletionOutput, RequestOutput
 
-log = logging.getLogger("runtime.engine")
+log = logging.getLogger("runtime.engine.llm_engine")
 
 # Async scheduling: the place of a token that a running step is still sampling (LLMEngine._commit).
 PENDING = -1

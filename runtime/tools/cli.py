@@ -20,20 +20,20 @@ import importlib
 import os
 import sys
 
-from models.cli import PROG_ENV
-from runtime.args import ArgumentParser, quiet_tpu_probe  # noqa: F401 (runtime.serve imports it from here)
+from config.flags import PROG_ENV
+from runtime.entrypoints.args import ArgumentParser, quiet_tpu_probe  # noqa: F401 (runtime.serve imports it from here)
 from runtime.errors import run_main
 
-# name -> (module whose main(argv) runs it, one-line help)
+# name -> (module whose main(argv) runs it: the `python -m` name its errors are shown under, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("runtime.serve", "start the OpenAI-compatible HTTP server (python -m runtime.serve)"),
     "compile": ("runtime.compile", "compile a model into a plan directory, or --dry-run its memory plan"),
     "bench": ("runtime.bench", "offline throughput by scheduling policy; `bench serve` and `bench soak` "
-                               "against a server"),
+                         "against a server"),
     "dump": ("ir.dump", "print the IR after each compiler pass and the memory plan (no weights)"),
     "selfcheck": ("runtime.selfcheck", "devices, kernels vs references, a tiny model, a throughput probe"),
     "kv-table": ("models.kv_table", "KV-cache bytes per preset and sequence length"),
-    "env": ("runtime.collect_env", "versions, devices, caches and settings for a bug report"),
+    "env": ("runtime.tools.collect_env", "versions, devices, caches and settings for a bug report"),
 }
 
 

@@ -1,7 +1,7 @@
 """Model -> executable plan: lower, run the pass pipeline, size memory, convert weights (`compile_plan`);
-`build_graph` (the graph half alone, which the pre-flight checks in runtime.args use), `Plan`
+`build_graph` (the graph half alone, which the pre-flight checks in runtime.entrypoints.args use), `Plan`
 (save/load), and `load_plan` (a saved plan directory, or a fresh compile). The command line
-is runtime/compile.py; the AOT compilation of buckets happens in the runner (runtime/build.py).
+is runtime/tools/compile.py; the AOT compilation of buckets happens in the runner (runtime/engine/build.py).
 
 A plan directory holds plan.json (config, engine options, bucket table, memory plan, content
 hash), ir/NN-<pass>.txt (the IR after each pass), the final graph, the weights as an Orbax
@@ -25,7 +25,7 @@ from passes.plan_memory import MemoryPlan
 from models.llama import lower
 from passes.pipeline import MEMORY_PASS, PipelineOptions, memory_report, run_pipeline
 from runtime.core.buckets import BucketTable
-from runtime.config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
+from config.engine_config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
 
 PLAN_VERSION = 2  # 2: params carry IR roles (ir/attrs.py)
 

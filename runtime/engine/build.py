@@ -1,4 +1,4 @@
-"""The one place a plan becomes a running engine (plans come from runtime.plan's `load_plan`):
+"""The one place a plan becomes a running engine (plans come from runtime.engine.plan's `load_plan`):
 `build_runner` (the device side, with the one compilation-cache rule) and `build_engine`.
 `LLM`, the server, the benchmarks and `compile` all come through here."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from models.user_cache import user_cache_dir
-from runtime.plan import Plan
+from runtime.engine.plan import Plan
 
 NO_CACHE = ("none", "")
 
@@ -63,7 +63,7 @@ def build_engine(plan: Plan, *, cache_dir: str | Path | None = None, runner=None
     """The LLMEngine over `plan`: a new runner unless one is given (the benchmarks share one across
     engines), compiled (or loaded from the cache) unless `warmup=False`. `release_host_weights`
     goes to the new runner (ModelRunner); a given runner has already made that choice."""
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     if runner is None:
         runner = build_runner(plan, cache_dir, release_host_weights=release_host_weights)

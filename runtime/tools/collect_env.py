@@ -1,6 +1,6 @@
 """What a bug report needs: versions, JAX devices, the default model, caches and settings.
 
-    jaxserve env            # or: python -m runtime.collect_env
+    jaxserve env            # or: python -m runtime.tools.collect_env
     jaxserve env --json     # the same as one JSON object
 
 Like `vllm collect-env`: paste its output into an issue. Secrets (JAXSERVE_API_KEY, JAXSERVE_DIST_SECRET) are shown
@@ -17,7 +17,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from runtime.args import ArgumentParser
+from runtime.entrypoints.args import ArgumentParser
 
 PACKAGES = ("jaxserve", "jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "flax", "numpy",
             "orbax-checkpoint", "gguf", "safetensors", "tokenizers", "fastapi", "uvicorn",
@@ -85,7 +85,7 @@ def _cpu_kernels() -> dict:
 def collect() -> dict:
     """Everything `jaxserve env` reports, as plain data."""
     from models.weights import find_smollm2_gguf
-    from runtime.build import default_compilation_cache
+    from runtime.engine.build import default_compilation_cache
 
     try:
         gguf = str(find_smollm2_gguf())

@@ -34,8 +34,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from runtime.args import ArgumentParser
-from runtime.bench_serve import _one, _stats_ms, server_info
+from runtime.entrypoints.args import ArgumentParser
+from runtime.tools.bench_serve import _one, _stats_ms, server_info
 
 SOAK_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there", "Water boils at"]
 IDLE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")

@@ -1,7 +1,7 @@
-"""docs/configuration.md, generated from the one flag table (models.cli._ENGINE_FLAGS) and
+"""docs/configuration.md, generated from the one flag table (config.flags._ENGINE_FLAGS) and
 EngineConfig's fields and defaults: a flag's name, type, default, meaning and vLLM equivalent.
 
-    python -m models.config_doc > docs/configuration.md
+    python -m config.doc > docs/configuration.md
 
 tests/test_docs.py fails when the page and the table disagree.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from models.cli import _ENGINE_FLAGS, NO_FLAG_FIELDS, _bool, parse_dtype, parse_memory
-from models.engine_config import CPU_DEVICE_MEMORY, EngineConfig
+from config.flags import _ENGINE_FLAGS, NO_FLAG_FIELDS, _bool, parse_dtype, parse_memory
+from config.engine_config import CPU_DEVICE_MEMORY, EngineConfig
 
 # What a default of None means, where it is not "off".
 AUTO_DEFAULTS = {
@@ -64,8 +64,8 @@ def markdown() -> str:
         "column) and flags of `jaxserve serve`, `compile` and `bench` (`dump` takes those that shape the IR",
         "and the memory plan). vLLM's underscore spellings (`--max_model_len`) are accepted too.",
         "",
-        "Generated from the flag table (`models/cli.py`) and `EngineConfig` (`models/engine_config.py`) by",
-        "`python -m models.config_doc > docs/configuration.md`; `tests/test_docs.py` fails when they disagree.",
+        "Generated from the flag table (`config/flags.py`) and `EngineConfig` (`config/engine_config.py`) by",
+        "`python -m config.doc > docs/configuration.md`; `tests/test_docs.py` fails when they disagree.",
         "What each setting costs and buys, with measurements, is in the guides: [cpu.md](cpu.md),",
         "[gpu.md](gpu.md), [scaling.md](scaling.md), [compiler.md](compiler.md); the server's own flags",
         "(limits, timeouts, keys) are in [serving.md](serving.md).",

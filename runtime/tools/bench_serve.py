@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from runtime.args import ArgumentParser
-from runtime.workload import WORKLOADS, make_workload, shared_prefix_workload
+from runtime.entrypoints.args import ArgumentParser
+from runtime.tools.workload import WORKLOADS, make_workload, shared_prefix_workload
 
 SHARED_PREFIX = "shared-prefix"  # text prompts: 8 long system prompts x users (workload.shared_prefix_workload)
 

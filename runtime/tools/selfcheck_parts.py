@@ -1,4 +1,4 @@
-"""The five parts of `python -m runtime.selfcheck` (see runtime/selfcheck.py, which runs each in its own
+"""The five parts of `python -m runtime.selfcheck` (see runtime/tools/selfcheck.py, which runs each in its own
 subprocess): devices, kernels, tiny, throughput and bench. Each returns (ok, summary, data)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 import subprocess
 import time
 
-# Inside the bench part's timeout (runtime/selfcheck.py TIMEOUTS), with room for start-up, the ceilings and
+# Inside the bench part's timeout (runtime/tools/selfcheck.py TIMEOUTS), with room for start-up, the ceilings and
 # one row's overrun. The quick run's four cases take 16 s on an idle 2-core CPU and over 28 s on a loaded one.
 BENCH_MAX_SECONDS = {False: 85.0, True: 40.0}
 
@@ -256,8 +256,8 @@ def build_llm(cfg, weights, *, backend: str, dtype: str, buckets=None, warm_exec
     warm_execute: also run every bucket once at start, as the server does, so that no bucket's
     slow first execution lands inside a timed run.
     """
-    from runtime.plan import compile_plan
-    from runtime.config import EngineConfig
+    from runtime.engine.plan import compile_plan
+    from config.engine_config import EngineConfig
     from runtime.entrypoints.llm import LLM
 
     engine = EngineConfig(kernel_backend=backend, dtype=dtype, **engine_args)

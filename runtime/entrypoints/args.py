@@ -1,7 +1,7 @@
 """The command-line layer every CLI shares: engine flags (vLLM's names), their units, and the
 pre-flight check that turns a user's mistake into one actionable line before anything compiles.
 
-The flags, their units and `--model` resolution are defined in models.cli (so that ir.dump can
+The flags, their units and `--model` resolution are defined in config.flags (so that ir.dump can
 share them) and re-exported here; the pre-flight checks, which plan and look at devices, are here.
 """
 
@@ -17,10 +17,10 @@ import math
 import socket
 from pathlib import Path
 
-from models.cli import (GiB, ArgumentParser, add_engine_args, check_max_model_len,  # noqa: F401 (re-exported)
+from config.flags import (GiB, ArgumentParser, add_engine_args, check_max_model_len,  # noqa: F401 (re-exported)
                         engine_config_from_args, engine_kwargs_from_args, format_gib, parse_dtype,
                         parse_memory, resolve_model_config)
-from runtime.config import EngineConfig
+from config.engine_config import EngineConfig
 from runtime.errors import UserError
 
 
@@ -36,7 +36,7 @@ def check_plan_dir(path: str) -> dict:
         meta = json.loads((d / "plan.json").read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"--plan {path}: unreadable plan.json ({e}); recompile: {make}") from e
-    from runtime.plan import PLAN_VERSION
+    from runtime.engine.plan import PLAN_VERSION
 
     if meta.get("version") != PLAN_VERSION:
         raise UserError(f"--plan {path}: plan version {meta.get('version')}, this engine reads version "
@@ -83,7 +83,7 @@ def plan_without_weights(config, engine: EngineConfig, block_formats: dict[str, 
     """(final graph, memory plan, bucket table) from the config alone, as a dry run makes them;
     `block_formats` (models.weights.gguf_block_formats) for the GGUF blocks the weights will bring."""
     from runtime.core.buckets import BucketTable
-    from runtime.plan import build_graph
+    from runtime.engine.plan import build_graph
 
     buckets = BucketTable.for_engine(engine)
     try:
@@ -197,7 +197,7 @@ def preflight(args, *, engine_kwargs: dict | None = None, dry_run: bool = False)
     the tensor-parallel size. `engine_kwargs` replaces the engine args read from `args`.
     Returns the model config (None for a plan).
     """
-    from runtime.plan import is_plan_dir
+    from runtime.engine.plan import is_plan_dir
 
     plan = getattr(args, "plan", None)
     model = getattr(args, "model", None)

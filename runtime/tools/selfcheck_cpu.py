@@ -161,7 +161,7 @@ def cpu_checks(features: dict[str, bool]) -> list[tuple[str, object, bool]]:
 def part_cpu(args) -> tuple[bool, str, dict]:
     import jax
 
-    from runtime.selfcheck_parts import _print_rows, _short
+    from runtime.tools.selfcheck_parts import _print_rows, _short
     from runtime.worker import cpp_kernels as cpp
 
     if jax.default_backend() != "cpu":

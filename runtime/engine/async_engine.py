@@ -15,9 +15,9 @@ import threading
 import time
 
 from runtime.core.sampling_params import SamplingParams
-from runtime.metrics import Metrics, Snapshot
+from runtime.engine.metrics import Metrics, Snapshot
 
-log = logging.getLogger("runtime.async_engine")
+log = logging.getLogger("runtime.engine.async_engine")
 
 DEFAULT_MAX_QUEUE = 256
 

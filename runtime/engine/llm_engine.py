@@ -14,20 +14,20 @@ import jax
 import numpy as np
 
 from runtime.core.block_manager import BlockManager
-from runtime.plan import Plan
+from runtime.engine.plan import Plan
 from runtime.worker.model_runner import FEED_OUTPUT, SAMPLED_OUTPUTS, ModelRunner, num_backend_compiles
 from runtime.worker.sampler import build_inputs
 from runtime.core.spec_decode import make_proposer
-from runtime.step_inputs import Row, StepBatch, build_step, grammar_bitmask, pick_bucket
-from models.engine_config import SpeculativeConfig
+from runtime.engine.step_inputs import Row, StepBatch, build_step, grammar_bitmask, pick_bucket
+from config.engine_config import SpeculativeConfig
 from runtime.core.sampling_params import STRUCTURED_PARAM, RequestError, SamplingParams
 from runtime.core.structured_output import CompiledGrammar, GrammarCompiler, GrammarLimits
 from runtime.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from runtime.core.sequence import Request, Sequence, SeqStatus
-from runtime.output_processor import PENDING, OutputProcessor
-from runtime.outputs import EngineStats, RequestOutput, StepTrace
+from runtime.engine.output_processor import PENDING, OutputProcessor
+from runtime.engine.outputs import EngineStats, RequestOutput, StepTrace
 
-log = logging.getLogger("runtime.engine")
+log = logging.getLogger("runtime.engine.llm_engine")
 
 
 class LLMEngine:
@@ -35,7 +35,7 @@ class LLMEngine:
 
     def __init__(self, plan: Plan, tokenizer=None, *, runner: ModelRunner, warmup: bool = True,
                  progress: bool = False, check_invariants: bool = False, warm_execute: bool | str = False):
-        """Over a plan and the runner holding it on the device; runtime.build.build_engine assembles them."""
+        """Over a plan and the runner holding it on the device; runtime.engine.build.build_engine assembles them."""
         self.plan = plan
         self.config = plan.config
         self.engine_config = e = plan.engine

@@ -1,6 +1,6 @@
-"""Engine arguments, with vLLM's names (`runtime.config` re-exports them).
+"""Engine arguments, with vLLM's names (`config.engine_config` re-exports them).
 
-They live in models, below runtime, because the command-line layer (models.cli) builds its engine
+They live in models, below runtime, because the command-line layer (config.flags) builds its engine
 flags from them, and `ir.dump` uses that layer while the layering lets it import only models and passes.
 """
 
@@ -228,7 +228,7 @@ class EngineConfig:
     # host checking stops after them (amortizes the host's share of a step; 1 = off).
     num_scheduler_steps: int = 1
     # vLLM's speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}: drafts are
-    # verified in the decode buckets (runtime/step_inputs.py). A dict or JSON string; None = off.
+    # verified in the decode buckets (runtime/engine/step_inputs.py). A dict or JSON string; None = off.
     speculative_config: SpeculativeConfig | None = None
     # vLLM's async scheduling: the host schedules and prepares step N+1 while step N runs, decode
     # rows taking their input token from step N's sampled output on the device, and finishes
@@ -321,7 +321,7 @@ class EngineConfig:
     def max_step_rows(self) -> int:
         """Sampler rows (and attention sequences) one step may hold, the bucket table's widest:
         max_num_seqs, and with speculation at least k+1, since a sequence verifying k drafts takes
-        k+1 rows (runtime/step_inputs.py) and a lone one must fit a whole draft. Drafts take the rows
+        k+1 rows (runtime/engine/step_inputs.py) and a lone one must fit a whole draft. Drafts take the rows
         a step's decodes leave free: sizing the table for every sequence's drafts (max_num_seqs x
         (k+1)) added 6 buckets to compile for 16 sequences and no speed that 15 alternating rounds
         on 16 mixed prompts could tell apart (docs/benchmarks/2026-12-06-issue48-decoding.md). Never more than the
