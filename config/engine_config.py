@@ -324,7 +324,8 @@ class EngineConfig:
         k+1 rows (runtime/engine/step_inputs.py) and a lone one must fit a whole draft. Drafts take the rows
         a step's decodes leave free: sizing the table for every sequence's drafts (max_num_seqs x
         (k+1)) added 6 buckets to compile for 16 sequences and no speed that 15 alternating rounds
-        on 16 mixed prompts could tell apart (docs/benchmarks/2026-12-06-issue48-decoding.md). Never more than the
+        on 16 mixed prompts could tell apart
+        (docs/benchmarks/2026-12-06-ngram-speculation-and-json-that-closes.md). Never more than the
         step's tokens."""
         k = self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
         return min(max(self.max_num_seqs, 1 + k), self.max_num_batched_tokens)
@@ -391,7 +392,7 @@ class EngineConfig:
         its XLA lowering compiles every layer's fusions (2,700 for one SmolLM2 prefill bucket), and
         XLA:CPU keeps 100-190 MiB resident per such executable: tp=3 served at 1.73x tp=1's memory
         and took 15 minutes to start. Scanned, it serves at 0.98x and starts in 4
-        (docs/benchmarks/2026-12-06-issue47-memory-plan.md). The slices' copies cost decode speed,
+        (docs/benchmarks/2026-12-06-memory-plan-predicted-vs-measured.md). The slices' copies cost decode speed,
         and forced host devices are for testing a sharded plan, not for speed."""
         if self.scan_layers is not None:
             return self.scan_layers

@@ -107,3 +107,18 @@ def test_benchmarks_rows_have_date_machine_command_baseline_and_entry():
     for header in (l for l in text.splitlines() if l.startswith("| date |")):
         assert {"machine", "command"} <= {c.strip() for c in header.split("|")}, header
     assert len(text.splitlines()) < 200  # the history lives in docs/benchmarks/
+
+
+ISSUE = re.compile(r"\b[Ii]ssues? ?#?\d+|\bissue\d+")
+
+
+def test_the_pages_name_subjects_not_issue_numbers():
+    """A reader does not know the tracker: the README, the guides, the results pages, the history's
+    index and its entries' titles and file names say what was done, not which issue asked for it
+    (an entry's body keeps its history)."""
+    bad = [f"{doc}: {m.group(0)}" for doc in DOCS if not doc.startswith("docs/benchmarks/2")
+           for m in ISSUE.finditer((ROOT / doc).read_text())]
+    for entry in sorted((ROOT / "docs" / "benchmarks").glob("20*.md")):
+        if ISSUE.search(entry.name) or ISSUE.search(entry.read_text().splitlines()[0]):
+            bad.append(f"{entry.name}: its name or title")
+    assert not bad, "issue numbers:\n" + "\n".join(bad)

@@ -16,7 +16,7 @@ rank runs the same executables on the same arrays. Outputs are replicated: rank 
 
 The control channel is a TCP connection from each follower to rank 0 on the port after
 --dist-init-addr's. Per step it costs an encode, one send per follower and a decode: measured
-against JAX's key-value store and multihost_utils.broadcast_one_to_all in docs/benchmarks/2026-12-06-issue52-scale-out.md
+against JAX's key-value store and multihost_utils.broadcast_one_to_all in docs/benchmarks/2026-12-06-scale-out.md
 (benchmarks/dist_broadcast.py).
 
 Start-up: every rank joins `jax.distributed`, the followers connect and prove their rank: rank 0

@@ -8,7 +8,7 @@ CUDA_VISIBLE_DEVICES slice of tensor_parallel_size devices), and in this process
 (runtime/distributed/front.py) on --host:--port, which answers as a single server does and sends each
 request to the replica that served the longest prefix of its prompt (so that replica's prefix
 cache hits), unless the replicas' loads are too far apart; `--router-policy round_robin` is the
-baseline it is measured against (docs/benchmarks/2026-12-06-issue52-scale-out.md). This module
+baseline it is measured against (docs/benchmarks/2026-12-06-scale-out.md). This module
 is the glue: processes, ports, logs, restarts.
 
 Secrets and logs: the API key reaches the replicas in their environment (JAXSERVE_API_KEY), never

@@ -19,7 +19,7 @@ import numpy as np
 # the device) or a read-only ndarray (the empty penalty history), cached for a bucket's rows,
 # goes with a reference number {"rf": k} the first time and as {"rf": k} alone after that; the
 # follower keeps it (a jax.Array back on its device): for a 64-row step at max_model_len 2048
-# they are 0.9 MB, nearly all of the frame (docs/benchmarks/2026-12-06-issue52-scale-out.md).
+# they are 0.9 MB, nearly all of the frame (docs/benchmarks/2026-12-06-scale-out.md).
 _LENGTHS = struct.Struct("!II")
 MAX_REFS = 1024  # beyond it constant values are sent whole each time (a leak guard, not a size)
 
