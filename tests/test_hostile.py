@@ -653,7 +653,8 @@ def test_normal_requests_keep_their_latency_during_a_burst_of_slow_bad_ones(smol
     assert checker.refused == len(burst) and checker.fallbacks == 0  # none parsed in the server
     assert len(during) >= 3
     # The target is 100 ms. This client shares the server's process (and GIL), so it sees more than
-    # an outside client would. Measured on 2 cores (docs/benchmarks/2026-12-06-hostile-input-and-vllm-mismatches.md, this flood as
+    # an outside client would. Measured on 2 cores
+    # (docs/benchmarks/2026-12-06-hostile-input-and-vllm-mismatches.md, this flood as
     # `bench_hostile.py --flood 4`): with the checker processes the median moved by -31 to +45 ms
     # (load 1.4-8); parsing these bodies in the server (`--body-checkers 0`) moved it by +64 to +82
     # ms at load 3 and +101 to +142 ms at load 8; before the checkers this test measured +343 and
