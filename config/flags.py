@@ -264,7 +264,8 @@ _ENGINE_FLAGS = (
           "rounded per block of 32 to 8 bits, as llama.cpp does (default f32)"), "none"),
     ("gguf_tiles", ("--gguf-tiles",),
      dict(type=_bool, metavar="BOOL", help="repack a GGUF model's blocks into tiles of 16 columns that every step "
-          "reads (default: on with --gguf-activations q8, and where the C++ kernels have AVX-512BW)"), "none"),
+          "reads (default: on with --gguf-activations q8, and where the C++ kernels multiply f32 activations by "
+          "tiles: AVX-512BW, or AVX2 with FMA)"), "none"),
     ("kv_cache_dtype", ("--kv-cache-dtype",),
      dict(choices=KV_CACHE_DTYPES, help="auto (the model's dtype) or bfloat16: K/V stored in bf16, attention "
           "computed in f32"), "--kv-cache-dtype (fp8 not built)"),

@@ -122,3 +122,24 @@ def test_the_pages_name_subjects_not_issue_numbers():
         if ISSUE.search(entry.name) or ISSUE.search(entry.read_text().splitlines()[0]):
             bad.append(f"{entry.name}: its name or title")
     assert not bad, "issue numbers:\n" + "\n".join(bad)
+
+
+FIGURE = re.compile(r"\d[\d.]*(?:-\d[\d.]*)?(?:x\b| s\b| tok/s\b)")
+# Tables that quote BENCHMARKS.md's current results: (page, the heading of their section).
+QUOTES = (("README.md", "## Results"), ("docs/cpu.md", "## CPU classes and the kernels' target"))
+
+
+def test_quoted_results_are_the_results_pages_own():
+    """A figure has one home, BENCHMARKS.md: the README's results and cpu.md's table of CPU classes
+    quote it as it stands there, so a new measurement cannot leave an old one behind elsewhere."""
+    bench = (ROOT / "BENCHMARKS.md").read_text()
+    missing = []
+    for page, heading in QUOTES:
+        text = (ROOT / page).read_text()
+        section = text[text.index(heading):]
+        end = section.find("\n## ", 1)
+        section = section if end < 0 else section[:end]
+        rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+        assert len(rows) >= 5, page
+        missing += [f"{page}: {f}" for row in rows for f in FIGURE.findall(row) if f not in bench]
+    assert not missing, "figures BENCHMARKS.md does not have:\n" + "\n".join(missing)
