@@ -78,7 +78,8 @@ def test_every_relative_link_resolves():
     assert not bad, "broken links:\n" + "\n".join(bad)
 
 
-GUIDES = ("serving", "offline", "compiler", "models", "cpu", "gpu", "scaling", "vllm-compat", "configuration")
+GUIDES = ("serving", "offline", "compiler", "models", "cpu", "gpu", "scaling", "vllm-compat", "configuration",
+          "server-flags", "adding-a-model")
 
 
 def test_the_readme_is_a_first_visit():
@@ -143,3 +144,47 @@ def test_quoted_results_are_the_results_pages_own():
         assert len(rows) >= 5, page
         missing += [f"{page}: {f}" for row in rows for f in FIGURE.findall(row) if f not in bench]
     assert not missing, "figures BENCHMARKS.md does not have:\n" + "\n".join(missing)
+
+
+def test_server_flags_page_is_generated_from_the_servers_parser():
+    from config.doc import SERVER_PAGE_COMMAND, server_markdown
+    from runtime.entrypoints.openai.api_server import parse_args
+
+    page = (ROOT / "docs" / "server-flags.md").read_text()
+    assert page == server_markdown(parse_args([])[0]), f"docs/server-flags.md is stale: {SERVER_PAGE_COMMAND}"
+
+
+# Where the project reads its environment: the product, the scripts, and the tests' own settings.
+ENV_SOURCES = ("runtime", "config", "models", "passes", "ir", "pallas_kernels", "scripts", "tests/conftest.py")
+ENV_READ = re.compile(r"""(?:environ(?:\.get|\.setdefault|\.pop)?\s*[(\[]\s*|getenv\(\s*|^\s*[A-Z_]*(?:ENV|ENV_SWITCH|HOME)\w*\s*=\s*)["']([A-Z][A-Z0-9_]+)["']""", re.M)
+SHELL_READ = re.compile(r"\$\{([A-Z][A-Z0-9_]*)[:}]")
+
+
+def _source_files(kinds=(".py", ".sh")):
+    """ENV_SOURCES' files, but the table's own (config/doc.py), and every test module."""
+    for src in ENV_SOURCES:
+        path = ROOT / src
+        yield from ([path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in kinds
+                                                         and p != ROOT / "config" / "doc.py"))
+    yield from sorted(p for p in (ROOT / "tests").glob("*.py") if p.name not in ("conftest.py", "test_docs.py"))
+
+
+def test_every_environment_variable_read_is_on_the_page():
+    """The source's reads of the environment (os.environ, getenv, a *_ENV name constant, a shell
+    ${NAME:-...}, and any JAXSERVE_* name in Python or shell, tests included) against config.doc's
+    ENV_VARS; and no row there that no source names."""
+    from config.doc import ENV_VARS
+
+    listed = {name for _, rows in ENV_VARS for name, *_ in rows}
+    read: dict[str, str] = {}
+    for path in _source_files():
+        text = path.read_text()
+        names = set(re.findall(r"\bJAXSERVE_[A-Z0-9_]+\b", text))
+        if path.parent.name != "tests" or path.name == "conftest.py":
+            names |= set(ENV_READ.findall(text)) | (set(SHELL_READ.findall(text)) if path.suffix == ".sh" else set())
+        for name in names:
+            read.setdefault(name, str(path.relative_to(ROOT)))
+    missing = sorted(f"{name} ({where})" for name, where in read.items() if name not in listed)
+    assert not missing, "environment variables read but not in config.doc.ENV_VARS:\n" + "\n".join(missing)
+    source = "".join(p.read_text() for p in _source_files((".py", ".sh", ".cc")))
+    assert not [n for n in listed if n not in source], "ENV_VARS rows that no source reads"
