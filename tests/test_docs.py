@@ -79,15 +79,22 @@ def test_every_relative_link_resolves():
 
 
 GUIDES = ("serving", "offline", "compiler", "models", "cpu", "gpu", "scaling", "vllm-compat", "configuration",
-          "server-flags", "adding-a-model")
+          "server-flags", "adding-a-model", "contributing")
 
 
 def test_the_readme_is_a_first_visit():
+    """Its first screen is for a user: what it is, the two commands and what they cost; the test
+    loops and how the golden data are made live in docs/contributing.md."""
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 250
     for guide in GUIDES:
         assert f"(docs/{guide}.md)" in text, f"the README does not link docs/{guide}.md"
-    assert "tests/data/golden" in text and ".venv/bin/jaxserve" in text and "source .venv/bin/activate" in text
+    first_screen = "\n".join(text.splitlines()[:30])
+    assert "bash scripts/serve.sh" in first_screen and "bash scripts/test.sh" in first_screen
+    assert ".venv/bin/jaxserve" in text and "source .venv/bin/activate" in text
+    contributing = (ROOT / "docs" / "contributing.md").read_text()
+    assert "tests/data/golden" in contributing and "tests/data/make_golden.py" in contributing
+    assert all(f"`{mark}`" in contributing for mark in ("slow", "smoke"))
 
 
 def test_every_guide_starts_with_what_the_reader_can_do():
