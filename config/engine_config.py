@@ -204,7 +204,9 @@ class EngineConfig:
     # vector path: on AMX-BF16 from 16 rows (three exact bf16 parts of each activation: the f32
     # product, up to the order of its sums; against the file's rows 1.2x at one row, 2.3x at 64,
     # 3.1x at 512: 2.2x XLA's f32 GEMM), else AVX-512BW multiply-adds (x86-64-v4 without AMX:
-    # 1.04x the rows at one row, 1.7x at 16, 1.46x at 64, XLA's f32 GEMM's rate at 256). False keeps the file's rows (decode steps only; wider steps multiply by the f32 weights).
+    # 1.04x the rows at one row, 1.7x at 16, 1.46x at 64, XLA's f32 GEMM's rate at 256), or AVX2
+    # with FMA (x86-64-v3; docs/cpu.md). False keeps the file's rows (decode steps only; wider
+    # steps multiply by the f32 weights).
     gguf_tiles: bool | None = None
     # vLLM's --kv-cache-dtype. "bfloat16": K/V stored in bf16 (half the bytes of f32: twice the KV
     # blocks, and half the bytes a decode step's attention reads); attention still computes in f32.
@@ -369,7 +371,7 @@ class EngineConfig:
     def gguf_tile_activations(self, f32_tiles: bool) -> str | None:
         """The activations of the products on GGUF tiles ("q8" or "f32"), or None where the blocks
         stay in the file's rows; `f32_tiles`, whether this machine's C++ kernels multiply f32
-        activations by tiles in a vector path (AVX-512BW; AMX-BF16 where the CPU has it: the
+        activations by tiles in a vector path (AVX-512BW or AVX2 with FMA; AMX-BF16 where the CPU has it: the
         runtime knows, runtime.worker.executor), which the default then takes."""
         if self.gguf_activations == "q8":
             return "q8"

@@ -331,7 +331,9 @@ def tiles_amx_bf16() -> bool:
 
 def tiles_vectorized(activations: str = "q8") -> bool:
     """Whether tile_matmul has its vector path for `activations` in this build: "q8" needs AVX-512
-    VNNI or AVX2 (vpmaddubsw, as llama.cpp); "f32" AVX-512BW (f32 multiply-adds, and AMX-BF16 from 16 rows where tiles_amx_bf16())."""
+    VNNI or AVX2 (vpmaddubsw, as llama.cpp); "f32" AVX-512BW or AVX2 with FMA (f32 multiply-adds,
+    integer products of the activations' 16-bit parts for few rows, and AMX-BF16 from 16 rows where
+    tiles_amx_bf16())."""
     if activations == "f32":
         return _has(cpu_target(), "JaxserveTilesF32Vectorized")
     return _has(cpu_target(), "JaxserveTilesVectorized")
