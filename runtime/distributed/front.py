@@ -165,7 +165,6 @@ class Front:
         self.every = every or replicas
         self.router = Router(policy)
         self.draining = False  # the gate's 503s, as a single server's
-        self.retries = 0
         self._client: httpx.AsyncClient | None = None
 
     @property
@@ -221,7 +220,6 @@ class Front:
                 return out
             reason, failed = f"replica {replica.index}: {out.reason}", out.response
             if attempt == 0:
-                self.retries += 1
                 log.warning("%s %s failed before its answer began (%s): sending it once more", method, target,
                             reason)
         if failed is not None:  # the replica's own 5xx

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -59,7 +59,6 @@ class Replica:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
@@ -202,14 +201,12 @@ class ReplicaSet:
     """N replicas and the front; `run()` until SIGTERM."""
 
     def __init__(self, serve_argv: list[str], n: int, *, host: str, port: int, policy: str, tp: int,
-                 log_dir: Path | None, shutdown_grace_s: float, api_key: str | None = None,
-                 front_config=None):
-        from runtime.entrypoints.openai.serving import ServerConfig
-
+                 log_dir: Path | None, shutdown_grace_s: float, front_config):
+        """`front_config`: the front's ServerConfig (its API key is the replicas' too)."""
         self.n, self.host, self.port, self.policy = n, host, port, policy
-        self.log_dir = log_dir
         self.shutdown_grace_s = shutdown_grace_s
-        self.front_config = front_config or ServerConfig([], api_key)
+        self.front_config = front_config
+        api_key = front_config.api_key
         cores = split_cores(n)
         envs = replica_envs(n, tp)
         self.replicas = []
@@ -368,7 +365,7 @@ def main(argv: list[str], args, options: set[str] = frozenset()) -> int:
                          keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections)
     rs = ReplicaSet(strip_args(argv, REPLICA_FLAGS, options), args.data_parallel_size, host=args.host,
                     port=args.port, policy=args.router_policy, tp=args.tensor_parallel_size, log_dir=log_dir,
-                    shutdown_grace_s=args.shutdown_grace_s, api_key=args.api_key, front_config=front)
+                    shutdown_grace_s=args.shutdown_grace_s, front_config=front)
     signals = {"n": 0}
     stopper = threading.Thread(target=rs.stop, daemon=True)
 
