@@ -98,13 +98,12 @@ class Router:
             return self._rng.choice(live)
         if self.policy == "power_of_two":
             return self.least_loaded(self._rng.sample(live, min(2, len(live))))
-        least = self.least_loaded(live)
         # A prompt no replica holds goes to the least loaded one, and among those to the one holding
         # the fewest blocks, so that the prefixes spread over the replicas' caches.
         pick = min(live, key=lambda r: (self.load[r.index], len(self.index.get(r.index, ())), r.index))
-        if blocks and all(self.load[r.index] - self.load[least.index] <= BALANCE_ABS for r in live):
-            best = max(live, key=lambda r: (self.matched(r.index, blocks), -self.load[r.index]))
-            if self.matched(best.index, blocks) > CACHE_THRESHOLD * len(blocks):
+        if blocks and all(self.load[r.index] - self.load[pick.index] <= BALANCE_ABS for r in live):
+            matched, best = max(((self.matched(r.index, blocks), -self.load[r.index], -r.index), r) for r in live)
+            if matched[0] > CACHE_THRESHOLD * len(blocks):
                 pick = best
         self.remember(pick.index, blocks)
         return pick
