@@ -47,7 +47,7 @@ def _unicode_to_bytes() -> dict[str, int]:
 
 
 @lru_cache(maxsize=32)
-def _compile_template(source: str):
+def compile_chat_template(source: str):
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -284,13 +284,15 @@ class Tokenizer:
     # -- chat -----------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs) -> str:
-        """Renders `messages` with the model's jinja2 chat template (sandboxed, HF's options)."""
-        if not self.chat_template:
+                            chat_template: str | None = None, **kwargs) -> str:
+        """Renders `messages` with the model's jinja2 chat template, or `chat_template` in its place
+        (sandboxed, HF's options: `tools`, `enable_thinking` and other kwargs reach the template)."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat template")
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         context.update(kwargs)
-        return _compile_template(self.chat_template).render(
+        return compile_chat_template(template).render(
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,

@@ -109,6 +109,10 @@ class Metrics:
                                labels + ["finished_reason"], registry=self.registry)
         self.rejected = Counter("vllm:request_rejected", "Requests refused before reaching the engine.",
                                 labels + ["reason"], registry=self.registry)
+        self.tool_outputs = Counter("jaxserve:tool_call_outputs", "Chat outputs read for tool calls, by "
+                                    "tool_choice mode and outcome: parsed (one call or more), malformed (a call's "
+                                    "marker, or a constrained output, that gave no call), no_call.",
+                                    labels + ["mode", "outcome"], registry=self.registry)
         self.registry.register(self)
 
     def describe(self):

@@ -12,6 +12,7 @@ import json
 from pydantic import ValidationError
 
 from runtime.core.sampling_params import RequestError, StructuredOutputsParams
+from runtime.entrypoints.openai.chat_tools import check_tools, message_chars, template_message, tool_constraint
 from runtime.entrypoints.openai.protocol import (MAX_JSON_DEPTH, APIError, bad_request, check_json_text,
                                                  may_hold_surrogates, validation_error)
 
@@ -56,6 +57,12 @@ def check_sizes(r, limits) -> None:
         check_prompt_chars(prompt_chars(prompt), limits.max_prompt_chars, "prompt")
     if getattr(r, "messages", None) is not None:
         chat_messages(r.messages, limits)
+    if getattr(r, "tools", None) is not None:  # rendered into the prompt
+        try:
+            check_tools(r.tools)
+        except RequestError as e:
+            raise bad_request(e.message, e.param, e.code) from None
+        check_prompt_chars(len(json.dumps(r.tools)), limits.max_prompt_chars, "tools")
     if hasattr(r, "structured_outputs"):
         try:
             so = request_constraint(r)
@@ -87,7 +94,8 @@ def check_num_messages(messages, limit: int) -> None:
 
 def chat_messages(messages, limits) -> list[dict]:
     """A chat's messages as the template takes them ({"role", "content": str}; text parts joined,
-    "developer" as "system"), within the message count and the prompt character cap."""
+    "developer" as "system"; an assistant's tool_calls and a tool result's tool_call_id as
+    chat_tools.template_message reads them), within the message count and the prompt character cap."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages",
                           "missing_required_parameter" if messages is None else "invalid_value")
@@ -114,16 +122,26 @@ def chat_messages(messages, limits) -> list[dict]:
         elif not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
                               f"messages.{i}.content", "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    check_prompt_chars(sum(len(m["content"]) for m in out), limits.max_prompt_chars, "messages")
+        try:
+            tool_parts = template_message(m, i)
+        except RequestError as e:
+            raise bad_request(e.message, e.param, e.code) from None
+        out.append({"role": "system" if role == "developer" else role, "content": content, **tool_parts})
+    check_prompt_chars(sum(len(m["content"]) + message_chars(m) for m in out), limits.max_prompt_chars, "messages")
     return out
 
 
 def request_constraint(r) -> StructuredOutputsParams | None:
-    """The request's output constraint, from `response_format` (OpenAI's) or `structured_outputs`
-    (vLLM's), not both: RequestError otherwise."""
+    """The request's output constraint, from `response_format` (OpenAI's), `structured_outputs`
+    (vLLM's), or a chat's `tool_choice` (required, or a named function): one of them, RequestError
+    otherwise."""
     so = StructuredOutputsParams.from_response_format(r.response_format)
     if so is not None and r.structured_outputs is not None:
         raise RequestError("response_format and structured_outputs cannot both constrain the output; give one",
                            "structured_outputs")
-    return so if so is not None else StructuredOutputsParams.of(r.structured_outputs)
+    so = so if so is not None else StructuredOutputsParams.of(r.structured_outputs)
+    tools = tool_constraint(r) if hasattr(r, "tool_choice") else None
+    if tools is not None and so is not None:
+        raise RequestError(f"tool_choice {r.tool_choice!r} constrains the output, and so does "
+                           f"{so.source_param}; give one", "tool_choice")
+    return tools if tools is not None else so

@@ -198,6 +198,66 @@ SERVER_LIMIT_FLAGS = (
 )
 
 
+def add_chat_args(ap) -> None:
+    """vLLM's flags for tool calling, reasoning output and the chat template (docs/tools.md)."""
+    from runtime.entrypoints.openai.reasoning_parsers import PARSERS as REASONING_PARSERS
+    from runtime.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
+
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='tool_choice "auto" (the default with tools): the model\'s text is parsed for tool calls '
+                         "by --tool-call-parser")
+    ap.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                    help="the format the model writes tool calls in: hermes (Qwen 2.5/3), llama3_json (Llama 3.x), "
+                         "mistral, pythonic (Llama 3.2/4, Gemma-style prompts); docs/tools.md")
+    ap.add_argument("--tool-parser-plugin", help="vLLM's parser plugins: refused at start (the parsers are built in)")
+    ap.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                    help="split <think>...</think> from the answer into reasoning_content")
+    ap.add_argument("--chat-template", help="a Jinja chat template (a file, or the template itself) in place of "
+                                            "the model's")
+    ap.add_argument("--default-chat-template-kwargs", type=_json_object,
+                    help='JSON object of chat_template_kwargs for every request (e.g. \'{"enable_thinking": false}\'); '
+                         "a request's own override them")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return obj
+
+
+def chat_options(args) -> dict:
+    """The ServerConfig fields of the chat flags, checked: a mistake is one `error:` line at start."""
+    from runtime.errors import UserError
+
+    if args.tool_parser_plugin:
+        raise UserError(f"--tool-parser-plugin {args.tool_parser_plugin}: plugins are not supported; the built-in "
+                        "parsers are chosen with --tool-call-parser (docs/tools.md)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral or pythonic)")
+    template = args.chat_template
+    if template is not None:
+        if os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        elif "{{" not in template and "{%" not in template:
+            raise UserError(f"--chat-template {args.chat_template}: no such file, and not a Jinja template")
+        from models.tokenizer import compile_chat_template
+
+        try:
+            compile_chat_template(template)
+        except Exception as e:
+            raise UserError(f"--chat-template: the template does not compile: {e}") from None
+    return dict(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser, chat_template=template,
+                default_chat_template_kwargs=args.default_chat_template_kwargs)
+
+
 def parse_args(argv=None):
     from runtime.entrypoints.args import ArgumentParser, add_engine_args
     from runtime.distributed.multiprocess import add_distributed_args
@@ -224,6 +284,7 @@ def parse_args(argv=None):
                          "else $XDG_CACHE_HOME/jaxserve/xla (~/.cache/jaxserve/xla); 'none' to disable)")
     ap.add_argument("--enable-prompt-tokens-details", action="store_true",
                     help="usage.prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache")
+    add_chat_args(ap)
     ap.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_args(ap)
@@ -253,6 +314,7 @@ def main(argv=None) -> int:
     from runtime.entrypoints.args import quiet_tpu_probe
     from runtime.engine.build import build_engine
 
+    chat = chat_options(args)  # before any compile
     dist = distributed.DistributedConfig.from_args(args)
     group = distributed.join(dist) if dist.enabled else None  # before anything touches a device
     if group is not None and not group.is_leader:
@@ -285,7 +347,7 @@ def main(argv=None) -> int:
                     max_connections=args.max_connections,
                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     max_chat_messages=args.max_chat_messages, max_grammar_chars=args.max_grammar_chars,
-                    grammar_timeout_s=args.grammar_timeout_s, body_checkers=args.body_checkers)
+                    grammar_timeout_s=args.grammar_timeout_s, body_checkers=args.body_checkers, **chat)
     if group is not None:
         server = app.state.server
 

@@ -188,6 +188,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None  # false: at most one call
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last message open and continue it
     chat_template_kwargs: Optional[dict] = None
@@ -321,3 +322,5 @@ class ChoiceState:
     text_offset: int = 0
     started: bool = False
     finish_reason: str | None = None
+    output: Any = None  # a chat choice's ChatOutput (chat_tools), where tools or reasoning are parsed
+    calls_sent: list = field(default_factory=lambda: [0])  # tool calls this choice opened

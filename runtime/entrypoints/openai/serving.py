@@ -65,6 +65,12 @@ class ServerConfig:
     max_grammar_chars: int = DEFAULT_MAX_GRAMMAR_CHARS  # a constraint's size, checked before compiling
     grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S  # a constraint's compile budget
     body_checkers: int = DEFAULT_BODY_CHECKERS  # processes checking bodies over BULK_BODY_BYTES (0: the server)
+    # Tools and reasoning (chat_tools.py), vLLM's flags
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None  # replaces the model's
+    default_chat_template_kwargs: dict | None = None  # under each request's chat_template_kwargs
 
 
 class Server(CompletionServing, ChatServing):

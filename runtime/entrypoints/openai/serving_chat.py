@@ -10,7 +10,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from runtime.core.sampling_params import MAX_LOGPROBS
+from runtime.core.sampling_params import RequestError
 from runtime.entrypoints.openai.admission import chat_messages
+from runtime.entrypoints.openai.chat_tools import (ChatOutput, OutputSpec, check_tools, choice_mode, delta_from_events,
+                                                   message_from_events, reasoning_fields, tool_names)
 from runtime.entrypoints.openai.protocol import (ChatCompletionRequest, ChoiceState, Prepared, bad_request,
                                                  chat_logprobs)
 
@@ -23,11 +26,13 @@ class ChatServing:
 
     def prepare_chat(self, r: ChatCompletionRequest, arrival: float) -> Prepared:
         model = self.check_model(r.model)
-        if r.tools:
-            raise bad_request("tools are not supported", "tools", "unsupported_parameter")
+        spec = self.output_spec(r)
         messages = chat_messages(r.messages, self.cfg)
-        ids = self.truncate(self._chat_ids(messages, r.add_generation_prompt, r.chat_template_kwargs,
-                                           r.continue_final_message), r)
+        kwargs = {**(self.cfg.default_chat_template_kwargs or {}), **(r.chat_template_kwargs or {})}
+        text = self._chat_text(messages, r.add_generation_prompt, kwargs, r.continue_final_message, r.tools)
+        ids = self.truncate(self.encode(text), r)
+        if spec is not None:
+            spec.prompt, spec.template_kwargs = text, kwargs
         # vLLM: the reply's role is the last message's when no generation prompt opens a new turn, and
         # echo repeats the last message's content when that message has the reply's role.
         role = "assistant" if r.add_generation_prompt else messages[-1]["role"]
@@ -50,18 +55,45 @@ class ChatServing:
                          include_usage, continuous, arrival, {"top_logprobs": r.top_logprobs or 0,
                                                               "return_token_ids": r.return_token_ids,
                                                               "token_ids_as_names": r.return_tokens_as_token_ids,
-                                                              "role": role, "echo": echo})
+                                                              "role": role, "echo": echo, "output": spec})
+
+    def output_spec(self, r: ChatCompletionRequest) -> OutputSpec | None:
+        """How this request's outputs are read (tool calls, reasoning), or None for plain content.
+        tool_choice "auto" needs the server's --enable-auto-tool-choice and --tool-call-parser, as in
+        vLLM; with tools and no tool_choice, it is auto where they are set, else none."""
+        try:
+            tools = check_tools(r.tools) if r.tools is not None else None
+            mode, named = choice_mode(tools, r.tool_choice)
+        except RequestError as e:
+            raise bad_request(e.message, e.param, e.code) from None
+        auto_ok = self.cfg.enable_auto_tool_choice and self.cfg.tool_call_parser
+        if mode == "auto" and not auto_ok:
+            if r.tool_choice is None:
+                mode = "none"
+            else:
+                raise bad_request('tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+                                  'and --tool-call-parser', "tool_choice")
+        spec = OutputSpec(mode, named, self.cfg.tool_call_parser, tool_names(tools), r.parallel_tool_calls is not False,
+                          self.cfg.reasoning_parser)
+        return None if spec.plain else spec
 
     def _chat_ids(self, messages, add_generation_prompt=True, kwargs=None, continue_final=False) -> list[int]:
-        """The templated prompt's ids. `continue_final`: the last message stays open (its end-of-turn and
+        return self.encode(self._chat_text(messages, add_generation_prompt, kwargs, continue_final))
+
+    def _chat_text(self, messages, add_generation_prompt=True, kwargs=None, continue_final=False, tools=None) -> str:
+        """The templated prompt. `continue_final`: the last message stays open (its end-of-turn and
         anything after it are cut), so the model continues it (HF's continue_final_message). `kwargs`
-        (chat_template_kwargs) go to the template and override add_generation_prompt, as in vLLM."""
+        (chat_template_kwargs) go to the template and override add_generation_prompt, as in vLLM.
+        `tools` go to the template as HF's apply_chat_template passes them (a template may ignore them).
+        The server's --chat-template, where given, replaces the model's."""
         kwargs = {"add_generation_prompt": add_generation_prompt, **(kwargs or {})}
+        if tools is not None:
+            kwargs["tools"] = tools
         if continue_final and kwargs["add_generation_prompt"]:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
                               "add_generation_prompt to false)", "continue_final_message")
         try:
-            text = self.tokenizer.apply_chat_template(messages, **kwargs)
+            text = self.tokenizer.apply_chat_template(messages, chat_template=self.cfg.chat_template, **kwargs)
         except Exception as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
         self.check_prompt_chars(len(text), "messages")  # what the template added counts too, before tokenizing
@@ -75,16 +107,33 @@ class ChatServing:
             else:
                 raise bad_request("continue_final_message needs a last message whose content the chat template "
                                   "renders", "continue_final_message")
-        return self.encode(text)
+        return text
 
     def _chat_choice(self, prep, c, choice_index, reason, stop_reason) -> dict:
         logprobs = None
         if c is not None and c.logprobs is not None:
             logprobs = {"content": chat_logprobs(self._names(prep), c.token_ids, c.logprobs,
                                                  prep.extra["top_logprobs"])}
-        content = prep.extra["echo"] + (c.text if c else "")
-        return {"index": choice_index, "message": {"role": prep.extra["role"], "content": content},
-                "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
+        spec = prep.extra.get("output")
+        if spec is None:
+            message = {"role": prep.extra["role"], "content": prep.extra["echo"] + (c.text if c else ""),
+                       "tool_calls": []}
+        else:
+            out = ChatOutput(spec)
+            events = (out.feed(c.text) if c else []) + out.finish()
+            message, num_calls = message_from_events(events, prep.extra["role"], prep.extra["echo"])
+            if spec.reasoning_parser:
+                message |= reasoning_fields(events)
+            if num_calls and reason == "stop":
+                reason = "tool_calls"
+            self._count_tool_output(spec, out)
+        return {"index": choice_index, "message": message, "logprobs": logprobs, "finish_reason": reason,
+                "stop_reason": stop_reason}
+
+    def _count_tool_output(self, spec: OutputSpec, out: ChatOutput) -> None:
+        outcome = out.outcome()
+        if outcome is not None:
+            self.loop.metrics.tool_outputs.labels(self.model_name, spec.mode, outcome).inc()
 
     def _stream_chat_choice(self, prep: Prepared, idx: int, ci: int, c, st: ChoiceState, first: bool,
                             delta_text: str, new_ids, new_lps, chunk, num_out: dict, out=None):
@@ -100,14 +149,29 @@ class ChatServing:
                 yield chunk([{"index": ci, "delta": {"content": prep.extra["echo"]}, "logprobs": None,
                               "finish_reason": None}])
         num_out[ci] = len(c.token_ids)
-        if delta_text or lp is not None or (want_ids and new_ids):
-            # The last content chunk carries the finish reason (no empty chunk after it).
-            ch = {"index": ci, "delta": {"content": delta_text}, "logprobs": lp,
-                  "finish_reason": c.finish_reason}
-            if c.finish_reason:
+        spec, reason = prep.extra.get("output"), c.finish_reason
+        if spec is None:
+            deltas = [{"content": delta_text}] if delta_text else []
+        else:  # tool calls and reasoning split from the text as it comes
+            if st.output is None:
+                st.output = ChatOutput(spec)
+            events = st.output.feed(delta_text) + (st.output.finish() if reason else [])
+            deltas = delta_from_events(events, st.calls_sent)
+            if reason == "stop" and st.calls_sent[0]:
+                reason = "tool_calls"
+            if reason:
+                self._count_tool_output(spec, st.output)
+        if not deltas and (lp is not None or (want_ids and new_ids)):
+            deltas = [{"content": ""}]
+        for k, delta in enumerate(deltas):
+            # The last chunk carries the finish reason (no empty chunk after it), the first the
+            # logprobs and token ids.
+            ch = {"index": ci, "delta": delta, "logprobs": lp if k == 0 else None,
+                  "finish_reason": reason if k == len(deltas) - 1 else None}
+            if reason and k == len(deltas) - 1:
                 ch["stop_reason"] = c.stop_reason
             if want_ids:
-                ch["token_ids"] = list(new_ids)
+                ch["token_ids"] = list(new_ids) if k == 0 else []
             yield chunk([ch])
-        elif c.finish_reason:  # nothing left to send but the reason
-            yield chunk([self._finish_delta(True, ci, c.finish_reason, c.stop_reason)])
+        if not deltas and reason:  # nothing left to send but the reason
+            yield chunk([self._finish_delta(True, ci, reason, c.stop_reason)])
