@@ -227,31 +227,27 @@ def test_auto_without_the_flag(engine):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
 
 
-def test_reasoning_is_split_from_the_answer(engine):
-    so = {"structured_outputs": {"regex": "<think>\nPlan: look it up\\.\n</think>\n\nSunny\\."}}
-    with serve(engine, reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes") as st:
-        client = openai.OpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=0, extra_body=so)
-        msg = r.choices[0].message.model_dump()
-        assert msg["reasoning_content"] == "\nPlan: look it up.\n" == msg["reasoning"]
-        assert msg["content"] == "Sunny."
-        reasoning = content = ""
-        for chunk in client.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=0,
-                                                    extra_body=so, stream=True):
-            d = chunk.choices[0].delta.model_dump()
-            reasoning += d.get("reasoning_content") or ""
-            content += d.get("content") or ""
-        assert (reasoning, content) == ("\nPlan: look it up.\n", "Sunny.")
-        # Thinking turned off by the request: all answer.
-        off = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60, temperature=0,
-                                             extra_body=so | {"chat_template_kwargs": {"enable_thinking": False}})
-        assert off.choices[0].message.content.startswith("<think>")
-        # Tool calls are read from the answer after the thinking.
-        so_call = {"structured_outputs": {"regex": "<think>\nhm\n</think>\n\n" + HERMES_CALL}}
-        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=120, temperature=0,
-                                           extra_body=so_call)
-        assert r.choices[0].message.model_dump()["reasoning_content"] == "\nhm\n"
-        check_calls(r.choices[0].message.tool_calls, {"get_weather"})
+def test_reasoning_output_through_the_server(engine):
+    """The tiny model never writes </think>: under deepseek_r1 (thinking from the first token) its
+    whole output is reasoning, under qwen3 (thinking only inside a think block) all content, and the
+    stream splits it the same way. The tags themselves: tests/test_tool_parsers.py."""
+    kw = dict(model="tiny", messages=USER, max_tokens=12, temperature=0)
+    with serve(engine) as st:
+        text = openai.OpenAI(base_url=st.url + "/v1", api_key="none").chat.completions.create(**kw) \
+            .choices[0].message.content
+    assert text and "</think>" not in text
+    for parser, want in [("deepseek_r1", {"reasoning_content": text, "reasoning": text, "content": None}),
+                         ("qwen3", {"reasoning_content": None, "reasoning": None, "content": text})]:
+        with serve(engine, reasoning_parser=parser) as st:
+            client = openai.OpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0)
+            msg = client.chat.completions.create(**kw).choices[0].message.model_dump()
+            assert {k: msg[k] for k in want} == want, parser
+            joined = {"reasoning_content": "", "content": ""}
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                d = chunk.choices[0].delta.model_dump()
+                for k in joined:
+                    joined[k] += d.get(k) or ""
+            assert joined == {k: want[k] or "" for k in joined}, parser
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -278,3 +274,37 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
                                     "pythonic", "--default-chat-template-kwargs", '{"enable_thinking": false}'])[1])
     assert opts["chat_template"] == TEMPLATE and opts["tool_call_parser"] == "pythonic"
     assert opts["default_chat_template_kwargs"] == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("mode, accepted", [
+    ("required", ['<think>ab</think>\n\n{"city":"Rome"}', 'x</think>{"city":"Paris"}']),
+    ("optional", ['<think>ab</think>\n\n{"city":"Rome"}', '{"city":"Paris"}', '<think>\n</think>{"city":"Rome"}']),
+])
+def test_a_constraint_holds_the_answer_after_the_thinking(mode, accepted):
+    """With a reasoning parser, structured outputs and tool grammars begin where the thinking ends
+    (vLLM's rule): thinking is free text up to the first </think>, then the constraint."""
+    import llguidance
+
+    from runtime.core.sampling_params import StructuredOutputsParams
+    from runtime.core.structured_output import GrammarCompiler
+
+    tok = conftest.tiny_bpe_tokenizer()
+    compiler = GrammarCompiler(tok, 300)
+    so = StructuredOutputsParams(json=SCHEMAS["get_weather"], disable_any_whitespace=True, reasoning=mode)
+    grammar = GrammarCompiler._serialize(so)
+    rejected = ['{"city":"Oslo"}', '<think>a</think>b</think>{"city":"Rome"}', '<think>a</think>']
+    rejected += {"required": ['{"city":"Paris"}'], "optional": ['x</think>{"city":"Paris"}']}[mode]
+    for text, want in [(t, True) for t in accepted] + [(t, False) for t in rejected]:
+        m = llguidance.LLMatcher(compiler.ll_tokenizer, grammar)
+        ok = all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
+        assert ok == want, text
+    assert compiler.compile(so) is not None  # the engine's own compile takes it
+    assert so.cache_key() != StructuredOutputsParams(json=SCHEMAS["get_weather"], disable_any_whitespace=True).cache_key()
+
+
+def test_named_tool_with_a_reasoning_parser(engine):
+    with serve(engine, reasoning_parser="qwen3") as st:
+        client = openai.OpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0)
+        r = chat(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert r.choices[0].finish_reason == "tool_calls", r
+        check_calls(r.choices[0].message.tool_calls, {"get_weather"})

@@ -95,3 +95,43 @@ def test_without_a_tool_list_any_name_is_a_call_and_unknown_parsers_are_refused(
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
         tool_parser("granite")
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+
+
+# ====================================================================== reasoning parsers
+
+from runtime.entrypoints.openai.reasoning_parsers import prompt_opens_thinking, reasoning_parser  # noqa: E402
+
+QWEN3_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+QWEN3_NO_THINK_PROMPT = QWEN3_PROMPT + "<think>\n\n</think>\n\n"  # enable_thinking=False writes this
+R1_PROMPT = "<｜User｜>Hi<｜Assistant｜><think>\n"  # DeepSeek-R1's template opens the block itself
+
+
+@pytest.mark.parametrize("name, prompt, text, reasoning, content", [
+    ("qwen3", QWEN3_PROMPT, "<think>\nThe user greets.\n</think>\n\nHello!", "\nThe user greets.\n", "Hello!"),
+    ("qwen3", QWEN3_PROMPT, "Hello!", None, "Hello!"),
+    ("qwen3", QWEN3_NO_THINK_PROMPT, "Hello!", None, "Hello!"),
+    ("qwen3", QWEN3_PROMPT, "<think>\ncut by max_tokens", "\ncut by max_tokens", None),
+    ("qwen3", QWEN3_PROMPT + "<think>\n", "opened by the prompt\n</think>\n\nHi", "opened by the prompt\n", "Hi"),
+    ("deepseek_r1", R1_PROMPT, "Greeting.\n</think>\n\nHello!", "Greeting.\n", "Hello!"),
+    ("deepseek_r1", "", "<think>\nGreeting.\n</think>\n\nHello!", "\nGreeting.\n", "Hello!"),
+    ("deepseek_r1", R1_PROMPT, "never closed", "never closed", None),
+    ("deepseek_r1", R1_PROMPT, "a</think>b <think>c</think>", "a", "b <think>c</think>"),
+])
+def test_reasoning_whole_and_streamed(name, prompt, text, reasoning, content):
+    assert reasoning_parser(name, prompt).split(text) == (reasoning, content)
+    for step in (1, 3):  # one character at a time, and three
+        p, events = reasoning_parser(name, prompt), []
+        for i in range(0, len(text), step):
+            events += p.feed(text[i:i + step])
+        events += p.finish()
+        joined = {k: "".join(t for kind, t in events if kind == k) or None for k in ("reasoning", "content")}
+        assert (joined["reasoning"], joined["content"]) == (reasoning, content)
+        # No piece of the closing tag is ever sent as reasoning.
+        assert not any(kind == "reasoning" and t.endswith(("<", "</", "</think")) for kind, t in events)
+
+
+def test_reasoning_parser_options():
+    assert reasoning_parser("qwen3", QWEN3_PROMPT, {"enable_thinking": False}) is None
+    assert prompt_opens_thinking(R1_PROMPT) and not prompt_opens_thinking(QWEN3_NO_THINK_PROMPT)
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        reasoning_parser("granite")

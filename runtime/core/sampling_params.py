@@ -78,6 +78,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     # The request field errors are reported against: "response_format" when built from one.
     source_param: str = field(default=STRUCTURED_PARAM, repr=False, compare=False)
+    # Set by a server with a reasoning parser (not a request field): the constraint holds the answer
+    # after a think block, "required" (the output thinks first; its "<think>" optional, the prompt may
+    # have opened it) or "optional" (it may think first) (structured_output.REASONING_GRAMMARS).
+    reasoning: str | None = None
 
     def __post_init__(self):
         set_ = [name for name in _CONSTRAINTS if _is_set(getattr(self, name))]
@@ -122,7 +126,7 @@ class StructuredOutputsParams:
         elif kind == "choice":
             value = tuple(value)
         whitespace = self.disable_any_whitespace if kind in ("json", "json_object") else False
-        return kind, value, whitespace
+        return kind, value, whitespace, self.reasoning
 
     def check_size(self, max_chars: int, key: tuple | None = None) -> None:
         """Refuses (RequestError grammar_too_large) a constraint whose text (schema JSON, regex,
@@ -150,7 +154,7 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise RequestError(f"structured_outputs must be a StructuredOutputsParams or a dict, got "
                                f"{type(value).__name__}", STRUCTURED_PARAM)
-        known = {f for f in cls.__dataclass_fields__ if f != "source_param"}
+        known = {f for f in cls.__dataclass_fields__ if f not in ("source_param", "reasoning")}
         unknown = sorted(set(value) - known, key=str)
         if unknown:
             raise RequestError(f"structured_outputs has no field {unknown[0]!r} (it takes "

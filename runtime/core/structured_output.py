@@ -248,8 +248,21 @@ class GrammarCompiler:
                 return m.get_error() or f"token {token} refused"
         return None
 
+    @classmethod
+    def _serialize(cls, params: StructuredOutputsParams) -> str:
+        """llguidance's grammar for `params`; after a think block where `params.reasoning` says so."""
+        inner = cls._serialize_answer(params)
+        if params.reasoning is None:
+            return inner
+        try:
+            top = json.loads(inner)
+        except ValueError:  # a Lark grammar's text
+            top = {"grammars": [{"lark_grammar": inner}]}
+        top["grammars"][0]["name"] = "answer"
+        return json.dumps({"grammars": [{"lark_grammar": REASONING_GRAMMARS[params.reasoning]}] + top["grammars"]})
+
     @staticmethod
-    def _serialize(params: StructuredOutputsParams) -> str:
+    def _serialize_answer(params: StructuredOutputsParams) -> str:
         kind = params.kind
         if kind in ("json", "json_object"):
             schema = ANY_OBJECT_SCHEMA if kind == "json_object" else params.json
@@ -265,6 +278,14 @@ class GrammarCompiler:
         if kind == "choice":
             return llguidance.grammar_from("choice", params.choice)
         return llguidance.grammar_from(kind, getattr(params, kind))  # "regex", "grammar" (Lark or GBNF)
+
+
+# The think block before a constrained answer (StructuredOutputsParams.reasoning): thinking is any
+# text up to the first "</think>" (a lazy lexeme ends there), newlines after it are the tag's, then
+# the answer's own grammar (@answer).
+_THINK = 'think[lazy]: /(?s:.*)<\\/think>/\nnl: /\\n+/\n'
+REASONING_GRAMMARS = {"required": 'start: "<think>"? think nl? @answer\n' + _THINK,
+                      "optional": 'start: ("<think>" think nl?)? @answer\n' + _THINK}
 
 
 def _short(message: str) -> str:

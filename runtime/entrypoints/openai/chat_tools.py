@@ -178,6 +178,16 @@ class OutputSpec:
     def plain(self) -> bool:
         return self.mode == "none" and self.reasoning_parser is None
 
+    def constraint_after_reasoning(self) -> str | None:
+        """Where an output constraint (structured outputs, a tool_choice's grammar) begins, as vLLM
+        applies it: after the thinking ("required": the output thinks first; "optional": it may), or
+        from the first token (None: no reasoning parser, or thinking turned off)."""
+        parser = reasoning_parser(self.reasoning_parser, self.prompt, self.template_kwargs) \
+            if self.reasoning_parser else None
+        if parser is None:
+            return None
+        return "required" if parser.thinks_untagged else "optional"
+
 
 class ChatOutput:
     """One choice's text as events: ("reasoning", text), ("content", text), ("call", id, name) to open a
@@ -283,7 +293,8 @@ def message_from_events(events, role: str, echo: str = "") -> tuple[dict, int]:
             calls.append({"id": e[1], "type": "function", "function": {"name": e[2], "arguments": ""}})
         elif e[0] == "args":
             calls[-1]["function"]["arguments"] += e[1]
-    msg = {"role": role, "content": content if (content or not calls) else None, "tool_calls": calls}
+    # No content (only calls, or only thinking) is null, as vLLM sends it.
+    msg = {"role": role, "content": content if (content or not (calls or reasoning)) else None, "tool_calls": calls}
     return msg, len(calls)
 
 

@@ -30,6 +30,11 @@ class ReasoningParser:
         self._untagged = "thinking" if (open_in_prompt or self.from_start) else "after"
         self._held = ""  # text not yet handed out: a tag may begin in it
 
+    @property
+    def thinks_untagged(self) -> bool:
+        """Whether an output that does not open a think block is thinking (until `</think>`)."""
+        return self._untagged == "thinking"
+
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None for a part that is empty."""
         events = self.feed(text) + self.finish()

@@ -3,6 +3,7 @@ A mixin of `Server` (serving.py), which supplies the shared plumbing through `se
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -49,6 +50,9 @@ class ChatServing:
             max_tokens = max(self.max_model_len - len(ids), 1)  # the rest of the context
         lp = (r.top_logprobs or 0) if r.logprobs else None
         params = self.sampling_params(r, max_tokens=max_tokens, logprobs=lp, prompt_logprobs=r.prompt_logprobs)
+        if spec is not None and params.structured_outputs is not None:
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            reasoning=spec.constraint_after_reasoning())
         include_usage, continuous = self._stream_flags(r)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         return Prepared(rid, int(time.time()), model, [(f"{rid}-0", ids, params)], [None], r.n, r.stream,
