@@ -27,7 +27,9 @@ from config.engine_config import CPU_DEVICE_MEMORY, EngineConfig
 
 # What a default of None means, where it is not "off".
 AUTO_DEFAULTS = {
-    "device_memory": f"measured on GPU; {CPU_DEVICE_MEMORY >> 30} GiB per process on CPU",
+    "device_memory": f"measured on GPU; on CPU the host's available memory less a margin ({CPU_DEVICE_MEMORY >> 30} "
+                     "GiB where it cannot be read)",
+    "kv_cache_memory_bytes": "from the memory plan",
     "num_kv_blocks": "from the memory plan",
     "quantize_lm_head": "auto",
     "gguf_blocks": "auto",
@@ -194,6 +196,9 @@ ENV_VARS = (
          "(the warm start then traces every bucket)"),
         ("JAXSERVE_EXECUTABLE_STORE_MAX_GB", "4", "the executable store's size; the least recently used "
          "entries go first"),
+        ("VLLM_CPU_KVCACHE_SPACE", "unset", "vLLM's CPU KV space: on a CPU, the KV cache's size in GiB (an "
+         "integer), shared by the process's tensor-parallel devices; `0`: the memory plan's (what `--max-num-seqs` "
+         "x `--max-model-len` use, within the budget); `--kv-cache-memory` and `--num-kv-blocks` win"),
         ("JAXSERVE_DEBUG", "off", "`1`, `true`, `yes` or `on`: an error prints its traceback, as `--debug` does"),
         ("JAXSERVE_PROG", "unset", "set by `jaxserve` and `scripts/serve.sh` for the command they run, so that "
          "its errors name the command as typed; not for users"),

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, fields
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,14 @@ GGUF_ACTIVATIONS = ("f32", "q8")  # of the products on GGUF blocks (EngineConfig
 # step's activations quantized per row to int8 at run time: an int8 x int8 product).
 QUANTIZATIONS = (None, "int8", "w8a8")
 
-# On a CPU there is no device memory to measure; like vLLM's CPU backend (4 GiB KV space by
-# default) we assume a fixed budget, which `device_memory` overrides.
+# On a CPU the budget is the host memory available at start (config.host_memory); where that
+# cannot be read (not Linux), this fixed budget. `device_memory` overrides both.
 CPU_DEVICE_MEMORY = 4 << 30
+# On a CPU the KV pool holds what the configuration can use, as llama.cpp's `-c` sizes its cache,
+# not all the memory the budget leaves: max_num_seqs sequences at max_model_len, and room for a
+# quarter more (at least one) whose blocks the prefix cache keeps after their requests finish, so
+# a full batch can run while recent prefixes stay cached (EngineConfig.kv_blocks_used).
+PREFIX_CACHE_ROOM = 0.25
 
 
 MAX_NUM_SPECULATIVE_TOKENS = 16  # every step verifies k+1 positions per row; more is rarely accepted
@@ -213,7 +219,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     num_kv_blocks: int | None = None
-    device_memory: int | None = None  # bytes of one device; measured on GPU; on CPU, CPU_DEVICE_MEMORY / tensor_parallel_size
+    device_memory: int | None = None  # bytes of one device; measured on GPU; on CPU, the host's available memory / tensor_parallel_size
+    # vLLM's kv_cache_memory_bytes: the KV pool's bytes per device, fixed (num_kv_blocks still wins).
+    # None: on GPU what the budget leaves; on CPU VLLM_CPU_KVCACHE_SPACE, else what the
+    # configuration can use (kv_blocks_used), capped by what the budget leaves.
+    kv_cache_memory_bytes: int | None = None
     memory_limit: int | None = None  # bytes the allocator can still give; measured on GPU
     kernel_backend: str = "auto"
     # Run the repeated decoder layers as one lax.scan, so XLA compiles one layer, not all of them
@@ -256,6 +266,10 @@ class EngineConfig:
             raise ValueError(f"async_scheduling does not combine with {' or '.join(self.async_blockers())}")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and (
+                isinstance(self.kv_cache_memory_bytes, bool) or not isinstance(self.kv_cache_memory_bytes, int)
+                or self.kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive int, got {self.kv_cache_memory_bytes!r}")
         if self.scheduling not in ("continuous", "dynamic", "static"):
             raise ValueError(f"scheduling must be continuous, dynamic or static, got {self.scheduling!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -314,6 +328,13 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def kv_blocks_used(self) -> int:
+        """The most full-group KV blocks this configuration can use: max_num_seqs sequences at
+        max_model_len and PREFIX_CACHE_ROOM more for the prefix cache (a window group's blocks
+        follow from them: ir.kv_groups.window_blocks_for)."""
+        seqs = self.max_num_seqs + max(math.ceil(self.max_num_seqs * PREFIX_CACHE_ROOM), 1)
+        return seqs * -(-self.max_model_len // self.block_size)
 
     def kv_dtype(self) -> str:
         """The KV pools' IR dtype: the model's (`auto`) or kv_cache_dtype's."""

@@ -225,9 +225,16 @@ _ENGINE_FLAGS = (
      "--gpu-memory-utilization"),
     ("device_memory", ("--device-memory",),
      dict(type=parse_memory, metavar="SIZE",
-          help="device memory to plan for: 80 (GiB), 80GiB or 512MiB (default: measured on GPU, "
-               f"{CPU_DEVICE_MEMORY // GiB} GiB per process on CPU, split across its tensor-parallel devices)"),
+          help="device memory to plan for: 80 (GiB), 80GiB or 512MiB (default: measured on GPU; on CPU the "
+               "host's available memory at start less a margin, split across its tensor-parallel devices, "
+               f"or {CPU_DEVICE_MEMORY // GiB} GiB where it cannot be read)"),
      "none (vLLM measures the device)"),
+    ("kv_cache_memory_bytes", ("--kv-cache-memory", "--kv-cache-memory-bytes"),
+     dict(type=parse_memory, metavar="SIZE",
+          help="the KV cache's size per device, fixed: 2GiB, 2G or 512MiB (default: on CPU "
+               "VLLM_CPU_KVCACHE_SPACE, else what max_num_seqs x max_model_len use and a quarter more for the "
+               "prefix cache, within the budget; on GPU what the budget leaves)"),
+     "--kv-cache-memory-bytes"),
     ("num_kv_blocks", ("--num-kv-blocks",), dict(type=int, help="override the KV block count the memory plan gives"),
      "--num-gpu-blocks-override"),
     ("dtype", ("--dtype",),

@@ -26,6 +26,8 @@ class PipelineOptions:
     # The backend widens half-precision weights to f32 for its products (XLA:CPU; see plan_memory).
     widen_half_weights: bool = False
     num_kv_blocks: int | None = None
+    max_kv_blocks: int | None = None  # the most full-group KV blocks the configuration can use (None: no bound)
+    kv_cache_memory_bytes: int | None = None  # the KV pools' bytes, fixed (None: what the budget leaves)
     quantization: str | None = None
     quantize_lm_head: bool | None = None  # EngineConfig.quantize_lm_head; None: the quantization's default
     matmul_precision: str = "float32"  # "bfloat16": wide steps multiply in bf16 (passes.bf16_matmuls)
@@ -75,7 +77,8 @@ def _memory_options(opts: PipelineOptions) -> dict:
                 tensor_parallel_size=opts.tensor_parallel_size, num_kv_blocks=opts.num_kv_blocks,
                 paged_attention_lowering=opts.paged_attention_lowering,
                 memory_limit_bytes=opts.memory_limit_bytes, scan_layers=opts.scan_layers,
-                widen_half_weights=opts.widen_half_weights)
+                widen_half_weights=opts.widen_half_weights, max_kv_blocks=opts.max_kv_blocks,
+                kv_cache_memory_bytes=opts.kv_cache_memory_bytes)
 
 
 def memory_report(graph: Graph, opts: PipelineOptions):

@@ -325,6 +325,11 @@ class MemoryPlan:
     window_kv_bytes_per_block: int = 0
     num_window_kv_blocks: int = 0
     max_step_tokens: int = 0
+    # The most full-group blocks the engine's configuration can use (on CPU: EngineConfig.kv_blocks_used);
+    # the pool takes no more even where the budget leaves room. None: no such bound (GPU).
+    max_kv_blocks: int | None = None
+    # The KV pools' bytes, fixed by the user (kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE); None: sized here.
+    kv_cache_memory_bytes: int | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -342,9 +347,17 @@ class MemoryPlan:
 
     def kv_blocks_that_fit(self, peak_bytes: int) -> tuple[int, int]:
         """(full, window) KV blocks left by the budget after the weights, an activation peak and the
-        reserve, split between the groups as sequences at max_model_len use them (ir.kv_groups)."""
+        reserve, split between the groups as sequences at max_model_len use them (ir.kv_groups),
+        and no more than the configuration can use (max_kv_blocks)."""
         free = self.budget_bytes - self.weight_bytes - peak_bytes - self.reserve_bytes
-        return split_kv_blocks(free, full_bytes_per_block=self.kv_bytes_per_block,
+        full, window = self.kv_blocks_in(free)
+        if self.max_kv_blocks is not None and full > self.max_kv_blocks:
+            return self.max_kv_blocks, self.window_blocks_for(self.max_kv_blocks)
+        return full, window
+
+    def kv_blocks_in(self, kv_bytes: int) -> tuple[int, int]:
+        """(full, window) KV blocks that `kv_bytes` hold, split as kv_blocks_that_fit splits them."""
+        return split_kv_blocks(kv_bytes, full_bytes_per_block=self.kv_bytes_per_block,
                                window_bytes_per_block=self.window_kv_bytes_per_block, **self._groups())
 
     def blocks_that_fit(self, peak_bytes: int) -> int:
@@ -409,6 +422,11 @@ class MemoryPlan:
                          f"window-{self.kv_window} layers {self.num_window_kv_blocks} blocks "
                          f"({self.window_kv_bytes_per_block / self.block_size / 1024:.1f} KiB/token)"
                          f"{', ' + self.kv_dtype if self.kv_dtype else ''}")
+        if self.kv_cache_memory_bytes is not None and self.num_kv_blocks == self.kv_blocks_in(self.kv_cache_memory_bytes)[0]:
+            lines.append(f"    the KV cache's size fixed at {mib(self.kv_cache_memory_bytes).strip()}")
+        elif self.max_kv_blocks is not None and self.num_kv_blocks == self.max_kv_blocks:
+            lines.append(f"    what max_num_seqs x max_model_len use, and room for the prefix cache "
+                         f"({self.max_kv_blocks} blocks); the budget leaves room for more")
         lines.append(f"  max concurrent seqs at max_model_len={self.max_model_len}: {self.max_concurrent_seqs}")
         if self.buckets:
             lines.append("  peak activations = max over buckets of predicted temp + step I/O, and over block copies")
@@ -432,12 +450,15 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
                        num_kv_blocks: int | None = None,
                        paged_attention_lowering: str = "chunked",
                        memory_limit_bytes: int | None = None, scan_layers: bool = False,
-                       widen_half_weights: bool = False) -> MemoryPlan:
+                       widen_half_weights: bool = False, max_kv_blocks: int | None = None,
+                       kv_cache_memory_bytes: int | None = None) -> MemoryPlan:
     """Sizes the KV pool from what is left after weights and the worst bucket's activations.
 
     num_kv_blocks = floor((min(memory_utilization x device memory, allocator limit) - weights
     - peak activations - reserve) / KV bytes per block), where peak activations is the largest bucket's predicted
-    temporaries plus its argument and output buffers. With a window group (ir.kv_groups) those bytes
+    temporaries plus its argument and output buffers, and at most `max_kv_blocks` (what the
+    configuration can use; None: no bound). `kv_cache_memory_bytes` fixes the KV bytes instead, and
+    `num_kv_blocks` the full group's count (it wins). With a window group (ir.kv_groups) the bytes
     are split between the groups in the proportion sequences at max_model_len use them. With tensor parallelism every byte figure
     is per device: a weight, KV pool or activation the `shard` pass split (its `sharding` attr)
     counts 1/tp, a replicated one counts fully.
@@ -465,10 +486,13 @@ def plan_memory_report(graph: Graph, *, buckets: list[tuple[int, int]], device_m
                       block_size, 0, max_model_len, 0, tuple(per_bucket), tensor_parallel_size,
                       memory_limit_bytes, ",".join(kv_dtypes) or None, kv_window=kv_window(graph),
                       window_kv_bytes_per_block=kv_bytes_per_block(graph, window=True),
-                      max_step_tokens=max((t for t, _ in buckets), default=0))
+                      max_step_tokens=max((t for t, _ in buckets), default=0), max_kv_blocks=max_kv_blocks,
+                      kv_cache_memory_bytes=kv_cache_memory_bytes)
     blocks, window_blocks = plan.kv_blocks_that_fit(peak)
     if num_kv_blocks is not None:
         blocks, window_blocks = num_kv_blocks, plan.window_blocks_for(num_kv_blocks)
+    elif kv_cache_memory_bytes is not None:
+        blocks, window_blocks = plan.kv_blocks_in(kv_cache_memory_bytes)
     return plan.with_blocks(blocks, window_blocks)
 
 

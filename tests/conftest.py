@@ -257,7 +257,7 @@ def _thin_grids(items) -> None:
 # big presets or start subprocesses. What it costs is in the README.
 SMOKE_MODULES = {"test_layering", "test_docs", "test_block_manager", "test_scheduler", "test_engine_config",
                  "test_detokenizer", "test_spec_decode", "test_structured_output", "test_ir", "test_passes",
-                 "test_build", "test_bench_soak", "test_tokenizer", "test_cli", "test_tool_parsers"}
+                 "test_build", "test_bench_soak", "test_tokenizer", "test_cli", "test_tool_parsers", "test_host_memory"}
 NOT_SMOKE = {"test_dry_run_that_does_not_fit_exits_2_with_advice_that_fits", "test_dry_run_that_fits_exits_0",
              "test_python_m_forms_give_the_same_one_line_errors", "test_engine_args_that_cannot_work",
              "test_readme_command", "test_the_suite_without_golden_data_says_where_it_lives",

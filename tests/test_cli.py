@@ -370,6 +370,35 @@ def test_more_tensor_parallel_devices_than_jax_sees(capsys):
     assert f"XLA_FLAGS=--xla_force_host_platform_device_count={tp}" in line
 
 
+@pytest.mark.parametrize("command", [("--dry-run",), ("--out", "/tmp/never")])
+def test_a_model_that_does_not_fit_names_the_size_it_needs(capsys, command):
+    """SmolLM2 needs 0.5 GiB for weights, activations, the reserve and one 2048-token sequence;
+    400 MiB is one error line that says so, on a dry run and before a compile loads anything."""
+    line = _one_line_error(*_cli(capsys, "compile", "--model", "smollm2-135m", *command,
+                                 "--device-memory", "400MiB")[::2])
+    assert "smollm2-135m does not fit: it needs 0.5 GiB" in line and "--device-memory gives 0.4 GiB" in line
+    assert "--device-memory 1GiB" in line
+
+
+def test_a_host_without_room_is_named_as_the_host(capsys, monkeypatch):
+    import runtime.engine.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "read_host_memory", lambda: 420 << 20)
+    line = _one_line_error(*_cli(capsys, "compile", "--model", "smollm2-135m", "--dry-run")[::2])
+    assert "it needs 0.5 GiB" in line and "this host has 0.4 GiB available to plan for" in line
+    assert "--max-model-len" in line  # a change that fits
+
+
+def test_kv_cache_memory_too_small_for_one_sequence(capsys, monkeypatch):
+    line = _one_line_error(*_cli(capsys, "compile", "--model", "smollm2-135m", "--dry-run",
+                                 "--kv-cache-memory", "1MiB")[::2])
+    assert "a KV cache of 1 MiB holds 0 KV tokens, fewer than the 2048" in line
+    assert "--kv-cache-memory 90MiB or more" in line  # 2048 tokens x 45 KiB
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    rc, out, _ = _cli(capsys, "compile", "--model", "smollm2-135m", "--dry-run")
+    assert rc == 0 and "(1456 blocks x 32 tokens" in out and "fixed at 2048.0 MiB" in out
+
+
 def test_dry_run_that_fits_exits_0(capsys):
     rc, out, _ = _cli(capsys, "compile", "--model", "llama-2-70b", "--dry-run", "--dtype", "bfloat16",
                       "--device-memory", "80GiB", "--tensor-parallel-size", "2", "--max-model-len", "4096")

@@ -17,7 +17,7 @@ from models.config import get_preset
 from runtime import SamplingParams
 from runtime.core.buckets import BucketTable
 from runtime.engine.plan import build_graph, compile_plan
-from config.engine_config import EngineConfig, resolve_dtype
+from config.engine_config import EngineConfig, planning_for, resolve_dtype
 from runtime.worker.executor import JNP_DTYPES, build_step, state_names
 from runtime.worker.kernels import BF16_BITS, pool_storage_dtype
 from runtime.entrypoints.llm import LLM
@@ -123,8 +123,9 @@ def test_plan_budget_respects_the_allocator_limit():
     free = EngineConfig(**TINY, device_memory=1 << 30)
     capped = EngineConfig(**TINY, device_memory=1 << 30, memory_limit=256 << 20)
     b = BucketTable.build(32, 4)
-    _, plan_free, _ = build_graph(cfg, free, b, keep_pass_texts=False)
-    _, plan_capped, _ = build_graph(cfg, capped, b, keep_pass_texts=False)
+    with planning_for("gpu"):  # where the pool takes what the budget leaves (a CPU's holds what TINY uses)
+        _, plan_free, _ = build_graph(cfg, free, b, keep_pass_texts=False)
+        _, plan_capped, _ = build_graph(cfg, capped, b, keep_pass_texts=False)
     assert plan_capped.num_kv_blocks < plan_free.num_kv_blocks
     used = plan_capped.weight_bytes + plan_capped.peak_activation_bytes + plan_capped.reserve_bytes
     assert used + plan_capped.num_kv_blocks * plan_capped.kv_bytes_per_block <= 256 << 20

@@ -58,8 +58,17 @@ def assert_fits(llm) -> dict:
 
 # ------------------------------------------------------------------------ sizing from the measurement
 
+@pytest.fixture
+def uncapped(monkeypatch):
+    """The pool as large as the budget allows: these tests are about the budget binding, which on a
+    CPU the configuration's own need (EngineConfig.kv_blocks_used: 160 blocks here) would preempt."""
+    from config.engine_config import EngineConfig
+
+    monkeypatch.setattr(EngineConfig, "kv_blocks_used", lambda self: 1 << 40)
+
+
 @pytest.mark.slow
-def test_the_pool_is_sized_from_the_measured_peak_when_the_prediction_is_wrong(monkeypatch):
+def test_the_pool_is_sized_from_the_measured_peak_when_the_prediction_is_wrong(monkeypatch, uncapped):
     """A prediction far below what XLA measures (here: the model told it there are no
     activations) must not make the engine refuse its own plan: the pool shrinks to what fits."""
     import passes.plan_memory as pm
@@ -77,7 +86,7 @@ def test_the_pool_is_sized_from_the_measured_peak_when_the_prediction_is_wrong(m
 
 
 @pytest.mark.slow
-def test_a_prediction_that_fits_closely_keeps_its_pool(monkeypatch):
+def test_a_prediction_that_fits_closely_keeps_its_pool(monkeypatch, uncapped):
     """A measurement a little above the prediction (within the reserve), or a little below it,
     keeps the planned pool: no second compile for a few blocks."""
     from runtime.worker.model_runner import ModelRunner
@@ -92,7 +101,7 @@ def test_a_prediction_that_fits_closely_keeps_its_pool(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_prediction_far_above_the_measurement_grows_the_pool(monkeypatch):
+def test_a_prediction_far_above_the_measurement_grows_the_pool(monkeypatch, uncapped):
     import passes.plan_memory as pm
 
     real = pm.activation_peak_bytes
@@ -104,7 +113,7 @@ def test_a_prediction_far_above_the_measurement_grows_the_pool(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_block_count_the_user_fixed_is_refused_with_one_that_fits():
+def test_a_block_count_the_user_fixed_is_refused_with_one_that_fits(uncapped):
     llm = tiny_llm(**TINY_BUDGET)
     fits = llm.plan.memory.num_kv_blocks
     with pytest.raises(DoesNotFit, match=r"--num-kv-blocks \d+ or fewer fits") as e:
@@ -213,13 +222,80 @@ def test_structured_outputs_start_at_defaults_and_fit():
 
 # ------------------------------------------------------------------------ per device, and on a GPU
 
-def test_cpu_budget_is_split_across_tensor_parallel_devices():
+def test_cpu_budget_is_the_hosts_split_across_tensor_parallel_devices(monkeypatch):
+    import runtime.engine.plan as plan_module
     from config.engine_config import CPU_DEVICE_MEMORY, EngineConfig
+    from config.host_memory import read_host_memory
     from runtime.engine.plan import measure_device_memory
 
-    assert measure_device_memory(EngineConfig())[0] == CPU_DEVICE_MEMORY
-    assert measure_device_memory(EngineConfig(tensor_parallel_size=4))[0] == CPU_DEVICE_MEMORY // 4
+    assert measure_device_memory(EngineConfig())[0] == read_host_memory() is not None  # this Linux host
+    monkeypatch.setattr(plan_module, "read_host_memory", lambda: 12 << 30)
+    assert measure_device_memory(EngineConfig())[0] == 12 << 30
+    assert measure_device_memory(EngineConfig(tensor_parallel_size=4))[0] == 3 << 30
     assert measure_device_memory(EngineConfig(tensor_parallel_size=4, device_memory=8 << 30))[0] == 8 << 30
+    monkeypatch.setattr(plan_module, "read_host_memory", lambda: None)  # not Linux: the fixed budget
+    assert measure_device_memory(EngineConfig(tensor_parallel_size=4))[0] == CPU_DEVICE_MEMORY // 4
+
+
+# ------------------------------------------------------------------------ the KV pool's size on CPU
+
+TINY_4GIB = dict(TINY_BUDGET, device_memory=4 << 30)
+
+
+def tiny_plan(**engine):
+    """The tiny model's memory plan, as a dry run makes it (no weights, nothing compiled)."""
+    from config.engine_config import EngineConfig
+    from models.config import get_preset
+    from runtime.entrypoints.args import plan_without_weights
+
+    return plan_without_weights(get_preset("tiny"), EngineConfig(**engine))[1]
+
+
+def test_the_cpu_pool_holds_what_the_configuration_can_use():
+    """max_num_seqs x max_model_len in blocks and a quarter more for the prefix cache: 8 sequences
+    of 16 blocks and 2 more, where the 4 GiB budget used to give the tiny model ~230,000 blocks."""
+    from config.engine_config import EngineConfig
+
+    memory = tiny_plan(**TINY_4GIB)
+    assert EngineConfig(**TINY_4GIB).kv_blocks_used() == (8 + 2) * (512 // 32) == memory.num_kv_blocks
+    left = memory.budget_bytes - memory.weight_bytes - memory.peak_activation_bytes - memory.reserve_bytes
+    assert memory.num_kv_blocks < left // memory.kv_bytes_per_block / 1000  # what the budget alone gave
+    assert memory.max_concurrent_seqs == 10
+    assert tiny_plan(**TINY_4GIB | dict(max_num_seqs=1)).num_kv_blocks == 2 * 16  # at least one more sequence
+    # Where the budget allows less than the configuration can use, the budget binds.
+    small = tiny_plan(**TINY_BUDGET | dict(max_num_seqs=64, device_memory=80 << 20))
+    assert small.num_kv_blocks == small.blocks_that_fit(small.peak_activation_bytes) < 80 * 16
+
+
+def test_kv_cache_memory_and_vllm_cpu_kvcache_space_fix_the_pools_bytes(monkeypatch):
+    per_block = tiny_plan(**TINY_4GIB).kv_bytes_per_block
+    assert tiny_plan(**TINY_4GIB, kv_cache_memory_bytes=64 << 20).num_kv_blocks == (64 << 20) // per_block
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert tiny_plan(**TINY_4GIB).num_kv_blocks == (1 << 30) // per_block
+    # The process's space, shared by its tensor-parallel devices (each holds half of each block).
+    assert tiny_plan(**TINY_4GIB, tensor_parallel_size=2).num_kv_blocks == (1 << 29) // (per_block // 2)
+    # The flag (per device) wins over the variable, and a block count over both.
+    assert tiny_plan(**TINY_4GIB, kv_cache_memory_bytes=64 << 20).num_kv_blocks == (64 << 20) // per_block
+    assert tiny_plan(**TINY_4GIB, num_kv_blocks=40).num_kv_blocks == 40
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's "default"
+    assert tiny_plan(**TINY_4GIB).num_kv_blocks == 160
+
+
+def test_the_gpu_pool_still_takes_what_the_budget_leaves():
+    from config.engine_config import planning_for
+
+    with planning_for("gpu"):
+        memory = tiny_plan(**TINY_4GIB, dtype="float32")
+    assert memory.max_kv_blocks is None
+    assert memory.num_kv_blocks == memory.blocks_that_fit(memory.peak_activation_bytes) > 100_000
+
+
+def test_fixed_kv_bytes_over_the_budget_are_refused_with_a_size_that_fits():
+    from runtime.worker.model_runner import check_fit
+
+    memory = tiny_plan(**TINY_BUDGET, kv_cache_memory_bytes=1 << 30)
+    with pytest.raises(DoesNotFit, match=r"--kv-cache-memory \d+MiB or less fits"):
+        check_fit(memory)
 
 
 class FakeGpu:
@@ -324,6 +400,12 @@ def child_rss() -> dict:
     from runtime.worker.model_runner import enable_compilation_cache
 
     enable_compilation_cache(CACHE_DIR)
+    import runtime.engine.plan as plan_module
+    from config.engine_config import EngineConfig
+
+    # A budget that binds, split between the devices: the old fixed 4 GiB, the pool as large as it allows.
+    plan_module.read_host_memory = lambda: 4 << 30
+    EngineConfig.kv_blocks_used = lambda self: 1 << 40
     tp = int(os.environ["CHILD_TP"])
     llm = tiny_llm(**(TINY_BUDGET | dict(tensor_parallel_size=tp, device_memory=None)))
     llm.generate(PROMPTS, greedy())

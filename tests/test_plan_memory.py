@@ -332,3 +332,37 @@ def test_window_group_gets_its_share_of_the_kv_budget():
     # A model without sliding layers: one group, as before.
     llama = report(final_graph())
     assert llama.kv_window is None and llama.num_window_kv_blocks == 0 and llama.window_kv_bytes_per_block == 0
+
+
+# ------------------------------------------------------------------------------ what the configuration uses
+
+def test_the_pool_takes_no_more_than_the_configuration_can_use():
+    """max_kv_blocks (on CPU, max_num_seqs x max_model_len and the prefix cache's room) caps the
+    pool where the budget leaves more, and is no floor where it leaves less."""
+    g = final_graph()
+    free = report(g)
+    capped = report(g, max_kv_blocks=20)
+    assert free.num_kv_blocks > 20 == capped.num_kv_blocks
+    assert capped.max_concurrent_seqs == 20 // 4
+    assert "what max_num_seqs x max_model_len use" in capped.table()
+    assert report(g, max_kv_blocks=10**9).num_kv_blocks == free.num_kv_blocks
+    assert report(g, max_kv_blocks=20, num_kv_blocks=100).num_kv_blocks == 100  # a fixed count wins
+    assert MemoryPlan.from_dict(capped.to_dict()) == capped
+
+
+def test_kv_cache_bytes_the_user_fixed():
+    g = final_graph()
+    plan = report(g, kv_cache_memory_bytes=1 * MiB, max_kv_blocks=20)  # the fixed size wins over the cap
+    assert plan.num_kv_blocks == MiB // plan.kv_bytes_per_block > 20
+    assert "fixed at 1.0 MiB" in plan.table()
+    assert report(g, kv_cache_memory_bytes=1 * MiB, num_kv_blocks=7).num_kv_blocks == 7
+
+
+def test_the_cap_gives_the_window_group_its_sequences():
+    from ir.kv_groups import window_blocks_for
+
+    g = final_graph("gemma-3-1b", max_model_len=2048, block_size=16, buckets=((8, 4), (32, 4)))
+    plan = report(g, device_memory_bytes=16 << 30, block_size=16, max_model_len=2048, max_kv_blocks=5 * 128)
+    assert plan.num_kv_blocks == 5 * 128 and plan.max_concurrent_seqs == 5
+    assert plan.num_window_kv_blocks == window_blocks_for(5 * 128, window=512, block_size=16, max_model_len=2048,
+                                                          max_num_batched_tokens=32)

@@ -25,7 +25,8 @@ from passes.plan_memory import MemoryPlan
 from models.llama import lower
 from passes.pipeline import MEMORY_PASS, PipelineOptions, memory_report, run_pipeline
 from runtime.core.buckets import BucketTable
-from config.engine_config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype
+from config.engine_config import CPU_DEVICE_MEMORY, EngineConfig, resolve_dtype, target_platform
+from config.host_memory import cpu_kv_cache_space, read_host_memory
 
 PLAN_VERSION = 2  # 2: params carry IR roles (ir/attrs.py)
 
@@ -36,10 +37,11 @@ def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
     On a GPU, JAX's allocator may hand out only `bytes_limit` (by default it preallocates
     XLA_PYTHON_CLIENT_MEM_FRACTION = 75% of the device), minus what is already held. The device
     total is bytes_limit / that fraction, so `memory_utilization` keeps vLLM's meaning (a
-    fraction of the device) and the allocator's limit caps it. On CPU there is nothing to
-    measure: a fixed budget per process (CPU_DEVICE_MEMORY), no separate limit; the host devices
-    that tensor parallelism forces share the one process's memory, so each gets its share.
-    Explicit `device_memory` / `memory_limit` engine args override both.
+    fraction of the device) and the allocator's limit caps it. On CPU the device is the host: the
+    memory it has available now, less a margin (config.host_memory; CPU_DEVICE_MEMORY where that
+    cannot be read), no separate limit; the host devices that tensor parallelism forces share the
+    one process's memory, so each gets its share. Explicit `device_memory` / `memory_limit`
+    engine args override both.
     """
     total, limit = engine.device_memory, engine.memory_limit
     if total is None or limit is None:
@@ -57,8 +59,23 @@ def measure_device_memory(engine: EngineConfig) -> tuple[int, int | None]:
             if limit is None:
                 limit = bytes_limit - int(stats.get("bytes_in_use", 0))
     if total is None:  # a CPU: the process's budget, split across its tensor-parallel devices
-        total = CPU_DEVICE_MEMORY // engine.tensor_parallel_size
+        host = read_host_memory()
+        total = (CPU_DEVICE_MEMORY if host is None else host) // engine.tensor_parallel_size
     return int(total), limit
+
+
+def kv_pool_bounds(engine: EngineConfig) -> tuple[int | None, int | None]:
+    """(max_kv_blocks, kv_cache_memory_bytes) for the memory plan (passes.plan_memory): on CPU the
+    pool holds no more than the configuration can use (EngineConfig.kv_blocks_used), and
+    VLLM_CPU_KVCACHE_SPACE, the process's CPU KV space shared by its tensor-parallel devices, fixes
+    its bytes unless `kv_cache_memory_bytes` (per device) does. On GPU only the engine arg: the pool
+    takes what the budget leaves, as vLLM's does."""
+    if target_platform() != "cpu":
+        return None, engine.kv_cache_memory_bytes
+    fixed = engine.kv_cache_memory_bytes
+    if fixed is None and (space := cpu_kv_cache_space()) is not None:
+        fixed = space // engine.tensor_parallel_size
+    return engine.kv_blocks_used(), fixed
 
 
 def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[int, int | None],
@@ -67,10 +84,12 @@ def pipeline_options(engine: EngineConfig, buckets: BucketTable, memory: tuple[i
     from runtime.worker.executor import reads_gguf_blocks, tile_activations, tiles_in_kernel, widens_half_weights
 
     total, limit = memory
+    max_kv_blocks, kv_cache_memory_bytes = kv_pool_bounds(engine)
     return PipelineOptions(
         block_size=engine.block_size, max_model_len=engine.max_model_len, buckets=tuple(buckets.pairs()),
         device_memory_bytes=total, memory_limit_bytes=limit, memory_utilization=engine.memory_utilization,
         reserve_bytes=engine.reserve_bytes, num_kv_blocks=engine.num_kv_blocks,
+        max_kv_blocks=max_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
         quantization=engine.quantization, quantize_lm_head=engine.quantize_lm_head,
         matmul_precision=engine.matmul_precision,
         block_formats=tuple(sorted(block_formats.items())) if reads_gguf_blocks(engine, bool(block_formats)) else (),
@@ -86,13 +105,15 @@ def is_plan_dir(path) -> bool:
 
 def build_graph(config: ModelConfig, engine: EngineConfig, buckets: BucketTable,
                 device_memory: int | None = None, keep_pass_texts: bool = True,
-                block_formats: dict[str, str] | None = None):
-    """(final graph, memory plan, pass texts); `block_formats` as in pipeline_options."""
+                block_formats: dict[str, str] | None = None, memory: tuple[int, int | None] | None = None):
+    """(final graph, memory plan, pass texts); `block_formats` as in pipeline_options; `memory`:
+    measure_device_memory's answer, taken earlier (else measured now, or `device_memory`)."""
     from runtime.worker.executor import scans_layers
 
     graph = lower(config, engine.dtype)
     texts = [("lower", print_graph(graph))] if keep_pass_texts else []
-    memory = (device_memory, engine.memory_limit) if device_memory else measure_device_memory(engine)
+    if memory is None:
+        memory = (device_memory, engine.memory_limit) if device_memory else measure_device_memory(engine)
     opts = pipeline_options(engine, buckets, memory, block_formats)
     on_pass = (lambda i, name, g: texts.append((name, print_graph(g)))) if keep_pass_texts else None
     graph = run_pipeline(graph, opts, on_pass=on_pass, stop_before=MEMORY_PASS)
@@ -237,13 +258,17 @@ def compile_plan(model, engine: EngineConfig | None = None, *, progress: bool = 
     from runtime.worker.params import materialize
 
     engine = engine or EngineConfig()
+    # Before the weights load: on CPU they land in the host memory that the plan's budget measures,
+    # and the plan counts them itself.
+    memory = measure_device_memory(engine)
     if config is None:
         config, weights, tokenizer = resolve_model(model)
     if engine.max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {engine.max_model_len} exceeds the model's "
                          f"max_position_embeddings {config.max_position_embeddings}")
     buckets = BucketTable.for_engine(engine)
-    graph, memory, texts = build_graph(config, engine, buckets, block_formats=weight_block_formats(weights or {}))
+    graph, memory, texts = build_graph(config, engine, buckets, block_formats=weight_block_formats(weights or {}),
+                                       memory=memory)
     if memory.num_kv_blocks * engine.block_size < engine.max_model_len:
         raise ValueError(
             f"the KV cache fits {memory.num_kv_blocks} blocks ({memory.num_kv_blocks * engine.block_size} "

@@ -116,6 +116,10 @@ def fit_advice(config, engine: EngineConfig, memory, block_formats=None) -> list
         need = math.ceil(engine.max_model_len / engine.block_size)
         if _fits_with(config, engine, num_kv_blocks=need):
             advice.append(f"--num-kv-blocks {need} or more (or leave it to the memory plan)")
+    elif memory.kv_cache_memory_bytes is not None:  # the KV size fixed (flag or VLLM_CPU_KVCACHE_SPACE) is short
+        need = math.ceil(one_sequence_kv_bytes(memory, engine) / 2**20)
+        if _fits_with(config, engine, kv_cache_memory_bytes=need << 20):
+            advice.append(f"--kv-cache-memory {need}MiB or more")
     tps = [tp for tp in (2, 4, 8, 16) if tp > engine.tensor_parallel_size]
     for tp in tps:
         m = _fits_with(config, engine, tensor_parallel_size=tp)
@@ -138,14 +142,37 @@ def fit_advice(config, engine: EngineConfig, memory, block_formats=None) -> list
                 advice.append(f"--tensor-parallel-size {tp} --quantization int8")
                 break
     if engine.device_memory is not None:  # a what-if size (a dry run): say what size would do
-        seq_blocks = math.ceil(engine.max_model_len / engine.block_size)
-        need = (memory.weight_bytes + memory.peak_activation_bytes + memory.reserve_bytes
-                + memory.kv_bytes_per_block * seq_blocks  # and one sequence's window group (ir.kv_groups)
-                + memory.window_kv_bytes_per_block * memory.window_blocks_for(seq_blocks))
-        size = math.ceil(need / engine.memory_utilization / GiB) * GiB
+        size = math.ceil(memory_needed(memory, engine) / GiB) * GiB
         if _fits_with(config, engine, device_memory=size):
             advice.append(f"--device-memory {size // GiB}GiB")
     return advice
+
+
+def one_sequence_kv_bytes(memory, engine: EngineConfig) -> int:
+    """KV bytes of one max_model_len sequence: its full-group blocks and its window group's (ir.kv_groups)."""
+    seq_blocks = math.ceil(engine.max_model_len / engine.block_size)
+    return (memory.kv_bytes_per_block * seq_blocks
+            + memory.window_kv_bytes_per_block * memory.window_blocks_for(seq_blocks))
+
+
+def memory_needed(memory, engine: EngineConfig) -> int:
+    """Device memory (per device) the plan needs to hold one max_model_len sequence: weights, the
+    activation peak, the reserve and that sequence's KV cache, over memory_utilization."""
+    need = memory.weight_bytes + memory.peak_activation_bytes + memory.reserve_bytes + one_sequence_kv_bytes(memory, engine)
+    return math.ceil(need / engine.memory_utilization)
+
+
+def _memory_source(engine: EngineConfig, memory) -> str:
+    """Where the plan's device memory came from, as a phrase with its size."""
+    from config.engine_config import target_platform
+
+    size = format_gib(memory.device_memory_bytes)
+    if engine.device_memory is not None:
+        return f"--device-memory gives {size}"
+    if target_platform() == "cpu":
+        per = " per device" if engine.tensor_parallel_size > 1 else ""
+        return f"this host has {size}{per} available to plan for"
+    return f"the device has {size}"
 
 
 def fit_error(config, engine: EngineConfig, memory, block_formats=None) -> UserError | None:
@@ -167,11 +194,19 @@ def not_fit_error(config, engine: EngineConfig, memory, block_formats=None) -> U
     advice = fit_advice(config, engine, memory, block_formats)
     fix = ("changes that fit: " + "; ".join(advice)) if advice else \
         "no flag change fits this model on this device; use a smaller model or more devices"
+    tokens = memory.num_kv_blocks * engine.block_size
+    if engine.num_kv_blocks is not None or memory.kv_cache_memory_bytes is not None:
+        fixed = (f"--num-kv-blocks {engine.num_kv_blocks}" if engine.num_kv_blocks is not None else
+                 f"a KV cache of {memory.kv_cache_memory_bytes / 2**20:.0f} MiB")
+        return UserError(f"{config.name}: {fixed}{tp} holds {tokens} KV tokens, fewer than the "
+                         f"{engine.max_model_len} that --max-model-len needs; {fix}")
     return UserError(
-        f"{config.name} does not fit{tp}: weights {format_gib(memory.weight_bytes)} + activations "
-        f"{format_gib(memory.peak_activation_bytes)} leave room for {memory.num_kv_blocks * engine.block_size} "
-        f"KV tokens of the {engine.max_model_len} that --max-model-len needs, in "
-        f"{format_gib(memory.budget_bytes)} usable of {format_gib(memory.device_memory_bytes)}; {fix}")
+        f"{config.name} does not fit{tp}: it needs {format_gib(memory_needed(memory, engine))} (weights "
+        f"{format_gib(memory.weight_bytes)} + activations {format_gib(memory.peak_activation_bytes)} + reserve "
+        f"{format_gib(memory.reserve_bytes)} + one "
+        f"{engine.max_model_len}-token sequence's KV cache {format_gib(one_sequence_kv_bytes(memory, engine))}, "
+        f"at --memory-utilization {engine.memory_utilization}), and {_memory_source(engine, memory)}: room "
+        f"for {tokens} KV tokens; {fix}")
 
 
 def check_devices(tensor_parallel_size: int) -> None:

@@ -133,17 +133,21 @@ def check_fit(memory: MemoryPlan, measured_peak: int | None = None) -> None:
     """Raises DoesNotFit (a MemoryError), with the numbers, when weights + KV pools + the activation
     peak exceed what the device (and its allocator) can give: better to stop at start than to sit
     in allocator retries or fail in the middle of serving. Only a block count the user fixed can
-    fail here: the engine sizes its own pool to fit (ModelRunner.fit_kv_pool)."""
+    fail here (`num_kv_blocks`, or the KV bytes: `kv_cache_memory_bytes`, VLLM_CPU_KVCACHE_SPACE):
+    the engine sizes its own pool to fit (ModelRunner.fit_kv_pool)."""
     peak = memory.peak_activation_bytes if measured_peak is None else measured_peak
     need = memory.weight_bytes + memory.kv_cache_bytes + peak
     if need <= memory.budget_bytes:
         return
     which = "planned" if measured_peak is None else "measured"
-    fits = memory.blocks_that_fit(peak)
+    room = memory.budget_bytes - memory.weight_bytes - peak - memory.reserve_bytes
+    fits = (f"--kv-cache-memory {max(room, 0) // 2**20}MiB or less fits" if memory.kv_cache_memory_bytes is not None
+            and memory.num_kv_blocks == memory.kv_blocks_in(memory.kv_cache_memory_bytes)[0]
+            else f"--num-kv-blocks {memory.blocks_that_fit(peak)} or fewer fits")
     raise DoesNotFit(
         f"the plan does not fit: weights {_mib(memory.weight_bytes)} + KV cache "
         f"{_mib(memory.kv_cache_bytes)} ({memory.num_kv_blocks} blocks) + {which} activation peak "
-        f"{_mib(peak)} = {_mib(need)}, but {_budget_text(memory)}; --num-kv-blocks {fits} or fewer fits "
+        f"{_mib(peak)} = {_mib(need)}, but {_budget_text(memory)}; {fits} "
         f"(or leave it to the memory plan), or raise memory_utilization")
 
 
@@ -464,7 +468,9 @@ class ModelRunner:
         measurement a little above the prediction eats into the reserve, not into a second compile)
         and the measurement would grow it by less than KV_REGROW_FRACTION. A block count the user fixed (`num_kv_blocks`) is kept, or
         refused with the numbers; so is a max_model_len whose one sequence no longer fits. The
-        plan's memory is updated with the measurement and the final count (`plan.memory`)."""
+        plan's memory is updated with the measurement and the final count (`plan.memory`). The pool
+        never grows past what the configuration can use (MemoryPlan.max_kv_blocks), and KV bytes
+        the user fixed are kept, or refused, like a block count."""
         memory = self.memory_with_xla(self.plan.memory)
         measured = memory.measured_peak_bytes
         planned = memory.planned_kv_blocks if memory.planned_kv_blocks is not None else memory.num_kv_blocks
@@ -475,7 +481,7 @@ class ModelRunner:
         blocks, window_blocks = self.num_blocks, self.num_window_blocks
         fits = memory.blocks_that_fit(measured)
         within = memory.weight_bytes + memory.kv_cache_bytes + measured <= memory.budget_bytes
-        if engine.num_kv_blocks is not None or not resize:
+        if engine.num_kv_blocks is not None or memory.kv_cache_memory_bytes is not None or not resize:
             check_fit(memory, measured)
         elif not (within and fits <= self.num_blocks * (1 + KV_REGROW_FRACTION)):
             need = -(-engine.max_model_len // engine.block_size)
