@@ -127,7 +127,7 @@ def run(args) -> tuple[list[tuple[str, Graph]], object | None]:
         formats = gguf_block_formats(args.model)
         if not formats:
             raise UserError(f"--gguf-blocks true / --gguf-tiles true / --gguf-activations q8: {args.model} brings no GGUF blocks (a preset or .gguf file "
-                            f"whose matrices are Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K)")
+                            f"whose matrices are Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K)")
     opts = PipelineOptions(block_size=args.block_size, max_model_len=max_model_len, buckets=buckets,
                            device_memory_bytes=args.device_memory,
                            memory_utilization=args.memory_utilization, reserve_bytes=args.reserve,

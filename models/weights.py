@@ -5,9 +5,9 @@ weights stored [in_features, out_features] so the model computes `x @ w`, and q/
 rotate-half RoPE layout. One declarative table (models.weight_names.WEIGHT_MAP) names every tensor
 in each format.
 The GGUF loader also keeps each matrix stored in a block format of ir.blocks (Q4_0, Q4_1, Q8_0, and
-Q4_K, read as tiles only) as the file's own blocks (Q5_0's rewritten as the Q8_0 blocks of the same
-values), uint8 [rows of the file's matrix, row bytes] under `blocks_name(name, format)`: the
-matmuls read those (passes.gguf_blocks).
+Q4_K, Q5_K and Q6_K, read as tiles only) as the file's own blocks (Q5_0's rewritten as the Q8_0
+blocks of the same values), uint8 [rows of the file's matrix, row bytes] under
+`blocks_name(name, format)`: the matmuls read those (passes.gguf_blocks).
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ def gguf_config(fields: dict[str, Any], tensors: Mapping[str, GGUFTensor], name:
 def _blocks_format(canon: str, t: GGUFTensor, transposed: bool) -> str | None:
     """The block format (ir.blocks) a GGUF tensor is kept in beside its f32 values, or None: the
     matrices of a matmul (a linear layer's [out, in], or the embedding, a tied LM head); in a
-    tile-only format (Q4_K) only where the tiles can hold them, the file's rows a multiple of 16."""
+    tile-only format (Q4_K, Q5_K, Q6_K) only where the tiles can hold them, the file's rows a
+    multiple of 16."""
     fmt = KEPT_FORMAT_OF_TYPE.get(t.tensor_type)
     if fmt is None or len(t.shape) != 2 or not (transposed or canon == "embed"):
         return None

@@ -7,8 +7,8 @@ bound by the f32 GEMM and keep w; steps of at most `max_rows` rows are bound by 
 they stream, and read the blocks (runtime.worker.kernels, our C++ kernel). The values are the same,
 so the outputs differ only by the order of f32 sums. Weight memory grows by the blocks' bytes
 (84 MB on SmolLM2-135M's 538 MB of f32), and the memory plan counts them. A tile-only format
-(ir.blocks.TILE_ONLY_FORMATS: Q4_K) has no rows kernel: where its weight would keep the file's rows
-it stays a plain matmul on w.
+(ir.blocks.TILE_ONLY_FORMATS: the K-quants Q4_K, Q5_K and Q6_K) has no rows kernel: where its weight
+would keep the file's rows it stays a plain matmul on w.
 
 With `tiles` the blocks are repacked into tiles of 16 columns (ir.blocks.pack_tiles) and every
 step, prefill chunks included, multiplies by them. Where a kernel reads them (`tiles_alone`: the cpp
@@ -66,7 +66,7 @@ def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS
         if not isinstance(k, int) or k % fmt.block_values:
             return None
         layout = "tiles" if tiles and n % TILE_COLUMNS == 0 else "rows"
-        if layout == "rows" and fmt.name not in BLOCK_FORMATS:  # a tile-only format (Q4_K) keeps w alone
+        if layout == "rows" and fmt.name not in BLOCK_FORMATS:  # a tile-only format (a K-quant) keeps w alone
             return None
         key = (w.name, tb)
         if key not in copies:

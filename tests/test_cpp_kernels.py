@@ -714,14 +714,22 @@ def _check_cases() -> bytes:
                 case(f"tiles {fmt} {'q8' if layout == 1 else 'f32'} {m}x{k}x{n}", "JaxserveBlockMatmul",
                      [x, pack_tiles(blocks, fmt), layer0], dict(format=spec.type_id, layout=layout),
                      [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
-    # Q4_K, in tiles only: its record keeps f32 scales (the other formats' keep the file's f16s).
-    blocks, values = _quantized(rng.standard_normal((32, 512)) * 0.1, "q4_k")
-    x = rng.standard_normal((3, 512)).astype(np.float32)
-    for layout, xs in ((1, np.asarray(round_q8(jnp.asarray(x)))), (2, x)):
-        want = xs.astype(np.float64) @ values.T.astype(np.float64)
-        case(f"tiles q4_k {'q8' if layout == 1 else 'f32'} 3x512x32", "JaxserveBlockMatmul",
-             [x, pack_tiles(blocks, "q4_k"), layer0], dict(format=KEPT_FORMATS["q4_k"].type_id, layout=layout),
-             [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
+    # The K-quants, in tiles only: Q4_K's and Q5_K's records keep f32 scales (the other formats' keep
+    # the file's f16s), Q6_K's two int8 scales per block; 3 rows (the short rows' path) and 9.
+    from test_gguf_k_quants import k_quant_rows
+
+    for fmt in ("q4_k", "q5_k", "q6_k"):
+        if fmt == "q4_k":
+            blocks, values = _quantized(rng.standard_normal((32, 512)) * 0.1, "q4_k")
+        else:
+            blocks, values = k_quant_rows(rng, fmt, 32, 512, 0.1)
+        for m in (3, 9):
+            x = rng.standard_normal((m, 512)).astype(np.float32)
+            for layout, xs in ((1, np.asarray(round_q8(jnp.asarray(x)))), (2, x)):
+                want = xs.astype(np.float64) @ values.T.astype(np.float64)
+                case(f"tiles {fmt} {'q8' if layout == 1 else 'f32'} {m}x512x32", "JaxserveBlockMatmul",
+                     [x, pack_tiles(blocks, fmt), layer0], dict(format=KEPT_FORMATS[fmt].type_id, layout=layout),
+                     [(want.astype(np.float32), 1e-5 * np.abs(want).max(), 1e-5)])
     for m, k, n in [(1, 576, 960), (3, 577, 100), (5, 33, 7), (8, 130, 2049)]:
         xi, wi = rng.integers(-128, 128, (m, k), dtype=np.int8), rng.integers(-128, 128, (k, n), dtype=np.int8)
         case(f"int8_matmul {m}x{k}x{n}", "JaxserveInt8Matmul", [xi, wi, layer0], {},
@@ -817,36 +825,61 @@ AARCH64_CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 AARCH64_SYSROOT = "/usr/aarch64-linux-gnu"
 
 
-def test_kernels_cross_built_for_aarch64_pass_under_qemu(tmp_path):
-    """The C++ kernels compiled for aarch64 (NEON for the GGUF block products, the compiler's
-    vectors elsewhere) with Debian's cross compiler, and cpp/check_kernels.cc run under qemu-user:
-    every kernel within its reference. The binary is cached beside the kernel libraries, keyed by
+def _cached_check(cxx: str, flags: list[str], tag: str, tmp_path) -> Path:
+    """cpp/check_kernels.cc and the kernels' sources compiled with `cxx` and `flags` (each source in
+    its own process) and linked, cached beside the kernel libraries as check-<tag>-<key>, keyed by
     the sources and flags."""
     import hashlib
     import shutil
     import subprocess
 
-    if not (shutil.which(AARCH64_CXX) and shutil.which(QEMU) and Path(AARCH64_SYSROOT).is_dir()):
-        pytest.skip(f"needs {AARCH64_CXX} and {QEMU} with {AARCH64_SYSROOT} "
-                    "(apt-get install g++-aarch64-linux-gnu qemu-user)")
     sources = (CHECK_SOURCE, *cpp_kernels.SOURCES)
-    flags = [f for f in cpp_kernels.FLAGS if f != "-fPIC"] + ["-march=armv8-a"]
     key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources + cpp_kernels.HEADERS),
                                      " ".join(flags).encode()])).hexdigest()[:16]
-    exe = cpp_kernels.cache_dir() / f"check-aarch64-{key}"
+    exe = cpp_kernels.cache_dir() / f"check-{tag}-{key}"
     if not exe.exists():
         exe.parent.mkdir(parents=True, exist_ok=True)
         objs = [tmp_path / f"{src.stem}.o" for src in sources]
-        procs = [subprocess.Popen([AARCH64_CXX, *flags, "-I", jax.ffi.include_dir(), "-c", str(src), "-o", str(o)],
+        procs = [subprocess.Popen([cxx, *flags, "-I", jax.ffi.include_dir(), "-c", str(src), "-o", str(o)],
                                   stderr=subprocess.PIPE, text=True) for src, o in zip(sources, objs)]
         errors = [p.communicate()[1] for p in procs if p.wait() != 0]
         assert not errors, errors[0][-3000:]
-        res = subprocess.run([AARCH64_CXX, *map(str, objs), "-lpthread", "-o", str(tmp_path / "check")],
+        res = subprocess.run([cxx, *map(str, objs), "-lpthread", "-o", str(tmp_path / "check")],
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-2000:]
         shutil.move(tmp_path / "check", exe)
+    return exe
+
+
+def test_kernels_cross_built_for_aarch64_pass_under_qemu(tmp_path):
+    """The C++ kernels compiled for aarch64 (NEON for the GGUF block products, the compiler's
+    vectors elsewhere) with Debian's cross compiler, and cpp/check_kernels.cc run under qemu-user:
+    every kernel within its reference. The binary is cached beside the kernel libraries, keyed by
+    the sources and flags."""
+    import shutil
+
+    if not (shutil.which(AARCH64_CXX) and shutil.which(QEMU) and Path(AARCH64_SYSROOT).is_dir()):
+        pytest.skip(f"needs {AARCH64_CXX} and {QEMU} with {AARCH64_SYSROOT} "
+                    "(apt-get install g++-aarch64-linux-gnu qemu-user)")
+    flags = [f for f in cpp_kernels.FLAGS if f != "-fPIC"] + ["-march=armv8-a"]
+    exe = _cached_check(AARCH64_CXX, flags, "aarch64", tmp_path)
     lines = _run_check(exe, _check_cases(), tmp_path, runner=(QEMU, "-L", AARCH64_SYSROOT))
     assert lines[0] == "vector paths: matmul 0, blocks 1, tiles 0", lines[0]  # NEON block products
+
+
+def test_kernels_built_for_baseline_x86_64_take_the_portable_paths(tmp_path):
+    """The C++ kernels compiled for plain x86-64 (SSE2: no vector path of ours, the scalar loops
+    every CPU without one runs, the GGUF tiles' for every format included) and cpp/check_kernels.cc
+    run here: every kernel within its reference. Cached as the aarch64 binary is."""
+    import shutil
+
+    cxx = shutil.which("g++")
+    if cxx is None or not cpp_kernels.available():
+        pytest.skip("needs g++ and the C++ kernels")
+    flags = [f for f in cpp_kernels.FLAGS if f != "-fPIC"] + ["-march=x86-64"]
+    lines = _run_check(_cached_check(cxx, flags, "x86-64", tmp_path), _check_cases(), tmp_path)
+    assert lines[0] == "vector paths: matmul 0, blocks 0, tiles 0", lines[0]
+    assert sum(ln.startswith("PASS tiles q6_k") for ln in lines) == 4
 
 
 # Stand-in compilers: each says a version; one writes an empty file wherever -o points, the other fails.

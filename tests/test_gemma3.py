@@ -114,23 +114,24 @@ def test_weights_are_hfs_dequantized_weights(gemma, hf):
     assert abs(float(np.mean(weights["final_norm"]))) > 1.0  # w, not 1 + w, for this model's final norm
 
 
-def test_q4_k_blocks_are_kept_and_hold_the_f32_weights(gemma):
-    """The loader keeps the Q4_K matrices' rows (attn_output in every layer, ffn_down in the 9
-    layers where it is Q4_K, not Q6_K), as the header index says; their tiles hold the f32 weights
-    (gguf's dequantization) exactly."""
+def test_k_quant_blocks_are_kept_and_hold_the_f32_weights(gemma):
+    """The loader keeps the K-quant matrices' rows, as the header index says: Q4_K (attn_output in
+    every layer, ffn_down in 9 layers) and Q6_K (ffn_down in the other 9); their tiles hold the f32
+    weights (gguf's dequantization) exactly."""
     import jax.numpy as jnp
 
     from ir.blocks import blocks_name, dequantize_tiles, pack_tiles, split_blocks_name
     from models.weights import gguf_block_formats
 
     config, weights, _ = gemma
-    q4_k = {name for name, fmt in filter(None, map(split_blocks_name, weights)) if fmt == "q4_k"}
-    assert q4_k == {name for name, fmt in gguf_block_formats("gemma-3-270m").items() if fmt == "q4_k"}
+    kept = dict(filter(None, map(split_blocks_name, weights)))
+    assert kept == gguf_block_formats("gemma-3-270m")
     downs = {f"layers.{i}.w_down" for i in (2, 3, 5, 6, 8, 9, 11, 12, 14)}
-    assert q4_k == {f"layers.{i}.wo" for i in range(config.num_layers)} | downs
-    for name in ("layers.0.wo", "layers.2.w_down"):
-        tiles = pack_tiles(weights[blocks_name(name, "q4_k")], "q4_k")
-        np.testing.assert_array_equal(np.asarray(dequantize_tiles(jnp.asarray(tiles), "q4_k")), weights[name])
+    assert {n for n, f in kept.items() if f == "q4_k"} == {f"layers.{i}.wo" for i in range(config.num_layers)} | downs
+    assert {n for n, f in kept.items() if f == "q6_k"} == {f"layers.{i}.w_down" for i in range(config.num_layers)} - downs
+    for name, fmt in (("layers.0.wo", "q4_k"), ("layers.2.w_down", "q4_k"), ("layers.0.w_down", "q6_k")):
+        tiles = pack_tiles(weights[blocks_name(name, fmt)], fmt)
+        np.testing.assert_array_equal(np.asarray(dequantize_tiles(jnp.asarray(tiles), fmt)), weights[name])
 
 
 def test_tokenizer_matches_hfs(gemma, hf_tokenizer):

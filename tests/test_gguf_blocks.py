@@ -113,22 +113,23 @@ def test_q5_0_repacks_into_the_q8_0_blocks_of_its_values(shape):
                                   dequantize(raw, q5).astype(np.float32))
     np.testing.assert_array_equal(repack_blocks(blocks, int(gguf.GGMLQuantizationType.Q8_0)), blocks)
     with pytest.raises(ValueError, match="no repacking"):
-        repack_blocks(raw, int(gguf.GGMLQuantizationType.Q6_K))
+        repack_blocks(raw, int(gguf.GGMLQuantizationType.Q2_K))
 
 
 def test_loader_keeps_q4_k_rows_only_where_tiles_can_hold_them():
-    """A matrix's Q4_K rows are kept where its rows (the outputs) are a multiple of the tiles' 16;
-    the other kept formats everywhere; Q6_K, and vectors, never."""
+    """A matrix's Q4_K (Q5_K, Q6_K) rows are kept where its rows (the outputs) are a multiple of the
+    tiles' 16; the other kept formats everywhere; Q2_K, and vectors, never."""
     from models.weights import GGUFTensor, _blocks_format
 
     def kept(type_id, shape, canon="layers.0.wo", transposed=True):
         return _blocks_format(canon, GGUFTensor("t", type_id, shape, 0, 0), transposed)
 
-    q4_k, q8_0, q6_k = (int(t) for t in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q8_0,
-                                         gguf.GGMLQuantizationType.Q6_K))
+    q4_k, q8_0, q6_k, q2_k = (int(t) for t in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q8_0,
+                                               gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q2_K))
     assert kept(q4_k, (1024, 640)) == "q4_k" and kept(q4_k, (256, 264), "embed", False) is None
     assert kept(q4_k, (1024, 648)) is None and kept(q8_0, (1024, 648)) == "q8_0"
-    assert kept(q6_k, (2048, 640)) is None and kept(q4_k, (1024,)) is None
+    assert kept(q6_k, (2048, 640)) == "q6_k" and kept(q6_k, (2048, 648)) is None
+    assert kept(q2_k, (2048, 640)) is None and kept(q4_k, (1024,)) is None
 
 
 @needs_kernel

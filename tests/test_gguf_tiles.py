@@ -483,7 +483,7 @@ def test_op_reads_q4_k_as_tiles_only():
     with pytest.raises(ValueError, match="read as tiles only"):
         make_node("matmul_blocks", (x, w32, rows), dict(format="q4_k", max_rows=8))
     with pytest.raises(ValueError, match="format must be one of"):
-        make_node("matmul_blocks", (x, w32, rows), dict(format="q6_k", max_rows=8, layout="tiles"))
+        make_node("matmul_blocks", (x, w32, rows), dict(format="q2_k", max_rows=8, layout="tiles"))
     xv = rng.standard_normal((4, 256)).astype(np.float32)
     got = OPS["matmul_blocks"].impl(xv, pack_tiles(blocks, "q4_k"), format="q4_k", max_rows=8, layout="tiles")
     np.testing.assert_allclose(np.asarray(got), xv.astype(np.float64) @ values.T, rtol=1e-5, atol=1e-4)

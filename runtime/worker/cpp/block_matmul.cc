@@ -367,7 +367,7 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int64_t B = tiles ? jaxserve::TileRecordBytes(static_cast<int>(format)) : BlockBytes(static_cast<int>(format));
   if (B == 0 || layout < 0 || layout > 2) {
     return ffi::Error::InvalidArgument("block_matmul: format must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or, in tiles "
-                                       "only, 12 (Q4_K); layout 0 (rows), 1 (tiles, int8) or 2 (tiles, f32); got " + std::to_string(format) + ", " +
+                                       "only, 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K); layout 0 (rows), 1 (tiles, int8) or 2 (tiles, f32); got " + std::to_string(format) + ", " +
                                        std::to_string(layout));
   }
   const int64_t cols = tiles ? kTileCols : 1;  // output columns per row of w

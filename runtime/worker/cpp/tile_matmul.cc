@@ -9,14 +9,20 @@
 //   scales                  the columns' scales d and offsets c, value = d * q + c (ScaleBytes):
 //                           Q4_0, Q8_0: d[16] f16 (c = -8 d, -128 d); Q4_1: d[16] f16, c[16] f16
 //                           (the file's own f16s: the tiles read no more bytes than the file);
-//                           Q4_K: d[16] f32, c[16] f32 (exact in f32 only), in Q4_1's layout
+//                           Q4_K, Q5_K: d[16] f32, c[16] f32 (exact in f32 only), in Q4_1's
+//                           layout; Q6_K: d[16] f16 (its super-block's), then int8 scales [16]
+//                           for inputs 0-15 and [16] for inputs 16-31: two sub-blocks, each
+//                           value d * scale * (q - 32) (d * scale exact in f32; TwoScales)
 //   q                       the 16 x 32 quantized values, in the order the multiply reads them:
 //                           for 4-bit formats 4 x 64 bytes, byte 4 * col + t of vector j holding
 //                           q[col][4j + t] in its low nibble and q[col][4j + 16 + t] in its high
-//                           one; for Q8_0, 8 x 64 bytes, byte 4 * col + t of vector j holding
-//                           q[col][4j + t] + 128.
-// q is unsigned (0-15, or 0-255): a Q4_0 value d * (q - 8) has c = -8 d, a Q8_0 one c = -128 d.
-// The format is a GGML type id: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0) or 12 (Q4_K, read as tiles only).
+//                           one; for 8-bit ones (Wide: Q8_0, Q5_K, Q6_K), 8 x 64 bytes, byte
+//                           4 * col + t of vector j holding q[col][4j + t] (Q8_0: + 128).
+// q is unsigned (0-15, 0-31, 0-63 or 0-255): a Q4_0 value d * (q - 8) has c = -8 d, a Q8_0 one
+// c = -128 d, a Q6_K one c = -32 d (per sub-block).
+// The format is a GGML type id: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), or read as tiles only 12 (Q4_K),
+// 13 (Q5_K) or 14 (Q6_K). The AMX paths take Q4_0, Q4_1, Q8_0 and Q4_K (AmxReads); Q5_K and Q6_K
+// take the vector paths on every CPU.
 // w may also be a stack [L, N / 16, ...] with the layer to take given by a third operand, an int32
 // scalar, as in matmul.cc.
 //
@@ -67,14 +73,41 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // inputs per block
 constexpr int64_t kTile = 16;   // output columns per tile
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int kMaxRows = 12;  // rows in flight over a tile's block
 constexpr int64_t kAmxMinRows = 32;  // rows from which AMX takes the product, where the CPU has it
 constexpr int64_t kPrefetchRecords = 4;  // f32 activations' vector path: records requested ahead
 
-// Bytes of a record's scales: d f16 (Q4_0, Q8_0), d and c f16 (Q4_1), d and c f32 (Q4_K).
+// Formats whose record keeps f32 d and c (Q4_1's layout at twice the width).
+template <int F>
+constexpr bool F32Scales() {
+  return F == kQ4_K || F == kQ5_K;
+}
+
+// Formats whose values are bytes (8 x 64 per record) rather than nibbles.
+template <int F>
+constexpr bool Wide() {
+  return F == kQ8_0 || F == kQ5_K || F == kQ6_K;
+}
+
+// Formats with a scale per sub-block of 16 inputs: the record's inputs 0-15 and 16-31 scale apart.
+template <int F>
+constexpr bool TwoScales() {
+  return F == kQ6_K;
+}
+
+// Formats the AMX paths read (the others take the vector paths where the CPU has AMX).
+template <int F>
+constexpr bool AmxReads() {
+  return F == kQ4_0 || F == kQ4_1 || F == kQ8_0 || F == kQ4_K;
+}
+
+// Bytes of a record's scales: d f16 (Q4_0, Q8_0), d and c f16 (Q4_1), d and c f32 (Q4_K, Q5_K),
+// d f16 and two int8 scales (Q6_K).
 constexpr int64_t ScaleBytes(int format) {
-  return format == kQ4_K ? 2 * kTile * 4 : format == kQ4_1 ? 2 * kTile * 2 : kTile * 2;
+  return format == kQ4_K || format == kQ5_K ? 2 * kTile * 4
+         : format == kQ4_1 || format == kQ6_K ? 2 * kTile * 2
+                                                : kTile * 2;
 }
 
 // Bytes of one tile's record for one block: the scales, then the quantized values.
@@ -83,29 +116,36 @@ constexpr int64_t RecordBytes(int format) {
     case kQ4_0:
     case kQ4_1:
     case kQ4_K: return ScaleBytes(format) + kTile * kBlock / 2;
-    case kQ8_0: return ScaleBytes(format) + kTile * kBlock;
+    case kQ8_0:
+    case kQ5_K:
+    case kQ6_K: return ScaleBytes(format) + kTile * kBlock;
     default: return 0;
   }
 }
 
-// Q4_0's value is d * (q - 8), Q8_0's d * (q - 128): c = -Bias * d. Q4_1 and Q4_K keep c.
+// Q4_0's value is d * (q - 8), Q8_0's d * (q - 128), Q6_K's d * (q - 32): c = -Bias * d. Q4_1, Q4_K
+// and Q5_K keep c.
 template <int F>
 constexpr int Bias() {
-  return F == kQ4_0 ? 8 : F == kQ8_0 ? 128 : 0;
+  return F == kQ4_0 ? 8 : F == kQ8_0 ? 128 : F == kQ6_K ? 32 : 0;
 }
 
 template <int F>
 constexpr bool HasOffset() {
-  return F == kQ4_1 || F == kQ4_K;
+  return F == kQ4_1 || F == kQ4_K || F == kQ5_K;
 }
 
-// A record's 16 scales and offsets as f32.
+// A record's 16 scales and offsets as f32, for the inputs of sub-block `half` (0: inputs 0-15,
+// 1: 16-31; the same for all but TwoScales formats).
 template <int F>
-void RecordScales(const uint8_t* rec, float* d, float* c) {
+void RecordScales(const uint8_t* rec, int half, float* d, float* c) {
   for (int col = 0; col < kTile; ++col) {
-    if (F == kQ4_K) {
+    if (F32Scales<F>()) {
       std::memcpy(d + col, rec + 4 * col, 4);
       std::memcpy(c + col, rec + 4 * (kTile + col), 4);
+    } else if (TwoScales<F>()) {
+      d[col] = jaxserve::Half(rec + 2 * col) * static_cast<float>(static_cast<int8_t>(rec[2 * kTile + kTile * half + col]));
+      c[col] = -static_cast<float>(Bias<F>()) * d[col];
     } else {
       d[col] = jaxserve::Half(rec + 2 * col);
       c[col] = F == kQ4_1 ? jaxserve::Half(rec + 2 * (kTile + col)) : -static_cast<float>(Bias<F>()) * d[col];
@@ -114,16 +154,21 @@ void RecordScales(const uint8_t* rec, float* d, float* c) {
 }
 
 #if defined(__AVX512F__)
-// The same, 16 columns in one vector: d, and c given d.
+// The same, 16 columns in one vector: d (of sub-block `half`), and c given d.
 template <int F>
-inline __m512 ScaleD(const uint8_t* rec) {
-  if constexpr (F == kQ4_K) return _mm512_loadu_ps(rec);
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+inline __m512 ScaleD(const uint8_t* rec, int half = 0) {
+  if constexpr (F32Scales<F>()) return _mm512_loadu_ps(rec);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+  if constexpr (TwoScales<F>()) {
+    const __m128i scale = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * kTile + kTile * half));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scale)));  // exact
+  }
+  return d;
 }
 
 template <int F>
 inline __m512 ScaleC(const uint8_t* rec, __m512 d) {
-  if constexpr (F == kQ4_K) return _mm512_loadu_ps(rec + 4 * kTile);
+  if constexpr (F32Scales<F>()) return _mm512_loadu_ps(rec + 4 * kTile);
   if constexpr (F == kQ4_1) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 2 * kTile)));
   return _mm512_mul_ps(d, _mm512_set1_ps(-static_cast<float>(Bias<F>())));
 }
@@ -131,23 +176,31 @@ inline __m512 ScaleC(const uint8_t* rec, __m512 d) {
 #if defined(__AVX2__)
 // The same, columns 8h to 8h + 7 in one vector (F16C: every AVX2 CPU has it, x86-64-v3 names it).
 template <int F>
-inline __m256 ScaleD(const uint8_t* rec, int h) {
-  if constexpr (F == kQ4_K) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+inline __m256 ScaleD(const uint8_t* rec, int h, int half) {
+  if constexpr (F32Scales<F>()) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 32 * h));
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * h)));
+  if constexpr (TwoScales<F>()) {
+    const __m128i scale = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 2 * kTile + kTile * half + 8 * h));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scale)));  // exact
+  }
+  return d;
 }
 
 template <int F>
 inline __m256 ScaleC(const uint8_t* rec, int h, __m256 d) {
-  if constexpr (F == kQ4_K) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 4 * kTile + 32 * h));
+  if constexpr (F32Scales<F>()) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + 4 * kTile + 32 * h));
   if constexpr (F == kQ4_1) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * kTile + 16 * h)));
   return _mm256_mul_ps(d, _mm256_set1_ps(-static_cast<float>(Bias<F>())));
 }
 #endif
 
-// Rows quantized per block: xq [M, K] int8, and per (row, block) the scale s and s * sum(xq).
+// Rows quantized per block: xq [M, K] int8, and per (row, block) the scale s and s * sum(xq), and
+// the int32 sums of xq over inputs 0-15 and 16-31 (sums[2 * (row * nb + block) + half]: the
+// TwoScales formats' bias per sub-block).
 struct Quantized {
   std::vector<int8_t> q;
   std::vector<float> s, ss;
+  std::vector<int32_t> sums;
 };
 
 void QuantizeRows(const float* x, int64_t K, int64_t m0, int64_t m1, Quantized& out) {
@@ -159,14 +212,15 @@ void QuantizeRows(const float* x, int64_t K, int64_t m0, int64_t m1, Quantized& 
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int8_t* q = out.q.data() + m * K + b * kBlock;
-      int sum = 0;
+      int sum[2] = {0, 0};
       for (int j = 0; j < kBlock; ++j) {
         const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
         q[j] = static_cast<int8_t>(v);
-        sum += v;
+        sum[j / 16] += v;
       }
       out.s[m * nb + b] = s;
-      out.ss[m * nb + b] = s * static_cast<float>(sum);
+      out.ss[m * nb + b] = s * static_cast<float>(sum[0] + sum[1]);
+      out.sums[2 * (m * nb + b)] = sum[0], out.sums[2 * (m * nb + b) + 1] = sum[1];
     }
   }
 }
@@ -227,7 +281,7 @@ void ForTileRuns(ffi::ThreadPool& pool, int64_t tiles, int64_t runs, int64_t max
 // The unsigned value of tile column `col`, input j of a block's record.
 template <int F>
 inline int TileValue(const uint8_t* q, int col, int j) {
-  if (F == kQ8_0) return q[(j / 4) * 64 + col * 4 + j % 4];
+  if (Wide<F>()) return q[(j / 4) * 64 + col * 4 + j % 4];
   const int v = j % 16, byte = q[(v / 4) * 64 + col * 4 + v % 4];
   return j < 16 ? (byte & 0x0f) : (byte >> 4);
 }
@@ -240,14 +294,19 @@ void ScalarTiles(const Args& a, int64_t g0, int64_t g1) {
       float acc[kTile] = {};
       for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* rec = a.w + (g * a.nb + b) * R;
-        float d[kTile], c[kTile];
-        RecordScales<F>(rec, d, c);
         const int8_t* xq = a.xq->q.data() + m * a.K + b * kBlock;
         const float s = a.xq->s[m * a.nb + b], ss = a.xq->ss[m * a.nb + b];
-        for (int col = 0; col < kTile; ++col) {
-          int32_t dot = 0;
-          for (int j = 0; j < kBlock; ++j) dot += TileValue<F>(rec + ScaleBytes(F), col, j) * xq[j];
-          acc[col] += static_cast<float>(dot) * (d[col] * s) + c[col] * ss;
+        // A sub-block of 16 at a time where the record scales them apart, else the block.
+        constexpr int kParts = TwoScales<F>() ? 2 : 1, kLen = kBlock / kParts;
+        for (int p = 0; p < kParts; ++p) {
+          float d[kTile], c[kTile];
+          RecordScales<F>(rec, p, d, c);
+          const float sp = kParts == 1 ? ss : s * static_cast<float>(a.xq->sums[2 * (m * a.nb + b) + p]);
+          for (int col = 0; col < kTile; ++col) {
+            int32_t dot = 0;
+            for (int j = p * kLen; j < (p + 1) * kLen; ++j) dot += TileValue<F>(rec + ScaleBytes(F), col, j) * xq[j];
+            acc[col] += static_cast<float>(dot) * (d[col] * s) + c[col] * sp;
+          }
         }
       }
       for (int col = 0; col < kTile; ++col) a.y[m * a.N + g * kTile + col] = acc[col];
@@ -261,11 +320,13 @@ struct QuantizedRows {
   const int8_t* q[MR];
   const float* s[MR];
   const float* ss[MR];
+  const int32_t* sums[MR];
   QuantizedRows(const Args& a, int64_t m0) {
     for (int m = 0; m < MR; ++m) {
       q[m] = a.xq->q.data() + (m0 + m) * a.K;
       s[m] = a.xq->s.data() + (m0 + m) * a.nb;
       ss[m] = a.xq->ss.data() + (m0 + m) * a.nb;
+      sums[m] = a.xq->sums.data() + 2 * (m0 + m) * a.nb;
     }
   }
 };
@@ -286,7 +347,7 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
     const __m512 d = ScaleD<F>(rec), c = ScaleC<F>(rec, d);
     const uint8_t* q = rec + ScaleBytes(F);
     __m512i w[8];
-    if (F == kQ8_0) {
+    if (Wide<F>()) {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(q + 64 * j);
     } else {
       for (int j = 0; j < 4; ++j) {
@@ -294,6 +355,23 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
         w[j] = _mm512_and_si512(v, low);
         w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
+    }
+    if constexpr (TwoScales<F>()) {
+      // Vectors 0-3 hold inputs 0-15, 4-7 inputs 16-31: a sum per sub-block, less its bias exactly.
+      const __m512 d1 = ScaleD<F>(rec, 1);
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(rows.q[m] + b * kBlock);
+        const int32_t* sums = rows.sums[m] + 2 * b;
+        __m512i dot0 = _mm512_set1_epi32(-Bias<F>() * sums[0]), dot1 = _mm512_set1_epi32(-Bias<F>() * sums[1]);
+        for (int j = 0; j < 4; ++j) {
+          dot0 = _mm512_dpbusd_epi32(dot0, w[j], _mm512_set1_epi32(x4[j]));
+          dot1 = _mm512_dpbusd_epi32(dot1, w[j + 4], _mm512_set1_epi32(x4[j + 4]));
+        }
+        const __m512 s = _mm512_set1_ps(rows.s[m][b]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(d, s), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(d1, s), acc[m]);
+      }
+      continue;
     }
     for (int m = 0; m < MR; ++m) {
       const int32_t* x4 = reinterpret_cast<const int32_t*>(rows.q[m] + b * kBlock);
@@ -318,8 +396,8 @@ void VectorTiles(const Args& a, int64_t g0, int64_t g1) {
 // weight bytes by signed activation bytes and adds pairs into int16, then vpmaddwd adds pairs of
 // those into int32. Exact: a 4-bit value times |xq| <= 127 is at most 1905, a pair 3810, and a
 // block's 8 products of 4 inputs sum to at most 30480 in int16 before one vpmaddwd takes them to
-// int32. Q8_0's unsigned bytes (q + 128, up to 255) go as two 4-bit halves, lo + 16 hi, each
-// summed so. A tile's 16 columns are two vectors of 8 (bytes 0-31 and 32-63 of each 64-byte
+// int32. 8-bit values (Q8_0's q + 128, up to 255; Q5_K's, Q6_K's q) go as two 4-bit halves,
+// lo + 16 hi, each summed so. A tile's 16 columns are two vectors of 8 (bytes 0-31 and 32-63 of each 64-byte
 // vector of the record); up to kQ8Rows rows per pass share the block's weights.
 constexpr int kQ8Rows = 4;
 
@@ -334,19 +412,36 @@ void VectorTile(const Args& a, int64_t g, int64_t m0) {
   for (int64_t b = 0; b < a.nb; ++b, rec += R) {
     const uint8_t* q = rec + ScaleBytes(F);
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = ScaleD<F>(rec, h), c = ScaleC<F>(rec, h, d);
+      const __m256 d = ScaleD<F>(rec, h, 0), c = ScaleC<F>(rec, h, d);
       auto bytes = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * j + 32 * h)); };
+      // An 8-bit format's int32 sums over vectors j0 to j1 - 1 (inputs 4 j0 to 4 j1 - 1).
+      auto wide = [&](const int32_t* x4, int j0, int j1) {
+        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+        for (int j = j0; j < j1; ++j) {
+          const __m256i v = bytes(j), x = _mm256_set1_epi32(x4[j]);
+          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v, low), x));
+          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x));
+        }
+        return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, sixteens));
+      };
+      if constexpr (TwoScales<F>()) {  // a sum per sub-block of 16, less its bias exactly
+        const __m256 d1 = ScaleD<F>(rec, h, 1);
+        for (int m = 0; m < MR; ++m) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(rows.q[m] + b * kBlock);
+          const int32_t* sums = rows.sums[m] + 2 * b;
+          const __m256i dot0 = _mm256_sub_epi32(wide(x4, 0, 4), _mm256_set1_epi32(Bias<F>() * sums[0]));
+          const __m256i dot1 = _mm256_sub_epi32(wide(x4, 4, 8), _mm256_set1_epi32(Bias<F>() * sums[1]));
+          const __m256 s = _mm256_set1_ps(rows.s[m][b]);
+          acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(d, s), acc[m][h]);
+          acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(d1, s), acc[m][h]);
+        }
+        continue;
+      }
       for (int m = 0; m < MR; ++m) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(rows.q[m] + b * kBlock);
         __m256i dot;
-        if (F == kQ8_0) {
-          __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-          for (int j = 0; j < 8; ++j) {
-            const __m256i v = bytes(j), x = _mm256_set1_epi32(x4[j]);
-            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v, low), x));
-            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x));
-          }
-          dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, sixteens));
+        if (Wide<F>()) {
+          dot = wide(x4, 0, 8);
         } else {
           __m256i sum = _mm256_setzero_si256();
           for (int j = 0; j < 4; ++j) {
@@ -503,14 +598,14 @@ void ScalarTilesF32(const F32Args& a, int64_t g0, int64_t g1) {
       float acc[kTile] = {};
       for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* rec = a.w + (g * a.nb + b) * R;
-        float d[kTile], c[kTile];
-        RecordScales<F>(rec, d, c);
+        float d[2][kTile], c[2][kTile];
+        RecordScales<F>(rec, 0, d[0], c[0]);
+        RecordScales<F>(rec, 1, d[1], c[1]);
         const float* xb = a.x + m * a.K + b * kBlock;
         for (int col = 0; col < kTile; ++col) {
-          const float cc = HasOffset<F>() ? c[col] : 0.0f;
           for (int j = 0; j < kBlock; ++j) {
             const float v = static_cast<float>(TileValue<F>(rec + ScaleBytes(F), col, j) - Bias<F>());
-            acc[col] += xb[j] * (v * d[col] + cc);
+            acc[col] += xb[j] * (v * d[j / 16][col] + (HasOffset<F>() ? c[j / 16][col] : 0.0f));
           }
         }
       }
@@ -534,22 +629,22 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
   __m512 acc[C][MR];
   for (int c = 0; c < C; ++c)
     for (int m = 0; m < MR; ++m) acc[c][m] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi32(F == kQ8_0 ? 0xff : 0x0f), bias = _mm512_set1_epi32(Bias<F>());
+  const __m512i mask = _mm512_set1_epi32(Wide<F>() ? 0xff : 0x0f), bias = _mm512_set1_epi32(Bias<F>());
   for (int64_t b = 0; b < a.nb; ++b, rec += R) {
     // A few rows are bound by the bytes streamed: the record kPrefetchRecords ahead is requested now.
     for (int64_t line = 0; line < R; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchRecords * R + line), _MM_HINT_T0);
     }
     const __m512 d = ScaleD<F>(rec), c = HasOffset<F>() ? ScaleC<F>(rec, d) : d;
-    constexpr int kVectors = F == kQ8_0 ? 8 : 4;
+    constexpr int kVectors = Wide<F>() ? 8 : 4;
     __m512i v[kVectors];
     for (int j = 0; j < kVectors; ++j) v[j] = _mm512_loadu_si512(rec + ScaleBytes(F) + 64 * j);
     if (HasOffset<F>()) {
       // value = d * q + c, widened and scaled per input (one multiply-add), then one per row.
 #pragma GCC unroll 32
       for (int k = 0; k < kBlock; ++k) {
-        // Byte k % 4 of vector (k % 16) / 4, its high nibble from input 16.
-        const int j = (k % 16) / 4, shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
+        // Byte k % 4 of vector (k % 16) / 4, its high nibble from input 16 (8-bit: of vector k / 4).
+        const int j = Wide<F>() ? k / 4 : (k % 16) / 4, shift = 8 * (k % 4) + (!Wide<F>() && k >= 16 ? 4 : 0);
         const __m512 wk = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[j], shift), mask)), d, c);
         for (int m = 0; m < MR; ++m) {
           acc[k % C][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b * kBlock + k]), wk, acc[k % C][m]);
@@ -557,8 +652,8 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
       }
       continue;
     }
-    // Q4_0, Q8_0: value = d * v (v signed), so each row sums x * v over the block, then scales the
-    // sum by d once.
+    // Q4_0, Q8_0, Q6_K: value = d * v (v signed), so each row sums x * v over the block (Q6_K: over
+    // each sub-block of 16), then scales the sum by d once.
     __m512 blk[C][MR];
     for (int i = 0; i < C; ++i)
       for (int m = 0; m < MR; ++m) blk[i][m] = _mm512_setzero_ps();
@@ -571,6 +666,8 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
       if (F == kQ8_0) {  // byte k % 4 of vector k / 4, sign-extended
         const int j = k / 4, t = k % 4;
         q = _mm512_srai_epi32(t == 3 ? v[j] : _mm512_slli_epi32(v[j], 24 - 8 * t), 24);
+      } else if (Wide<F>()) {  // byte k % 4 of vector k / 4, less the bias
+        q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v[k / 4], 8 * (k % 4)), mask), bias);
       } else {
         const int j = (k % 16) / 4, shift = 8 * (k % 4) + (k >= 16 ? 4 : 0);
         q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v[j], shift), mask), bias);
@@ -579,11 +676,20 @@ void VectorTileF32(const F32Args& a, int64_t g, int64_t m0) {
       for (int m = 0; m < MR; ++m) {
         blk[k % C][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b * kBlock + k]), wk, blk[k % C][m]);
       }
+      if (TwoScales<F>() && k == 15) {  // the first sub-block's sums, scaled by its d
+        for (int m = 0; m < MR; ++m) {
+          __m512 sum = blk[0][m];
+          for (int i = 1; i < C; ++i) sum = _mm512_add_ps(sum, blk[i][m]);
+          acc[0][m] = _mm512_fmadd_ps(sum, d, acc[0][m]);
+          for (int i = 0; i < C; ++i) blk[i][m] = _mm512_setzero_ps();
+        }
+      }
     }
+    const __m512 d_last = TwoScales<F>() ? ScaleD<F>(rec, 1) : d;
     for (int m = 0; m < MR; ++m) {
       __m512 sum = blk[0][m];
       for (int i = 1; i < C; ++i) sum = _mm512_add_ps(sum, blk[i][m]);
-      acc[0][m] = _mm512_fmadd_ps(sum, d, acc[0][m]);
+      acc[0][m] = _mm512_fmadd_ps(sum, d_last, acc[0][m]);
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -615,21 +721,23 @@ constexpr int64_t kAvx2ChunkRows = 48;
 template <int F>
 void WidenTile(const uint8_t* rec, int64_t nb, float* out) {
   const int64_t R = RecordBytes(F);
-  const __m256i mask = _mm256_set1_epi32(F == kQ8_0 ? 0xff : 0x0f), bias = _mm256_set1_epi32(Bias<F>());
+  const __m256i mask = _mm256_set1_epi32(Wide<F>() ? 0xff : 0x0f), bias = _mm256_set1_epi32(Bias<F>());
   for (int64_t b = 0; b < nb; ++b, rec += R, out += kBlock * kTile) {
     const uint8_t* q8 = rec + ScaleBytes(F);
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = ScaleD<F>(rec, h);
+      const __m256 d = ScaleD<F>(rec, h, 0);
       const __m256 c = HasOffset<F>() ? ScaleC<F>(rec, h, d) : d;
-      auto value = [&](__m256i q) {  // q unsigned, per column
-        return HasOffset<F>() ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, c)
-                              : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias)), d);
+      auto value = [&](__m256i q, __m256 dq) {  // q unsigned, per column
+        return HasOffset<F>() ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), dq, c)
+                              : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias)), dq);
       };
-      if (F == kQ8_0) {
+      if (Wide<F>()) {
+        const __m256 d1 = TwoScales<F>() ? ScaleD<F>(rec, h, 1) : d;  // inputs 16-31's
         for (int j = 0; j < 8; ++j) {  // inputs 4j to 4j + 3: byte t of each column's 32 bits
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * j + 32 * h));
           for (int t = 0; t < 4; ++t) {
-            _mm256_storeu_ps(out + (4 * j + t) * kTile + 8 * h, value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), mask)));
+            _mm256_storeu_ps(out + (4 * j + t) * kTile + 8 * h,
+                             value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), mask), j < 4 ? d : d1));
           }
         }
         continue;
@@ -637,9 +745,9 @@ void WidenTile(const uint8_t* rec, int64_t nb, float* out) {
       for (int j = 0; j < 4; ++j) {  // inputs 4j + t (low nibbles) and 4j + 16 + t (high ones)
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * j + 32 * h));
         for (int t = 0; t < 4; ++t) {
-          _mm256_storeu_ps(out + (4 * j + t) * kTile + 8 * h, value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), mask)));
+          _mm256_storeu_ps(out + (4 * j + t) * kTile + 8 * h, value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), mask), d));
           _mm256_storeu_ps(out + (4 * j + 16 + t) * kTile + 8 * h,
-                           value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 4), mask)));
+                           value(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 4), mask), d));
         }
       }
     }
@@ -726,11 +834,12 @@ constexpr int64_t kShortRows = 8;
 // Rows split per block for the integer products: per (row, block) 32 words, hi's 16 then lo's, word
 // 2t + p of each holding the part of inputs 4t + p (low half) and 4t + p + 2 (high half), the pair
 // that vpmaddwd multiplies with a column's inputs 4t + p and 4t + p + 2 (bytes p and p + 2 of its
-// 32 bits); s, the f32 sum of x, and the sums of hi and lo (for Q4_0's and Q8_0's bias).
+// 32 bits); s, the f32 sum of x, and the sums of hi and lo (for Q4_0's, Q8_0's and Q6_K's bias),
+// and of their first 16 inputs (Q6_K's first sub-block).
 struct Short16 {
   std::vector<int32_t> pairs;
   std::vector<float> s, sx;
-  std::vector<int32_t> sum_hi, sum_lo;
+  std::vector<int32_t> sum_hi, sum_lo, first_hi, first_lo;
 };
 
 void SplitShort16(const float* x, int64_t M, int64_t K, Short16& out) {
@@ -738,6 +847,7 @@ void SplitShort16(const float* x, int64_t M, int64_t K, Short16& out) {
   if (out.pairs.size() < static_cast<size_t>(M * nb * 32)) out.pairs.resize(M * nb * 32);
   if (out.s.size() < static_cast<size_t>(M * nb)) {
     out.s.resize(M * nb), out.sx.resize(M * nb), out.sum_hi.resize(M * nb), out.sum_lo.resize(M * nb);
+    out.first_hi.resize(M * nb), out.first_lo.resize(M * nb);
   }
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * kBlock;
@@ -751,6 +861,7 @@ void SplitShort16(const float* x, int64_t M, int64_t K, Short16& out) {
       // x - s * hi in one rounding (a fused multiply-add), scaled to lo's units: |lo| <= 2^14 or so
       lo[k] = static_cast<int32_t>(std::nearbyint(std::fma(-s, static_cast<float>(hi[k]), xb[k]) * inv_lo));
       sum_hi += hi[k], sum_lo += lo[k];
+      if (k == 15) out.first_hi[i] = sum_hi, out.first_lo[i] = sum_lo;
     }
     int32_t* words = out.pairs.data() + i * 32;
     for (int t = 0; t < 8; ++t) {
@@ -798,7 +909,7 @@ inline VecF MulF(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
 inline VecF Fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF SetF(float v) { return _mm512_set1_ps(v); }
 template <int F>
-inline VecF ShortD(const uint8_t* rec, int) { return ScaleD<F>(rec); }
+inline VecF ShortD(const uint8_t* rec, int, int half) { return ScaleD<F>(rec, half); }
 template <int F>
 inline VecF ShortC(const uint8_t* rec, int, VecF d) { return ScaleC<F>(rec, d); }
 inline void StoreF(float* p, VecF v) { _mm512_storeu_ps(p, v); }
@@ -820,14 +931,15 @@ inline VecF MulF(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF Fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VecF SetF(float v) { return _mm256_set1_ps(v); }
 template <int F>
-inline VecF ShortD(const uint8_t* rec, int h) { return ScaleD<F>(rec, h); }
+inline VecF ShortD(const uint8_t* rec, int h, int half) { return ScaleD<F>(rec, h, half); }
 template <int F>
 inline VecF ShortC(const uint8_t* rec, int h, VecF d) { return ScaleC<F>(rec, h, d); }
 inline void StoreF(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 #endif
 
 // Rows [m0, m0 + MR) over tile g. A column's 32 bits of vector j hold its inputs 4j to 4j + 3 in
-// bytes 0-3 (Q8_0: q + 128; 4-bit formats: the low nibbles, the high ones inputs 4j + 16 on);
+// bytes 0-3 (8-bit formats: q, Q8_0's + 128; 4-bit formats: the low nibbles, the high ones inputs
+// 4j + 16 on);
 // masked to words they are the even inputs (bytes 0 and 2), shifted down the odd ones (1 and 3).
 template <int F, int MR>
 void ShortTile(const ShortArgs& a, int64_t g, int64_t m0) {
@@ -860,9 +972,10 @@ void ShortTile(const ShortArgs& a, int64_t g, int64_t m0) {
       const int32_t* xb[MR];
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) hi[m] = lo[m] = ZeroI(), xb[m] = xp[m] + b * 32;
-      if constexpr (F == kQ8_0) {
+      // 8-bit values: vectors j0 to j1 - 1 (inputs 4 j0 to 4 j1 - 1) into each row's hi and lo sums.
+      auto wide = [&](int j0, int j1) {
 #pragma GCC unroll 2
-        for (int j = 0; j < 8; ++j) {
+        for (int j = j0; j < j1; ++j) {
           const VecI v = LoadQ(q, j, h);
           const VecI even = And(v, words), odd = Srli16(v, 8);
 #pragma GCC unroll 8
@@ -871,6 +984,26 @@ void ShortTile(const ShortArgs& a, int64_t g, int64_t m0) {
             lo[m] = Dot(Dot(lo[m], even, Bytes(xb[m][16 + 2 * j])), odd, Bytes(xb[m][17 + 2 * j]));
           }
         }
+      };
+      if constexpr (TwoScales<F>()) {  // a sub-block of 16 inputs (4 vectors) at a time, each its d
+#pragma GCC unroll 1
+        for (int p = 0; p < 2; ++p) {
+          wide(4 * p, 4 * p + 4);
+          const VecF d = ShortD<F>(rec, h, p);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            const int64_t i = (m0 + m) * a.nb + b;
+            const int32_t shi = p == 0 ? a.x->first_hi[i] : a.x->sum_hi[i] - a.x->first_hi[i];
+            const int32_t slo = p == 0 ? a.x->first_lo[i] : a.x->sum_lo[i] - a.x->first_lo[i];
+            const VecI h_exact = SubI(hi[m], Bytes(Bias<F>() * shi)), l_exact = SubI(lo[m], Bytes(Bias<F>() * slo));
+            acc[m][h] = Fma(Fma(CvtF(l_exact), lo_unit, CvtF(h_exact)), MulF(d, SetF(s[m][b])), acc[m][h]);
+            hi[m] = lo[m] = ZeroI();
+          }
+        }
+        continue;
+      }
+      if constexpr (Wide<F>()) {
+        wide(0, 8);
       } else {
 #pragma GCC unroll 1
         for (int j = 0; j < 4; ++j) {
@@ -887,7 +1020,7 @@ void ShortTile(const ShortArgs& a, int64_t g, int64_t m0) {
           }
         }
       }
-      const VecF d = ShortD<F>(rec, h);
+      const VecF d = ShortD<F>(rec, h, 0);
       const VecF c = HasOffset<F>() ? ShortC<F>(rec, h, d) : d;
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
@@ -1083,7 +1216,7 @@ bool AmxBf16Ready() {
 template <int F>
 void ProductF32(ffi::ThreadPool& pool, const float* x, float* y, const uint8_t* w, int64_t M, int64_t K, int64_t N) {
   const int64_t nb = K / kBlock;
-  const bool amx = M >= kAmxF32MinRows && AmxBf16Ready();
+  const bool amx = AmxReads<F>() && M >= kAmxF32MinRows && AmxBf16Ready();
   // The parts and sums live in buffers kept per calling thread: a fresh 5 MB allocation per call
   // cost page faults and zeroing. Rows from M to the next 16 are zero (the tile loads read them).
   static thread_local std::vector<uint16_t> parts;
@@ -1153,7 +1286,7 @@ void Product(ffi::ThreadPool& pool, const float* x, const Args& a) {
   ForRowShares(pool, a.M, a.K, 1 << 18,
                [&](int64_t m0, int64_t m1) { QuantizeRows(x, a.K, m0, m1, *const_cast<Quantized*>(a.xq)); });
 #if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
-  const bool amx = a.M >= kAmxMinRows && AmxGranted();
+  const bool amx = AmxReads<F>() && a.M >= kAmxMinRows && AmxGranted();
 #endif
   ForTileRuns(pool, a.N / kTile, 4, a.N / kTile, [&](int64_t g0, int64_t g1) {
 #if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
@@ -1183,6 +1316,8 @@ void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float*
       case kQ4_0: ProductF32<kQ4_0>(pool, x, y, w, M, K, N); break;
       case kQ4_1: ProductF32<kQ4_1>(pool, x, y, w, M, K, N); break;
       case kQ4_K: ProductF32<kQ4_K>(pool, x, y, w, M, K, N); break;
+      case kQ5_K: ProductF32<kQ5_K>(pool, x, y, w, M, K, N); break;
+      case kQ6_K: ProductF32<kQ6_K>(pool, x, y, w, M, K, N); break;
       default: ProductF32<kQ8_0>(pool, x, y, w, M, K, N); break;
     }
     return;
@@ -1191,15 +1326,20 @@ void TileProduct(ffi::ThreadPool& pool, const float* x, const uint8_t* w, float*
   const int64_t padded = (M + 15) / 16 * 16;  // AMX reads the rows 16 at a time; the rest are zero
   static thread_local Quantized xq;  // kept per calling thread, as ProductF32's parts
   if (xq.q.size() < static_cast<size_t>(padded * K)) xq.q.resize(padded * K);
-  if (xq.s.size() < static_cast<size_t>(padded * nb)) xq.s.resize(padded * nb), xq.ss.resize(padded * nb);
+  if (xq.s.size() < static_cast<size_t>(padded * nb)) {
+    xq.s.resize(padded * nb), xq.ss.resize(padded * nb), xq.sums.resize(2 * padded * nb);
+  }
   std::fill(xq.q.begin() + M * K, xq.q.begin() + padded * K, int8_t{0});
   std::fill(xq.s.begin() + M * nb, xq.s.begin() + padded * nb, 0.0f);
   std::fill(xq.ss.begin() + M * nb, xq.ss.begin() + padded * nb, 0.0f);
+  std::fill(xq.sums.begin() + 2 * M * nb, xq.sums.begin() + 2 * padded * nb, 0);
   const Args a{&xq, w, y, M, K, N, nb};
   switch (format) {
     case kQ4_0: Product<kQ4_0>(pool, x, a); break;
     case kQ4_1: Product<kQ4_1>(pool, x, a); break;
     case kQ4_K: Product<kQ4_K>(pool, x, a); break;
+    case kQ5_K: Product<kQ5_K>(pool, x, a); break;
+    case kQ6_K: Product<kQ6_K>(pool, x, a); break;
     default: Product<kQ8_0>(pool, x, a); break;
   }
 }
