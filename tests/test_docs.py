@@ -79,7 +79,7 @@ def test_every_relative_link_resolves():
 
 
 GUIDES = ("serving", "offline", "compiler", "models", "cpu", "gpu", "scaling", "vllm-compat", "configuration",
-          "server-flags", "adding-a-model", "contributing")
+          "server-flags", "adding-a-model", "contributing", "tools")
 
 
 def test_the_readme_is_a_first_visit():

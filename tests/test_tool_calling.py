@@ -7,7 +7,10 @@ think block the same way, so the parsers read what a model would write."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import replace
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -203,17 +206,40 @@ class TestBadTools:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
 
+    def test_ten_thousand_tool_results_are_refused_by_the_message_cap(self, server):
+        results = [{"role": "tool", "tool_call_id": f"call_{i}", "content": "21 C"} for i in range(10_000)]
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER + results, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_messages", r.text
+
     def test_schemas_the_grammar_refuses_are_400_and_the_server_goes_on(self, server, engine):
         big = {"type": "function", "function": {"name": "big", "parameters": {
             "type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
                                              for i in range(10_000)}}}}
         recursive = {"type": "function", "function": {"name": "r", "parameters": {
             "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}}
-        for tool in (big, recursive):
-            r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                           json={"messages": USER, "tools": [tool], "tool_choice": "required", "max_tokens": 4})
-            assert r.status_code in (400, 413), r.text
-        assert httpx.get(server.url + "/health").status_code == 200
+        hostile = [big, recursive, {"type": "function", "function": {"name": "t", "parameters": {"$ref": "#/nope"}}}]
+        health: list[float] = []
+        done = threading.Event()
+
+        def probe():  # /health answers fast while the hostile bodies are refused
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+                health.append(time.monotonic() - t0)
+                time.sleep(0.02)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        try:
+            for tool in hostile:
+                r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                               json={"messages": USER, "tools": [tool], "tool_choice": "required", "max_tokens": 4})
+                assert r.status_code in (400, 413), r.text
+                assert r.json()["error"]["param"] in ("tools", "messages"), r.text
+        finally:
+            done.set()
+            prober.join()
+        assert health and max(health) < 2.0, max(health)
         ok = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
         assert ok.status_code == 200
 
@@ -308,3 +334,32 @@ def test_named_tool_with_a_reasoning_parser(engine):
         r = chat(client, tool_choice={"type": "function", "function": {"name": "get_weather"}})
         assert r.choices[0].finish_reason == "tool_calls", r
         check_calls(r.choices[0].message.tool_calls, {"get_weather"})
+
+
+def test_the_agents_sdk_runs_a_tool_through_chat_completions(engine):
+    """The OpenAI Agents SDK's Runner, unmodified, over this server: the first turn must call the tool
+    (tool_choice required), the SDK runs it and sends the result back, and the next turn (tool_choice
+    reset to auto, read by the hermes parser) answers in text."""
+    agents = pytest.importorskip("agents")
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    with serve(engine, enable_auto_tool_choice=True, tool_call_parser="hermes") as st:
+        client = openai.AsyncOpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0)
+        agent = Agent(name="weather", instructions="Answer briefly.", tools=[get_weather],
+                      model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=80, temperature=0))
+        result = Runner.run_sync(agent, "Weather in Paris?", max_turns=4)
+    assert len(seen) == 1 and seen[0] in ("Paris", "Rome")
+    assert isinstance(result.final_output, str)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert agents is not None
