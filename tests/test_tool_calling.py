@@ -363,3 +363,56 @@ def test_the_agents_sdk_runs_a_tool_through_chat_completions(engine):
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
     assert agents is not None
+
+
+# ====================================================================== the real SmolLM2 (slow: the smol_llm fixture)
+
+# SmolLM2's own template ignores tools; this one (ChatML, as SmolLM2's, with Qwen's way of listing
+# tools and calls) is served with --chat-template.
+CHATML_TOOLS = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions, one per <tool_call></tool_call> tag:\n"
+    "{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
+    "{%- else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_smollm2_tools_with_the_openai_client(smol_llm):
+    """Each tool_choice on the real model: calls valid against their tools' schemas, whole and
+    streamed; a tool result sent back; auto parsing the model's own hermes call (its format held
+    by a regex, the arguments the model's)."""
+    tools = [WEATHER, {"type": "function", "function": {
+        "name": "add", "description": "add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"], "additionalProperties": False}}}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    app = build_app(smol_llm.engine, served_model_names=["smollm2-135m"], log_stats_interval=0,
+                    enable_auto_tool_choice=True, tool_call_parser="hermes", chat_template=CHATML_TOOLS)
+    ask = [{"role": "user", "content": "What is 2 plus 3? Use the add function."}]
+    with ServerThread(app) as st:
+        client = openai.OpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model="smollm2-135m", messages=ask, tools=tools, temperature=0, max_tokens=64)
+        for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+            r = client.chat.completions.create(tool_choice=choice, **kw)
+            calls = r.choices[0].message.tool_calls
+            assert r.choices[0].finish_reason == "tool_calls" and calls, r
+            for c in calls:
+                jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+            content, streamed_calls, reason = streamed(client, tool_choice=choice, **kw)
+            assert reason == "tool_calls"
+            assert [(n, json.loads(a)) for _, n, a in streamed_calls.values()] == \
+                [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+        call = calls[0]
+        follow = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        r = client.chat.completions.create(model="smollm2-135m", messages=follow, tools=tools, tool_choice="none",
+                                           temperature=0, max_tokens=16)
+        assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+        regex = r'<tool_call>\n\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}\n</tool_call>'
+        r = client.chat.completions.create(extra_body={"structured_outputs": {"regex": regex}}, **kw)
+        calls = r.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["add"] and r.choices[0].message.content is None
+        jsonschema.validate(json.loads(calls[0].function.arguments), schemas["add"])
+    assert not smol_llm.engine.has_unfinished_requests()
