@@ -462,8 +462,12 @@ def test_both_kv_groups_are_sized_from_the_measured_peak(tmp_path_factory, monke
     from ir.kv_groups import window_blocks_per_seq
     from runtime import LLM, SamplingParams
 
+    from config.engine_config import EngineConfig
+
     monkeypatch.setattr(pm, "activation_peak_bytes", lambda *a, **k: 0)
     monkeypatch.setattr(pm, "sampler_workspace_bytes", lambda *a, **k: 0)
+    # The budget binds, not what 2 sequences of 48 tokens use (a CPU pool's cap: EngineConfig.kv_blocks_used).
+    monkeypatch.setattr(EngineConfig, "kv_blocks_used", lambda self: 1 << 40)
     _, model, path, _, _, _ = saved_family("gemma2", tmp_path_factory)
     llm = LLM(str(path), kernel_backend="cpp", max_model_len=48, max_num_seqs=2, max_num_batched_tokens=8,
               block_size=BLOCK_SIZE, device_memory=48 << 20, reserve_bytes=0)
