@@ -4,6 +4,8 @@
     python -m runtime.serve --plan plans/smollm2 --api-key sk-local --max-queue 128
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream=true` as SSE),
+POST /v1/messages and POST /v1/messages/count_tokens (Anthropic's Messages API, with its error body),
+POST /v1/responses (OpenAI's Responses API, stateless), the last two translated onto the chat path,
 GET /v1/models, GET /health, GET /version, GET /metrics (Prometheus, vLLM's metric names), POST /tokenize,
 POST /detokenize, GET /openapi.json, GET /docs.
 """
@@ -29,6 +31,7 @@ from runtime.core.structured_output import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MA
 from runtime.entrypoints.openai.checker import DEFAULT_BODY_CHECKERS
 from runtime.entrypoints.openai.http_server import Gate, UvicornServer, uvicorn_config
 from runtime.entrypoints.openai.protocol import APIError
+from runtime.entrypoints.openai.translation import error_response
 from runtime.entrypoints.openai.serving import (BULK_BODY_BYTES, DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                                 DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                                 DEFAULT_MAX_CONNECTIONS, PROMPT_CHARS_PER_TOKEN, Server,
@@ -72,15 +75,17 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
             server.bulk_pool.shutdown(wait=False, cancel_futures=True)
 
     async def api_error(request, exc: APIError):
-        return exc.response()
+        return error_response(exc, request.url.path)
 
     async def http_error(request, exc: HTTPException):
-        return APIError(exc.status_code, exc.detail or "error", code=None,
-                        type="not_found_error" if exc.status_code == 404 else "invalid_request_error").response()
+        return error_response(APIError(exc.status_code, exc.detail or "error", code=None,
+                                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error"),
+                              request.url.path)
 
     async def server_error(request, exc: Exception):
         log.exception("unhandled error in %s", request.url.path)
-        return APIError(500, f"internal server error: {exc!r}", code="internal_error").response()
+        return error_response(APIError(500, f"internal server error: {exc!r}", code="internal_error"),
+                              request.url.path)
 
     async def model_info(request):
         # What sglang-router asks a worker when it registers it (/model_info, then /get_model_info),
@@ -97,6 +102,9 @@ def build_app(engine, *, served_model_names: list[str] | str | None = None, api_
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/version", server.version, methods=["GET"]),

@@ -13,6 +13,7 @@ from http import HTTPStatus
 
 from runtime.entrypoints.openai.protocol import APIError
 from runtime.entrypoints.openai.serving import PROTOCOL_ERROR_KEY, ServerConfig, peer
+from runtime.entrypoints.openai.translation import error_response
 
 log = logging.getLogger("runtime.serve")
 
@@ -39,13 +40,15 @@ class Gate:
                                headers={"Retry-After": str(s.cfg.retry_after_s)})
             elif s.cfg.api_key and path.startswith(self.PROTECTED):
                 auths = [v for k, v in scope["headers"] if k == b"authorization"]
-                if len(auths) > 1:  # which one a proxy checked is anyone's guess
-                    err = APIError(400, "more than one Authorization header", code="invalid_api_key")
-                elif not bearer_matches(auths[0] if auths else b"", s.cfg.api_key):
-                    err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                keys = [v for k, v in scope["headers"] if k == b"x-api-key"]  # Anthropic's clients send this
+                if len(auths) > 1 or len(keys) > 1:  # which one a proxy checked is anyone's guess
+                    err = APIError(400, "more than one Authorization or x-api-key header", code="invalid_api_key")
+                elif not (bearer_matches(auths[0] if auths else b"", s.cfg.api_key)
+                          or (keys and hmac.compare_digest(keys[0], s.cfg.api_key.encode()))):
+                    err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' or "
+                                   "'x-api-key: <key>'", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             if err is not None:
-                await err.response()(scope, receive, send)
+                await error_response(err, path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -47,6 +47,23 @@ TOKENIZE = {"type": "object", "required": ["count", "tokens", "max_model_len"], 
     "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
     "tokens": {"type": "array", "items": {"type": "integer"}}}}
 DETOKENIZE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+# Anthropic's Messages (/v1/messages: its error body too) and OpenAI's Responses (serving_messages.py,
+# serving_responses.py).
+ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+MESSAGE = {"type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+           "properties": {"id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+                          "model": {"type": "string"}, "stop_reason": {"type": ["string", "null"]},
+                          "stop_sequence": {"type": ["string", "null"]},
+                          "content": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+                          "usage": {"type": "object", "required": ["input_tokens", "output_tokens"]}}}
+COUNT_TOKENS = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
+RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                           "created_at": {"type": "integer"}, "status": {"type": "string"}, "model": {"type": "string"},
+                           "output": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+                           "usage": {"type": ["object", "null"]}}}
 
 # Every error the server answers with an OpenAI error body (see runtime.serve.APIError).
 ERROR_STATUSES = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model or path",
@@ -58,27 +75,27 @@ def _json(schema: dict) -> dict:
     return {"application/json": {"schema": schema}}
 
 
-def _errors() -> dict:
-    return {code: {"description": why, "content": _json({"$ref": "#/components/schemas/Error"})}
+def _errors(schema: str = "Error") -> dict:
+    return {code: {"description": why, "content": _json({"$ref": f"#/components/schemas/{schema}"})}
             for code, why in ERROR_STATUSES.items()}
 
 
 # Fields the handlers require although the models default them (to answer with OpenAI's own
 # "missing_required_parameter" error rather than pydantic's).
-REQUIRED = {"CompletionRequest": ["prompt"], "ChatCompletionRequest": ["messages"]}
+REQUIRED = {"CompletionRequest": ["prompt"], "ChatCompletionRequest": ["messages"], "ResponsesRequest": ["input"]}
 
 
 def openapi_schema(request_models: dict[str, type], version: str, title: str = "jaxserve") -> dict:
     """The OpenAPI 3.1 document. `request_models`: the pydantic body model of each POST path."""
     _, defs = models_json_schema([(m, "validation") for m in request_models.values()],
                                  ref_template="#/components/schemas/{model}")
-    components = dict(defs.get("$defs", {}), Error=ERROR)
+    components = dict(defs.get("$defs", {}), Error=ERROR, AnthropicError=ANTHROPIC_ERROR)
     for name, fields in REQUIRED.items():
         if name in components:
             components[name] = dict(components[name], required=sorted(
                 set(components[name].get("required", [])) | set(fields)))
 
-    def post(path: str, summary: str, ok: dict, stream: bool = False) -> dict:
+    def post(path: str, summary: str, ok: dict, stream: bool = False, errors: str = "Error") -> dict:
         content = _json(ok)
         if stream:
             content["text/event-stream"] = {"schema": {"type": "string"}}
@@ -86,7 +103,7 @@ def openapi_schema(request_models: dict[str, type], version: str, title: str = "
             "summary": summary, "operationId": path.strip("/").replace("/", "_"),
             "requestBody": {"required": True, "content": _json(
                 {"$ref": f"#/components/schemas/{request_models[path].__name__}"})},
-            "responses": {"200": {"description": "OK", "content": content}, **_errors()}}}
+            "responses": {"200": {"description": "OK", "content": content}, **_errors(errors)}}}
 
     def get(path: str, summary: str, content: dict) -> dict:
         return {"get": {"summary": summary, "operationId": path.strip("/").replace("/", "_") + "_get",
@@ -97,6 +114,12 @@ def openapi_schema(request_models: dict[str, type], version: str, title: str = "
                                 stream=True),
         "/v1/chat/completions": post("/v1/chat/completions", "Chat completion (stream: true sends SSE)", CHAT,
                                      stream=True),
+        "/v1/messages": post("/v1/messages", "Anthropic's Messages API on the chat path (stream: true sends its "
+                             "events)", MESSAGE, stream=True, errors="AnthropicError"),
+        "/v1/messages/count_tokens": post("/v1/messages/count_tokens", "The prompt tokens of a Messages body",
+                                          COUNT_TOKENS, errors="AnthropicError"),
+        "/v1/responses": post("/v1/responses", "OpenAI's Responses API, stateless, on the chat path (stream: true "
+                              "sends its events)", RESPONSE, stream=True),
         "/tokenize": post("/tokenize", "Token ids of a prompt or of chat messages", TOKENIZE),
         "/detokenize": post("/detokenize", "Text of token ids", DETOKENIZE),
         "/v1/models": get("/v1/models", "The served model names", _json(MODELS)),

@@ -3,6 +3,7 @@ completion and chat responses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -108,6 +109,14 @@ def _check_strings(obj, max_depth: int) -> None:
 
 def json_response(obj, status: int = 200) -> Response:
     return Response(dumps(obj), status, media_type="application/json")
+
+
+async def sse_data(chunks):
+    """OpenAI's SSE stream of chunk objects (an APIError as its error body), ended by [DONE]."""
+    async with contextlib.aclosing(chunks):
+        async for obj in chunks:
+            yield b"data: " + dumps(obj.body() if isinstance(obj, APIError) else obj) + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 # ====================================================================== request bodies

@@ -1,6 +1,7 @@
 """The OpenAI handlers' shared part: request plumbing (body, parse, model, limits), sampling params,
 submitting to the engine loop, collecting and streaming results, and the small endpoints. The
-completion- and chat-specific parts are in serving_completion.py and serving_chat.py."""
+endpoint-specific parts are in serving_completion.py, serving_chat.py, and the APIs translated onto
+the chat path (translation.py): serving_messages.py and serving_responses.py."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from runtime.entrypoints.openai import admission
 from runtime.entrypoints.openai.checker import DEFAULT_BODY_CHECKERS, BodyChecker
 from runtime.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, ChoiceState, CompletionRequest,
                                                  Detok, DetokenizeRequest, Prepared, SamplingFields, TokenIdNames,
-                                                 TokenizeRequest, bad_request, clamp_logprob, dumps, json_response)
+                                                 TokenizeRequest, bad_request, clamp_logprob, json_response, sse_data)
 from runtime.entrypoints.openai.serving_chat import ChatServing
 from runtime.entrypoints.openai.serving_completion import CompletionServing
+from runtime.entrypoints.openai.serving_messages import CountTokensRequest, MessagesRequest, MessagesServing
+from runtime.entrypoints.openai.serving_responses import ResponsesRequest, ResponsesServing
 
 log = logging.getLogger("runtime.serve")
 
@@ -73,9 +76,9 @@ class ServerConfig:
     default_chat_template_kwargs: dict | None = None  # under each request's chat_template_kwargs
 
 
-class Server(CompletionServing, ChatServing):
+class Server(CompletionServing, ChatServing, MessagesServing, ResponsesServing):
     """HTTP handlers around an EngineLoop. `build_app` wires them into a Starlette app. The endpoint-specific
-    parts come from the CompletionServing and ChatServing mixins."""
+    parts come from the mixins."""
 
     def __init__(self, engine, config: ServerConfig):
         self.engine = engine
@@ -230,10 +233,10 @@ class Server(CompletionServing, ChatServing):
 
     # ------------------------------------------------------------ handlers
 
-    async def _generate(self, request: Request, model_cls, prepare, chat: bool) -> Response:
+    async def _generate(self, request: Request, model_cls, prepare, chat: bool, api=None) -> Response:
         arrival = time.monotonic()
         raw = await self.read_body(request)
-        body, prep, grammar = await self.off_loop(self._parse_and_prepare, raw, model_cls, prepare, arrival)
+        body, prep, grammar = await self.off_loop(self._parse_and_prepare, raw, model_cls, prepare, arrival, api)
         if grammar is not None:
             await self._await_grammar(prep, grammar)
         if body.user:
@@ -242,16 +245,18 @@ class Server(CompletionServing, ChatServing):
         self.submit(prep, queue)
         self.num_inflight += 1
         if prep.stream:
-            return _SSEResponse(self._stream(prep, queue, chat), on_close=lambda: self._closed(prep))
+            chunks = self._stream(prep, queue, chat)
+            return _SSEResponse(sse_data(chunks) if api is None else api.events(prep, chunks),
+                                on_close=lambda: self._closed(prep))
         try:
-            return await _until_disconnect(request, self._collect(prep, queue, chat))
+            return await _until_disconnect(request, self._collect(prep, queue, chat, api))
         finally:
             self._closed(prep)
 
-    def _parse_and_prepare(self, raw: bytes, model_cls, prepare, arrival: float):
+    def _parse_and_prepare(self, raw: bytes, model_cls, prepare, arrival: float, api=None):
         """(body, Prepared, the future of its grammar or None). The grammar compiles on the grammar
         compiler's thread, not here: a slow one must not hold a thread that other requests wait for."""
-        body = self.parse(raw, model_cls)
+        body = self.parse(raw, model_cls) if api is None else api.parse(raw, self.cfg)
         prep = prepare(body, arrival)
         chat = prep.request_id.startswith("chat")
         # The engine's checks walk every prompt token: here, not on the event loop.
@@ -282,7 +287,7 @@ class Server(CompletionServing, ChatServing):
         self.abort_unfinished(prep)  # the client left early: free the KV blocks now
         self.num_inflight -= 1
 
-    async def _collect(self, prep: Prepared, queue: asyncio.Queue, chat: bool) -> Response:
+    async def _collect(self, prep: Prepared, queue: asyncio.Queue, chat: bool, api=None) -> Response:
         finals: dict[int, Any] = {}
         last: dict[int, Any] = {}
         want_ids = prep.extra.get("return_token_ids", False)
@@ -329,7 +334,7 @@ class Server(CompletionServing, ChatServing):
             plps = out.prompt_logprobs if out is not None and prep.items[0][2].prompt_logprobs is not None else None
             obj["prompt_logprobs"] = self._prompt_logprobs(plps)
             obj["prompt_token_ids"] = prep.items[0][1] if want_ids else None
-        return json_response(obj)
+        return json_response(obj if api is None else api.response(obj, prep))
 
     def _usage(self, num_prompt: int, num_out: int, outputs) -> dict:
         """OpenAI's usage; with --enable-prompt-tokens-details, prompt_tokens_details.cached_tokens counts
@@ -352,12 +357,13 @@ class Server(CompletionServing, ChatServing):
                                         for k, v in d.items()} for d in plps]
 
     async def _stream(self, prep: Prepared, queue: asyncio.Queue, chat: bool):
+        """The stream's chunk objects (then, where the engine failed, the APIError), as sse_data sends them."""
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         states: dict[int, ChoiceState] = {}
         num_prompt = sum(len(ids) for _, ids, _ in prep.items)
         num_out: dict[int, int] = {}
 
-        def chunk(choices, usage=False, **top) -> bytes:
+        def chunk(choices, usage=False, **top) -> dict:
             obj = {"id": prep.request_id, "object": obj_name, "created": prep.created, "model": prep.model,
                    "choices": choices, **top}
             if chat:
@@ -366,13 +372,13 @@ class Server(CompletionServing, ChatServing):
                 obj["usage"] = None
                 if usage or prep.continuous_usage:
                     obj["usage"] = self._usage(num_prompt, sum(num_out.values()), last.values())
-            return b"data: " + dumps(obj) + b"\n\n"
+            return obj
 
         last: dict[int, Any] = {}
         async for idx, item in self.results(prep, queue):
             failure = _failure(item)
             if failure is not None:
-                yield b"data: " + dumps(failure.body()) + b"\n\n"
+                yield failure
                 break
             if item is ABORTED:
                 comps = last[idx].outputs if idx in last else []
@@ -408,7 +414,6 @@ class Server(CompletionServing, ChatServing):
             yield chunk([], usage=True)
         if prep.items[0][2].trace:
             yield chunk([], trace=_traces(prep, last))
-        yield b"data: [DONE]\n\n"
 
     @staticmethod
     def _finish_delta(chat: bool, index: int, reason: str, stop_reason=None) -> dict:
@@ -449,7 +454,8 @@ class Server(CompletionServing, ChatServing):
 
             self._openapi = openapi_schema(
                 {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, _version())
+                 "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest, "/v1/responses":
+                 ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}, _version())
         return json_response(self._openapi)
 
     async def docs(self, request: Request) -> Response:
