@@ -31,8 +31,9 @@ each super-block of 256 values repacked exactly, value for value, into tile reco
 
 Loaders put a tensor's blocks beside its f32 values under `blocks_name(name, format)`
 (models.weights), and the gguf_blocks pass gives the matmuls whose weights have them a second
-input, read by decode steps (runtime.worker.kernels), or tiles in their place. The f32 values are
-the blocks dequantized, so either input gives x @ w.
+input, read by decode steps (runtime.worker.kernels), or tiles in their place, and where the
+embedding's tiles stand alone the lookup gathers its rows from them (gather_tile_rows). The f32
+values are the blocks dequantized, so either input gives x @ w.
 """
 
 from __future__ import annotations
@@ -275,6 +276,18 @@ def dequantize_tiles(t, fmt: str):
     n = len(lead)
     vals = vals.transpose(tuple(range(n)) + (n + 1, n + 3, n, n + 2))  # [..., nb, 32, g, 16 col]
     return vals.reshape(lead + (nb * BLOCK_VALUES, g * TILE_COLUMNS))
+
+
+def gather_tile_rows(t, ids, fmt: str):
+    """Rows `ids` (int [...]) of the [N, K] matrix whose tiles t (u8 [N / 16, K / 32 *
+    tile_record_bytes(fmt)], pack_tiles of its file rows) hold -> f32 [..., K], in jnp: an embedding
+    lookup from the tiles a tied LM head multiplies by, with no f32 table. Each id's tile is
+    dequantized whole (16 rows: dequantize_tiles' values exactly) and its row taken from it."""
+    ids = jnp.asarray(ids)
+    tiles = jnp.take(t, ids // TILE_COLUMNS, axis=0)  # [..., row bytes]
+    vals = dequantize_tiles(tiles[..., None, :], fmt)  # [..., K, 16]
+    col = (ids % TILE_COLUMNS)[..., None, None]
+    return jnp.take_along_axis(vals, jnp.broadcast_to(col, vals.shape[:-1] + (1,)), axis=-1)[..., 0]
 
 
 def round_q8(x):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ir.blocks import (BLOCK_FORMATS, BLOCK_LAYOUTS, BLOCK_VALUES, KEPT_FORMATS, TILE_ACTIVATIONS, TILE_COLUMNS,
-                       blocks_shape, dequantize_tiles, round_q8)
+                       blocks_shape, dequantize_tiles, gather_tile_rows, round_q8, tile_record_bytes)
 from ir.graph import DTYPES, Dim, Node, Shape, freeze_attrs
 from ir.int8 import INT8_ACTIVATIONS, w8a8_matmul, weight_only_matmul
 from ir.rope import rope_inv_freq
@@ -144,6 +144,26 @@ def _embedding(inputs, attrs):
 @impl("embedding")
 def _embedding_impl(table, ids):
     return jnp.take(table, ids, axis=0)
+
+
+@op("embedding_tiles", 2, ("format",))
+def _embedding_tiles(inputs, attrs):
+    tiles, ids = inputs
+    fmt = KEPT_FORMATS.get(attrs["format"])
+    _need(fmt is not None, f"embedding_tiles format must be one of {sorted(KEPT_FORMATS)}, got {attrs['format']!r}")
+    _need(tiles.dtype == "u8" and len(tiles.shape) == 2, f"embedding_tiles' table must be u8 tiles [N / 16, row bytes], "
+          f"got {tiles}")
+    _int_idx(ids, "embedding_tiles ids")
+    rec = tile_record_bytes(fmt.name)
+    _need(tiles.shape[1] % rec == 0, f"embedding_tiles' {fmt.name} tile rows must be whole records of {rec} bytes")
+    return tuple(ids.shape) + (tiles.shape[1] // rec * BLOCK_VALUES,), "f32"
+
+
+@impl("embedding_tiles")
+def _embedding_tiles_impl(tiles, ids, *, format):
+    """The embedding's rows `ids` from its GGUF tiles (ir.blocks.gather_tile_rows): the values of
+    the f32 table the loader dequantized, exactly."""
+    return gather_tile_rows(tiles, ids, format)
 
 
 @op("rms_norm", 2, ("eps",))

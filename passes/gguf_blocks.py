@@ -12,9 +12,9 @@ would keep the file's rows it stays a plain matmul on w.
 
 With `tiles` the blocks are repacked into tiles of 16 columns (ir.blocks.pack_tiles) and every
 step, prefill chunks included, multiplies by them. Where a kernel reads them (`tiles_alone`: the cpp
-backend with the tiles' vector path) they replace w, whose f32 copy then leaves the graph unless
-something else reads it (a tied LM head's embedding does): SmolLM2-135M's weights in the memory
-plan take 200.1 MiB, against 605.1 MiB with both. Elsewhere w stays, and the backend multiplies
+backend with the tiles' vector path) they replace w, whose f32 copy then leaves the graph, and the
+embedding lookup gathers its rows from the table's tiles (ir.blocks.gather_tile_rows; a tied LM
+head's tiles serve both), so no f32 copy of a tiled matrix stays. Elsewhere w stays, and the backend multiplies
 by it. `tiles="q8"` (EngineConfig.gguf_activations) multiplies in int8, its activations rounded
 per block of 32 to 8 bits as llama.cpp does: against
 the f32 blocks, 1.1x at one row, 2.8x at 64 and 4x at 512 (docs/benchmarks/, "Int8 products on GGUF
@@ -48,16 +48,19 @@ def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS
     of the param's concat. A tied LM head's blocks are the embedding's (its rows are the vocab),
     with the LM head's role. `tiles` ("f32" or "q8", the products' activations): in the tiles layout
     where N allows, for every step, and with `tiles_alone` (a kernel reads them) in place of w;
-    otherwise beside it, for a backend that multiplies by w."""
+    otherwise beside it, for a backend that multiplies by w. With tiles standing alone, an
+    embedding lookup whose table has them becomes embedding_tiles on them (a tied LM head's own),
+    so no f32 table stays."""
     if tiles not in (None, *TILE_ACTIVATIONS):
         raise ValueError(f"gguf_blocks tiles must be None or one of {TILE_ACTIVATIONS}, got {tiles!r}")
     copies: dict[tuple[str, bool], Node] = {}
+    # Tables a matmul reads transposed (a tied LM head): their lookup shares the head's tiles.
+    tied = {n.inputs[1].name for n in graph.nodes() if n.op == "matmul" and n.attr("transpose_b")}
 
-    def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
-        if node.op != "matmul" or ins[1].op != "param" or ins[1].dtype != "f32" or len(ins[1].shape) != 2:
+    def blocks_of(w: Node, tb: bool):
+        """(format, K, N, layout) of the blocks that can stand for w (read transposed: tb), or None."""
+        if w.op != "param" or w.dtype != "f32" or len(w.shape) != 2:
             return None
-        w = ins[1]
-        tb = bool(node.attr("transpose_b"))
         fmts = {formats.get(s) for s in (w.attr(CONCAT) or (w.name,))}
         if len(fmts) != 1 or None in fmts:
             return None
@@ -68,6 +71,9 @@ def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS
         layout = "tiles" if tiles and n % TILE_COLUMNS == 0 else "rows"
         if layout == "rows" and fmt.name not in BLOCK_FORMATS:  # a tile-only format (a K-quant) keeps w alone
             return None
+        return fmt, k, n, layout
+
+    def copy(w: Node, tb: bool, fmt, k: int, n: int, layout: str) -> Node:
         key = (w.name, tb)
         if key not in copies:
             recipe = {a: v for a, v in w.attrs if a != "name"}
@@ -77,13 +83,31 @@ def gguf_blocks(graph: Graph, formats: Mapping[str, str], max_rows: int = BLOCKS
             if layout == "tiles":
                 attrs |= {"name": f"{w.name}.{fmt.name}_tiles", BLOCK_LAYOUT: layout}
             copies[key] = Node("param", (), freeze_attrs(attrs), blocks_shape(fmt.name, n, k, layout), "u8")
+        return copies[key]
+
+    def fn(node: Node, ins: tuple[Node, ...]) -> Node | None:
+        if node.op == "embedding":  # the lookup from tiles that stand alone: the table's rows are the N
+            found = blocks_of(ins[0], True) if tiles and tiles_alone else None
+            if found is None or found[3] != "tiles":
+                return None
+            tiles_param = copy(ins[0], ins[0].name in tied, *found)
+            return make_node("embedding_tiles", (tiles_param, ins[1]), {"format": found[0].name})
+        if node.op != "matmul":
+            return None
+        w = ins[1]
+        tb = bool(node.attr("transpose_b"))
+        found = blocks_of(w, tb)
+        if found is None:
+            return None
+        fmt, k, n, layout = found
+        blocks = copy(w, tb, *found)
         attrs = dict(node.attrs) | {"format": fmt.name, "max_rows": max_rows}
         if layout == "tiles":  # the tiles serve every step: they replace w where a kernel reads them
             attrs |= {"layout": layout, "activations": tiles, "max_rows": TILES_MAX_ROWS}
             if tiles_alone:
                 attrs = {a: v for a, v in attrs.items() if a != "transpose_b"}
-                return make_node("matmul_blocks", (ins[0], copies[key]), attrs)
-        return make_node("matmul_blocks", (ins[0], w, copies[key]), attrs)
+                return make_node("matmul_blocks", (ins[0], blocks), attrs)
+        return make_node("matmul_blocks", (ins[0], w, blocks), attrs)
 
     out = rewrite(graph, fn)
     if not copies:

@@ -158,14 +158,14 @@ def test_kernel_multiplies_k_quant_tiles(fmt, activations, cpu_target):
 K_CFG = dataclasses.replace(get_preset("tiny"), hidden_size=256, head_dim=64, intermediate_size=256)
 
 
-def write_k_quant_gguf(path, types: dict[str, str], seed: int = 0) -> None:
-    """A tiny Llama GGUF (K_CFG) with the gguf package: the matrices whose GGUF name ends in a key
+def write_k_quant_gguf(path, types: dict[str, str], seed: int = 0, cfg=K_CFG) -> None:
+    """A tiny Llama GGUF (`cfg`) with the gguf package: the tensors whose GGUF name ends in a key
     of `types` (`attn_v.weight`, ...) in that K-quant (random bits, values about 0.05), the rest f32;
-    an untied output."""
+    an output tensor unless `cfg` ties it to the embedding."""
     from models.weight_names import source_names
     from models.weights import random_weights
 
-    cfg, rng = K_CFG, np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in {"block_count": cfg.num_layers, "context_length": cfg.max_position_embeddings,
                        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
@@ -255,6 +255,78 @@ def test_file_serves_from_tiles_alone_with_the_f32_models_tokens(k_quant_file):
     f32 = {k: v for k, v in weights.items() if split_blocks_name(k) is None}
     rest = sum(v.nbytes for k, v in f32.items() if k not in kept)
     assert llm.plan.memory.weight_bytes == tile_bytes + rest
+    prompts = [list(range(10, 50)), [5, 6, 7, 8], list(range(100, 103))]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    want = [o.outputs[0].token_ids for o in _llm(f32, config, kernel_backend="xla", gguf_tiles=None).generate(prompts, sp)]
+    assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
+def test_embedding_rows_gathered_from_tiles_are_the_tables(fmt):
+    """gather_tile_rows (embedding_tiles' reference) gives the f32 table's rows bit for bit, for ids
+    of any shape across tiles; the op's shape rule takes u8 tiles and int ids and refuses a row of
+    part of a record."""
+    from ir import Node, make_node
+    from ir.blocks import gather_tile_rows
+    from test_gguf_blocks import _quantized
+
+    rng = np.random.default_rng(5)
+    n, k = 48, 512
+    if fmt in K_QUANTS:
+        rows, values = k_quant_rows(rng, fmt, n, k)
+    else:
+        rows, values = _quantized(rng.standard_normal((n, k)), fmt)
+    table = np.asarray(dequantize_tiles(jnp.asarray(pack_tiles(rows, fmt)), fmt)).T  # [N, K]
+    np.testing.assert_array_equal(table, values.astype(np.float32))
+    ids = np.array([[0, 17, 47], [16, 15, 33]], np.int32)
+    got = np.asarray(gather_tile_rows(jnp.asarray(pack_tiles(rows, fmt)), jnp.asarray(ids), fmt))
+    np.testing.assert_array_equal(got, table[ids])
+    t = Node("param", (), (("name", "t"),), blocks_shape(fmt, n, k, "tiles"), "u8")
+    i = Node("param", (), (("name", "i"),), (2, 3), "i32")
+    assert make_node("embedding_tiles", (t, i), dict(format=fmt)).shape == (2, 3, k)
+    bad = Node("param", (), (("name", "b"),), (3, tile_record_bytes(fmt) + 1), "u8")
+    with pytest.raises(ValueError, match="whole records"):
+        make_node("embedding_tiles", (bad, i), dict(format=fmt))
+
+
+@pytest.fixture(scope="module")
+def tied_file(tmp_path_factory):
+    """The K-quant file with its LM head tied to a Q6_K token_embd (as Q4_K_M files often store it)."""
+    from models.weights import load_gguf
+
+    path = tmp_path_factory.mktemp("k-quants-tied") / "tiny-k-tied.gguf"
+    write_k_quant_gguf(path, FILE_TYPES | {"token_embd.weight": "q6_k"}, seed=1,
+                       cfg=dataclasses.replace(K_CFG, tie_embeddings=True))
+    config, weights, _ = load_gguf(path)
+    assert config.tie_embeddings and blocks_name("embed", "q6_k") in weights
+    return config, weights
+
+
+@needs_kernel
+def test_tied_embedding_reads_the_lm_heads_tiles(tied_file):
+    """With tiles standing alone, the lookup of a tied Q6_K embedding gathers its rows from the LM
+    head's own tiles (one param, read by embedding_tiles and the head's matmul_blocks): no f32
+    table stays, the memory plan holds the tiles and the norms only, and the greedy tokens equal the
+    f32 model's (XLA, the f32 table)."""
+    from runtime.worker import executor
+
+    config, weights = tied_file
+    if not executor.tiles_in_kernel(EngineConfig(**ENGINE)):
+        pytest.skip("this build multiplies no tiles alone (no vector path)")
+    llm = _llm(weights, config)
+    graph = llm.plan.graph
+    (lookup,) = [n for n in graph.nodes() if n.op == "embedding_tiles"]
+    head = [n for n in graph.nodes() if n.op == "matmul_blocks" and n.inputs[-1] is lookup.inputs[0]]
+    assert len(head) == 1 and lookup.inputs[0].name == "embed.q6_k_tiles" and lookup.attr("format") == "q6_k"
+    assert not [n for n in graph.nodes() if n.op == "embedding"]
+    assert all(p.dtype == "u8" or len(p.shape) == 1 for p in graph.params)
+    kept = dict(filter(None, map(split_blocks_name, weights)))
+    tile_bytes = sum(int(np.prod(blocks_shape(fmt, *(weights[n].shape if n == "embed" else weights[n].shape[::-1]),
+                                              "tiles"))) for n, fmt in kept.items())
+    norms = sum(v.nbytes for k, v in weights.items() if v.ndim == 1)
+    assert llm.plan.memory.weight_bytes == tile_bytes + norms
+    f32 = {k: v for k, v in weights.items() if split_blocks_name(k) is None}
     prompts = [list(range(10, 50)), [5, 6, 7, 8], list(range(100, 103))]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
