@@ -42,7 +42,7 @@ MACHINE_NOTE = (
     "note: a dump does not depend on the machine: a GGUF model's blocks and tiles (--gguf-blocks, --gguf-tiles,\n"
     "--gguf-activations) count only when asked for, and --device-memory is 4 GiB unless given. The server\n"
     "turns them on where this CPU's kernels run them (tiles replace the f32 weights: SmolLM2's 513 MiB become\n"
-    "200 MiB), so its plan may differ; `jaxserve compile --model M --dry-run` shows the plan for this machine.")
+    "92 MiB), so its plan may differ; `jaxserve compile --model M --dry-run` shows the plan for this machine.")
 
 
 def parse_bucket(text: str) -> tuple[int, int]:
