@@ -5,6 +5,7 @@ body (the gate's 401 and 503 too), and the block builder on a scripted answer.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -12,8 +13,8 @@ import httpx
 import jsonschema
 import pytest
 
-from runtime.entrypoints.openai.protocol import Prepared
-from runtime.entrypoints.openai.serving_messages import MessageBuilder
+from runtime.entrypoints.openai.protocol import APIError, Prepared
+from runtime.entrypoints.openai.serving_messages import MessageBuilder, Messages
 # The tiny engine and a server with the hermes parser (class-scoped: the functions below start their
 # own servers, one engine loop at a time): test_tool_calling's fixtures.
 from test_tool_calling import SCHEMAS, TOOLS, USER, engine, serve, server  # noqa: F401
@@ -261,3 +262,18 @@ def test_builder_orders_blocks_and_events():
     assert starts[2] == {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {}}
     assert "".join(e[1]["delta"].get("partial_json", "") for e in events
                    if e[0] == "content_block_delta" and e[1]["index"] == 2) == '{"zone": "UTC"}'
+
+
+async def _events(api, prep, chunks) -> list[bytes]:
+    return [e async for e in api.events(prep, chunks)]
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event():
+    async def chunks():
+        yield {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}], "usage": None}
+        yield APIError(500, "the engine failed", code="engine_error")
+
+    out = asyncio.run(_events(Messages(), _prep(), chunks()))
+    assert out[0].startswith(b"event: message_start\n") and b'"text_delta"' in out[2]
+    assert out[-1] == (b'event: error\ndata: {"type":"error","error":{"type":"api_error",'
+                       b'"message":"the engine failed"}}\n\n')

@@ -5,6 +5,7 @@ function calls (required, named) and their outputs sent back, text.format, max_o
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -12,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from runtime.entrypoints.openai.protocol import Prepared
-from runtime.entrypoints.openai.serving_responses import ResponseBuilder, ResponsesRequest
+from runtime.entrypoints.openai.protocol import APIError, Prepared
+from runtime.entrypoints.openai.serving_responses import ResponseBuilder, Responses, ResponsesRequest
 # The tiny engine, a server with the hermes parser, and an openai client of it: test_tool_calling's fixtures.
 from test_tool_calling import SCHEMAS, TOOLS, USER, client, engine, server  # noqa: F401
 
@@ -164,11 +165,12 @@ def test_chat_errors_name_the_responses_fields(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
+PREP = Prepared("chatcmpl-abc", 0, "tiny", [("chatcmpl-abc-0", [1, 2, 3], None)], [None], 1, True, True, False, 0.0)
+
+
 def test_builder_orders_items_and_events():
     """Reasoning, text, two calls: one item each, in order; a stream of events numbered from 0."""
-    prep = Prepared("chatcmpl-abc", 0, "tiny", [("chatcmpl-abc-0", [1, 2, 3], None)], [None], 1, True, True,
-                    False, 0.0)
-    b = ResponseBuilder(prep, ResponsesRequest(input="hi", tools=TOOLS_R))
+    b = ResponseBuilder(PREP, ResponsesRequest(input="hi", tools=TOOLS_R))
     pieces = [("reasoning", "hm"), ("text", "Sure. "), ("call", "chatcmpl-tool-1", "get_time"),
               ("args", '{"zone": "UTC"}'), ("call", "chatcmpl-tool-2", "get_weather"), ("args", '{"city": "Rome"}'),
               ("finish", "tool_calls", None)]
@@ -186,3 +188,21 @@ def test_builder_orders_items_and_events():
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 4
     assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
     assert events[-1][1]["response"] == r
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event():
+    async def chunks():
+        yield {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}], "usage": None}
+        yield APIError(500, "the engine failed", code="engine_error")
+
+    async def run(api):
+        return [e async for e in api.events(PREP, chunks())]
+
+    api = Responses()
+    api.body = ResponsesRequest(input="hi")
+    out = asyncio.run(run(api))
+    assert out[0].startswith(b"event: response.created\n")
+    assert out[-1].startswith(b"event: error\ndata: ")
+    err = json.loads(out[-1].split(b"data: ", 1)[1])
+    assert err == {"type": "error", "code": "engine_error", "message": "the engine failed", "param": None,
+                   "sequence_number": len(out) - 1}

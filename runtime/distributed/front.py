@@ -45,6 +45,7 @@ from starlette.routing import Route
 
 from runtime.entrypoints.openai.http_server import Gate
 from runtime.entrypoints.openai.protocol import APIError, dumps
+from runtime.entrypoints.openai.translation import error_response
 from runtime.entrypoints.openai.serving import (BULK_BODY_BYTES, ServerConfig, _SSEResponse, _until_disconnect,
                                                 read_body)
 
@@ -390,12 +391,13 @@ def build_front_app(front: Front) -> Starlette:
         finally:
             await front.aclose()
 
-    async def api_error(request, exc: APIError):
-        return exc.response()
+    async def api_error(request, exc: APIError):  # in Anthropic's shape on /v1/messages, as the replicas answer
+        return error_response(exc, request.url.path)
 
     async def server_error(request, exc: Exception):
         log.exception("unhandled error in %s", request.url.path)
-        return APIError(500, f"internal server error: {exc!r}", code="internal_error").response()
+        return error_response(APIError(500, f"internal server error: {exc!r}", code="internal_error"),
+                              request.url.path)
 
     app = Starlette(routes=[Route("/{path:path}", front.handle, methods=METHODS)], lifespan=lifespan,
                     exception_handlers={APIError: api_error, Exception: server_error})
