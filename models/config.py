@@ -255,6 +255,13 @@ PRESETS: dict[str, ModelConfig] = {
                bos_token_id=1, eos_token_id=2),
         _llama("llama-3-8b", 32, 4096, 14336, 32, 8, 128256, rope_theta=500000.0,
                max_position_embeddings=8192, bos_token_id=128000, eos_token_id=128001),
+        # Llama 3.2 (meta-llama/Llama-3.2-1B, -3B): tied embeddings, llama3 RoPE scaling.
+        *(_llama(name, layers, hidden, 8192, heads, 8, 128256, rope_theta=500000.0, tie_embeddings=True,
+                 max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+                 rope_scaling=_freeze_scaling({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8192}))
+          for name, layers, hidden, heads in (("llama-3.2-1b", 16, 2048, 32), ("llama-3.2-3b", 28, 3072, 24))),
         _llama("mistral-7b", 32, 4096, 14336, 32, 8, 32000, rope_theta=1000000.0,
                max_position_embeddings=32768, bos_token_id=1, eos_token_id=2),
         _llama("qwen2-0.5b", 24, 896, 4864, 14, 2, 151936, rope_theta=1000000.0, rms_eps=1e-6,
@@ -262,6 +269,8 @@ PRESETS: dict[str, ModelConfig] = {
                bos_token_id=151643, eos_token_id=151645),
         # Qwen3 dense (configs of Qwen/Qwen3-*): qk-norm, head_dim 128 whatever the width.
         _qwen3("qwen3-0.6b", 28, 1024, 3072, 16, 8, tie_embeddings=True),
+        _qwen3("qwen3-1.7b", 28, 2048, 6144, 16, 8, tie_embeddings=True),
+        _qwen3("qwen3-4b", 36, 2560, 9728, 32, 8, tie_embeddings=True),
         _qwen3("qwen3-8b", 36, 4096, 12288, 32, 8),
         _qwen3("qwen3-32b", 64, 5120, 25600, 64, 8),
         # Mixture of experts: Mixtral (mistralai/Mixtral-8x7B-v0.1: 8 experts, top-2) and Qwen3-MoE

@@ -225,14 +225,84 @@ def gguf_block_formats(spec: str | os.PathLike) -> dict[str, str]:
     return out
 
 
+class DequantizedTensor:
+    """A GGUF tensor's f32 values, computed each time they are read (`np.asarray`) and never kept:
+    a weight that the plan reads only as the file's blocks or tiles never costs its f32 bytes, on a
+    1B Q4_K_M file 4 GiB of the load's peak. Quacks as the array for what reads a weights dict
+    (shape, dtype, nbytes, indexing, astype); `raw` is the file's own bytes of it."""
+
+    def __init__(self, values, shape: tuple[int, ...], raw: np.ndarray):
+        self._values, self.shape, self.raw = values, tuple(shape), raw
+        self.dtype, self.ndim = np.dtype(np.float32), len(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * 4
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self._values()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def __getitem__(self, idx):
+        return np.asarray(self)[idx]
+
+    @property
+    def T(self):
+        return np.asarray(self).T
+
+    def astype(self, dtype, copy=True):
+        return np.asarray(self).astype(dtype, copy=copy)
+
+    def __repr__(self) -> str:
+        return f"DequantizedTensor(shape={self.shape})"
+
+
+class _GGUFValues:
+    """The f32 values of one GGUF tensor, as the loader reads them: dequantized, the norms of
+    shifted-norm architectures unshifted, q/k rows unpermuted, [in, out] for a linear layer."""
+
+    def __init__(self, path, file, t, shape, transposed, arch, canon, config):
+        self.path, self.file, self.t, self.shape = path, file, t, shape
+        self.transposed, self.arch, self.canon, self.config = transposed, arch, canon, config
+
+    def __call__(self) -> np.ndarray:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t, canon, config = self.t, self.canon, self.config
+        try:
+            arr = dequantize(gguf_tensor_data(self.file, t), GGMLQuantizationType(t.tensor_type))
+        except NotImplementedError as e:
+            raise ValueError(f"{self.path}: tensor {t.name!r}: {e}") from None
+        arr = np.asarray(arr, dtype=np.float32).reshape(self.shape)
+        if self.arch in _GGUF_SHIFTED_NORM_ARCHS and canon.endswith("norm"):
+            arr = arr - np.float32(1.0)
+        if self.arch in _GGUF_PERMUTED_ARCHS:
+            key = canon.rsplit(".", 1)[-1]
+            if key in ("wq", "bq"):
+                arr = unpermute_qk_rows(arr, config.num_q_heads)
+            elif key in ("wk", "bk"):
+                arr = unpermute_qk_rows(arr, config.num_kv_heads)
+        return _swap_last(arr) if self.transposed else np.ascontiguousarray(arr)
+
+
+# GGML types the gguf package reads as they are (the quantized ones it dequantizes: gguf.quants).
+_PLAIN_TYPES = ("F32", "F16", "F64", "I8", "I16", "I32", "I64")
+
+
 def load_gguf(path: str | os.PathLike, name: str | None = None):
     """Reads a GGUF file -> (ModelConfig, canonical float32 weights, metadata dict).
 
-    Dequantizes every tensor, undoes llama.cpp's q/k row permutation, and detects tied embeddings
-    (no `output.weight`). The metadata dict holds plain Python values for the tokenizer.
+    Each tensor's f32 values are a DequantizedTensor: dequantized, llama.cpp's q/k row permutation
+    undone, when something reads them, not at load. Detects tied embeddings (no `output.weight`).
+    The metadata dict holds plain Python values for the tokenizer.
     """
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf.quants import _type_traits  # the quantized types gguf dequantizes
 
     path = Path(path)
     fields, tensors = read_gguf_index(path)
@@ -250,21 +320,15 @@ def load_gguf(path: str | os.PathLike, name: str | None = None):
         t = tensors.get(src)
         if t is None:
             raise ValueError(f"{path}: missing tensor {canon!r} ({src})")
-        try:
-            arr = dequantize(gguf_tensor_data(file, t), GGMLQuantizationType(t.tensor_type))
-        except NotImplementedError as e:
-            raise ValueError(f"{path}: tensor {src!r}: {e}") from None
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype.name not in _PLAIN_TYPES and qtype not in _type_traits:
+            raise ValueError(f"{path}: tensor {src!r}: the {qtype.name} type cannot be read (no dequantization "
+                             "for it)")
         # GGUF lists dims fastest-first (ne[0] = in_features); numpy order is the reverse.
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        if arch in _GGUF_SHIFTED_NORM_ARCHS and canon.endswith("norm"):
-            arr = arr - np.float32(1.0)
-        if arch in _GGUF_PERMUTED_ARCHS:
-            key = canon.rsplit(".", 1)[-1]
-            if key in ("wq", "bq"):
-                arr = unpermute_qk_rows(arr, config.num_q_heads)
-            elif key in ("wk", "bk"):
-                arr = unpermute_qk_rows(arr, config.num_kv_heads)
-        weights[canon] = _swap_last(arr) if transposed else np.ascontiguousarray(arr)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        recipe = _GGUFValues(path, file, t, shape, transposed, arch, canon, config)
+        weights[canon] = DequantizedTensor(recipe, shape[:-2] + shape[:-3:-1] if transposed else shape,
+                                           gguf_tensor_data(file, t))
         fmt = _blocks_format(canon, t, transposed)
         if fmt is not None:
             # [file rows, row bytes]: the out features (vocab for embed), in format fmt's blocks

@@ -168,7 +168,8 @@ class Plan:
         for name in sorted(self.weights or {}):
             w = self.weights[name]
             h.update(name.encode())
-            h.update(np.ascontiguousarray(np.ravel(w)[:1024]).tobytes())  # a cheap fingerprint per tensor
+            raw = getattr(w, "raw", w)  # a GGUF tensor's own bytes, not its values computed
+            h.update(np.ascontiguousarray(np.ravel(raw)[:1024]).tobytes())  # a cheap fingerprint per tensor
             h.update(str(w.shape).encode())
         return h.hexdigest()[:16]
 

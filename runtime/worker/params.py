@@ -63,10 +63,10 @@ def materialize(graph: Graph, weights: dict[str, np.ndarray],
     def base(node: Node) -> np.ndarray:
         src = node.attr(QUANTIZE_INT8) or node.attr(INT8_SCALE) or node.attr(BF16_COPY) or node.name
         if node.attr(CONCAT):
-            return np.concatenate([weights[s] for s in node.attr(CONCAT)], axis=-1)
+            return np.concatenate([np.asarray(weights[s]) for s in node.attr(CONCAT)], axis=-1)
         if src not in weights:
             raise KeyError(f"weights have no tensor {src!r} for param %{node.name}")
-        return weights[src]
+        return np.asarray(weights[src])  # a loader's DequantizedTensor is computed here
 
     out = {}
     params = list(graph.params)
