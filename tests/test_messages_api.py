@@ -9,9 +9,11 @@ import asyncio
 import json
 
 import anthropic
+import anthropic.types
 import httpx
 import jsonschema
 import pytest
+from pydantic import TypeAdapter
 
 from runtime.entrypoints.openai.protocol import APIError, Prepared
 from runtime.entrypoints.openai.serving_messages import MessageBuilder, Messages
@@ -43,6 +45,17 @@ def streamed(client, **kw):
     with client.messages.stream(**GREEDY | kw) as s:
         kinds = [e.type for e in s]
         return kinds, s.get_final_message()
+
+
+def sse_events(text: str) -> list[dict]:
+    """The data of each `event: <type>` of an SSE body, checked to name its own type."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        head, data = block.split("\n", 1)
+        obj = json.loads(data.removeprefix("data: "))
+        assert head == "event: " + obj["type"], block
+        out.append(obj)
+    return out
 
 
 def without_ids(msg) -> dict:
@@ -140,6 +153,14 @@ class TestMessages:
         m = create(client, max_tokens=60, output_config={"format": {"type": "json_schema", "schema": schema}})
         assert m.stop_reason == "end_turn"
         jsonschema.validate(json.loads(m.content[0].text), schema)
+
+    @pytest.mark.parametrize("extra", [{}, {"tools": TOOLS_A, "tool_choice": {"type": "any"}}])
+    def test_bodies_and_events_pass_the_clients_strict_types(self, server, extra):
+        body = {"model": "tiny", "max_tokens": 60, "messages": USER_A, "temperature": 0} | extra
+        anthropic.types.Message.model_validate(httpx.post(server.url + "/v1/messages", json=body).json())
+        events = sse_events(httpx.post(server.url + "/v1/messages", json=body | {"stream": True}).text)
+        for e in events:
+            TypeAdapter(anthropic.types.RawMessageStreamEvent).validate_python(e)
 
     def test_prefill_continues_the_assistant_turn(self, client):
         m = create(client, messages=[*USER_A, {"role": "assistant", "content": "It is"}], max_tokens=4)

@@ -11,10 +11,13 @@ import json
 import httpx
 import jsonschema
 import openai
+import openai.types.responses
 import pytest
+from pydantic import TypeAdapter
 
 from runtime.entrypoints.openai.protocol import APIError, Prepared
 from runtime.entrypoints.openai.serving_responses import ResponseBuilder, Responses, ResponsesRequest
+from test_messages_api import sse_events
 # The tiny engine, a server with the hermes parser, and an openai client of it: test_tool_calling's fixtures.
 from test_tool_calling import SCHEMAS, TOOLS, USER, client, engine, server  # noqa: F401
 
@@ -114,6 +117,16 @@ def test_function_calls(client, choice, names):
 def test_parallel_tool_calls_false_gives_one_call(client):
     r = create(client, tools=TOOLS_R, tool_choice="required", parallel_tool_calls=False, max_output_tokens=120)
     assert len(check_calls(r, {"get_weather", "get_time"})) == 1 and r.parallel_tool_calls is False
+
+
+@pytest.mark.parametrize("extra", [{"text": JSON_FORMAT}, {"tools": TOOLS_R, "tool_choice": "required"},
+                                   {"max_output_tokens": 3}])
+def test_bodies_and_events_pass_the_clients_strict_types(server, extra):
+    body = GREEDY | extra
+    openai.types.responses.Response.model_validate(httpx.post(server.url + "/v1/responses", json=body).json())
+    events = sse_events(httpx.post(server.url + "/v1/responses", json=body | {"stream": True}).text)
+    for e in events:
+        TypeAdapter(openai.types.responses.ResponseStreamEvent).validate_python(e)
 
 
 def test_function_call_outputs_go_back(client, server):

@@ -191,7 +191,8 @@ class ResponseBuilder(Builder):
     def _usage(self) -> dict:
         u = self.usage or {"prompt_tokens": len(self.prep.items[0][1]), "completion_tokens": 0}
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+        return {"input_tokens": u["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
 
