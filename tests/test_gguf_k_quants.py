@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize
 
-from conftest import cpu_target_cases
+from conftest import EXTRA_CPU_TARGETS, cpu_target_cases
 from config.engine_config import EngineConfig
 from ir.blocks import (KEPT_FORMATS, TILE_COLUMNS, blocks_name, blocks_shape, dequantize_tiles,
                        pack_tiles, round_q8, split_blocks_name, tile_record_bytes)
@@ -235,11 +235,13 @@ def _llm(weights, config, **engine) -> LLM:
 
 
 @needs_kernel
-def test_file_serves_from_tiles_alone_with_the_f32_models_tokens(k_quant_file):
+@pytest.mark.parametrize("cpu_target", [None, *EXTRA_CPU_TARGETS], indirect=True)
+def test_file_serves_from_tiles_alone_with_the_f32_models_tokens(k_quant_file, cpu_target):
     """The engine on the file reads every Q6_K and Q5_K matrix as tiles in place of its f32 copy:
     the memory plan's weight bytes are the tiles' (1.125 bytes per Q6_K value, 1.25 per Q5_K) plus
     the f32 embedding and norms, no f32 copy of a K-quant matrix; its greedy tokens (decode, chunked
-    prefill) equal those of the same model from its dequantized f32 weights (the XLA engine)."""
+    prefill) equal those of the same model from its dequantized f32 weights (the XLA engine); on
+    this machine's build and the AVX2 and AVX-512 (no VNNI) ones."""
     from runtime.worker import executor
 
     _, config, weights = k_quant_file
@@ -304,11 +306,12 @@ def tied_file(tmp_path_factory):
 
 
 @needs_kernel
-def test_tied_embedding_reads_the_lm_heads_tiles(tied_file):
+@pytest.mark.parametrize("cpu_target", [None, *EXTRA_CPU_TARGETS], indirect=True)
+def test_tied_embedding_reads_the_lm_heads_tiles(tied_file, cpu_target):
     """With tiles standing alone, the lookup of a tied Q6_K embedding gathers its rows from the LM
     head's own tiles (one param, read by embedding_tiles and the head's matmul_blocks): no f32
     table stays, the memory plan holds the tiles and the norms only, and the greedy tokens equal the
-    f32 model's (XLA, the f32 table)."""
+    f32 model's (XLA, the f32 table); on this machine's build and the AVX2 and AVX-512 ones."""
     from runtime.worker import executor
 
     config, weights = tied_file
