@@ -22,7 +22,8 @@ import pytest
 from conftest import CACHE_DIR, ROOT, SMOL_ARGS, golden_arrays, golden_prompts
 
 from runtime.distributed.front import BALANCE_ABS, Router, Upstream, merge_metrics, prefix_blocks
-from runtime.distributed.replicas import REPLICA_FLAGS, LogSink, make_private_dir, split_cores, strip_args
+from runtime.distributed.replicas import (REPLICA_FLAGS, LogSink, cpu_memory_share, make_private_dir, split_cores,
+                                          strip_args)
 
 
 def test_replica_command_line_drops_the_launchers_flags_and_the_key():
@@ -32,6 +33,23 @@ def test_replica_command_line_drops_the_launchers_flags_and_the_key():
     # --replica-log-dir's value is optional; --api-key may be abbreviated as argparse allows
     argv = ["--replica-log-dir", "--model", "m", "--api-k=sk-2", "--replica-log-dir", "/tmp/y", "--api", "sk-3"]
     assert strip_args(argv, REPLICA_FLAGS, {"--model"}) == ["--model", "m"]
+
+
+def test_cpu_replicas_share_the_hosts_memory(monkeypatch):
+    """Replicas start at once: each would plan for all the host has available, so each gets its
+    share (per device of its tp), unless --device-memory was given; GPU replicas measure their own."""
+    import config.host_memory as host_memory
+    from config.flags import parse_memory
+
+    monkeypatch.setattr(host_memory, "read_host_memory", lambda: 12 << 30)
+    cpu = {"JAX_PLATFORMS": "cpu"}
+    flag, size = cpu_memory_share(2, 1, None, cpu)
+    assert flag == "--device-memory" and parse_memory(size) == 6 << 30
+    assert parse_memory(cpu_memory_share(2, 3, None, cpu)[1]) == 2 << 30
+    assert cpu_memory_share(2, 1, 4 << 30, cpu) == []
+    assert cpu_memory_share(2, 1, None, {"CUDA_VISIBLE_DEVICES": "0,1"}) == []
+    monkeypatch.setattr(host_memory, "read_host_memory", lambda: None)
+    assert cpu_memory_share(2, 1, None, cpu) == []
 
 
 def test_cores_split_evenly_and_disjoint():

@@ -112,13 +112,28 @@ def split_cores(n: int) -> list[list[int] | None]:
     return [cores[i * k:(i + 1) * k] for i in range(n)]
 
 
+def on_gpu(env) -> bool:
+    """Whether the replicas run on GPUs: CUDA_VISIBLE_DEVICES or /dev/nvidia0 present, and JAX_PLATFORMS not cpu."""
+    return env.get("JAX_PLATFORMS", "").lower() not in ("cpu",) and (
+        "CUDA_VISIBLE_DEVICES" in env or Path("/dev/nvidia0").exists())
+
+
+def cpu_memory_share(n: int, tp: int, device_memory: int | None, environ=os.environ) -> list[str]:
+    """The flags that give each of n CPU replicas its share of the host's memory (per device, of its
+    tp): they start at once, and each would otherwise plan for all the memory the host has available.
+    Nothing on GPUs (each replica measures its own), where the user gave --device-memory, or where
+    the host cannot be read."""
+    from config.host_memory import read_host_memory
+
+    if on_gpu(environ) or device_memory is not None or (host := read_host_memory()) is None:
+        return []
+    return ["--device-memory", f"{host // (n * tp)}B"]
+
+
 def replica_envs(n: int, tp: int) -> list[dict]:
-    """Each replica's environment: on GPU (CUDA_VISIBLE_DEVICES or /dev/nvidia0 present, and
-    JAX_PLATFORMS not cpu) its own tp devices."""
+    """Each replica's environment: on GPU (on_gpu) its own tp devices."""
     base = dict(os.environ)
-    gpu = base.get("JAX_PLATFORMS", "").lower() not in ("cpu",) and (
-        "CUDA_VISIBLE_DEVICES" in base or Path("/dev/nvidia0").exists())
-    if not gpu:
+    if not on_gpu(base):
         return [dict(base) for _ in range(n)]
     visible = base.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(n * tp)]
@@ -363,7 +378,9 @@ def main(argv: list[str], args, options: set[str] = frozenset()) -> int:
     front = ServerConfig(list(args.served_model_name or []), args.api_key, max_body_bytes=args.max_body_bytes,
                          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                          keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections)
-    rs = ReplicaSet(strip_args(argv, REPLICA_FLAGS, options), args.data_parallel_size, host=args.host,
+    serve_argv = strip_args(argv, REPLICA_FLAGS, options) + cpu_memory_share(args.data_parallel_size, args.tensor_parallel_size,
+                                                                       args.device_memory)
+    rs = ReplicaSet(serve_argv, args.data_parallel_size, host=args.host,
                     port=args.port, policy=args.router_policy, tp=args.tensor_parallel_size, log_dir=log_dir,
                     shutdown_grace_s=args.shutdown_grace_s, front_config=front)
     signals = {"n": 0}
