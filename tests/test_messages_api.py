@@ -208,6 +208,19 @@ class TestErrors:
         r = httpx.post(server.url + "/v1/messages/nothing", json={})
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
+    def test_a_prompt_too_long_is_request_too_large(self, server):
+        body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 40_000}]}
+        r = httpx.post(server.url + "/v1/messages", json=body)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+        r = httpx.post(server.url + "/v1/messages/count_tokens", json=body)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+    def test_openapi_lists_both_apis(self, server):
+        paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+        assert {"/v1/messages", "/v1/messages/count_tokens", "/v1/responses"} <= set(paths)
+        err = paths["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+        assert err == {"$ref": "#/components/schemas/AnthropicError"}
+
     def test_draining_is_overloaded(self, server):
         app_server = server.app.state.server
         app_server.draining = True
@@ -245,8 +258,9 @@ def test_api_key_by_x_api_key_or_bearer(engine):  # noqa: F811
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape there
 
 
-def test_thinking_blocks(engine):  # noqa: F811
-    """deepseek_r1 reads an output that never closes its thinking as all thinking: a thinking block."""
+def test_reasoning_is_thinking_blocks_and_reasoning_items(engine):  # noqa: F811
+    """deepseek_r1 reads an output that never closes its thinking as all thinking: a thinking block in
+    /v1/messages, a reasoning item in /v1/responses, whole and streamed alike."""
     with serve(engine, reasoning_parser="deepseek_r1") as st:
         client = anthropic.Anthropic(base_url=st.url, api_key="none", max_retries=0)
         kw = GREEDY | {"max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 1024}}
@@ -255,6 +269,12 @@ def test_thinking_blocks(engine):  # noqa: F811
         with client.messages.stream(**kw) as s:
             assert "thinking_delta" in [e.delta.type for e in s if e.type == "content_block_delta"]
             assert without_ids(s.get_final_message()) == without_ids(m)
+        body = {"model": "tiny", "input": "hi", "max_output_tokens": 8, "temperature": 0}
+        r = httpx.post(st.url + "/v1/responses", json=body).json()
+        assert [i["type"] for i in r["output"]] == ["reasoning"] and r["status"] == "incomplete"
+        events = sse_events(httpx.post(st.url + "/v1/responses", json=body | {"stream": True}).text)
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        assert deltas == r["output"][0]["content"][0]["text"] and events[-1]["type"] == "response.incomplete"
 
 
 def _prep():

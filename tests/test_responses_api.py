@@ -149,6 +149,7 @@ def test_function_call_outputs_go_back(client, server):
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
+    ({"top_logprobs": 3}, "top_logprobs"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS_R}, "tool_choice"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),

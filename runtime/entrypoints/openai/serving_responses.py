@@ -12,8 +12,9 @@
     text.format        json_schema and json_object -> response_format; text -> none
     max_output_tokens  max_tokens; reaching it gives status "incomplete"
 
-Stateless: nothing is stored, so `previous_response_id`, `conversation` and `background` are
-refused (400 naming them); `store` is accepted and every response says "store": false.
+Stateless: nothing is stored, so `previous_response_id`, `conversation`, `background` and `prompt`
+are refused (400 naming them); `store` is accepted and every response says "store": false.
+`top_logprobs` is refused too (logprobs are chat completions' own).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from starlette.responses import Response
 from runtime.entrypoints.openai.protocol import APIError, bad_request
 from runtime.entrypoints.openai.translation import Builder, Translation, id_hex, need_str, new_hex, text_of
 
-# What a stateless server cannot do, with the value that means "not asked for".
-UNSUPPORTED = {"previous_response_id": None, "conversation": None, "background": False, "prompt": None}
+# What this server cannot do (the first four: it keeps no state), with the value that means "not asked for".
+UNSUPPORTED = {"previous_response_id": None, "conversation": None, "background": False, "prompt": None,
+               "top_logprobs": 0}
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -57,6 +59,7 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     background: Optional[bool] = None
     prompt: Any = None
+    top_logprobs: Optional[int] = None
 
 
 class ResponsesServing:
@@ -73,8 +76,9 @@ class Responses(Translation):
     def chat_body(self, b: ResponsesRequest) -> dict:
         for name, off in UNSUPPORTED.items():
             if getattr(b, name) not in (None, off):
-                raise bad_request(f"{name} is not supported: this server keeps no state between responses "
-                                  "(send the whole conversation as input)", name, "unsupported_parameter")
+                why = ("this server keeps no state between responses (send the whole conversation as input)"
+                       if name != "top_logprobs" else "use /v1/chat/completions for logprobs")
+                raise bad_request(f"{name} is not supported: {why}", name, "unsupported_parameter")
         if b.max_output_tokens is not None and b.max_output_tokens < 1:
             raise bad_request(f"max_output_tokens must be at least 1, got {b.max_output_tokens}", "max_output_tokens")
         messages = [] if b.instructions is None else [{"role": "system", "content": b.instructions}]
