@@ -157,6 +157,7 @@ def test_function_call_outputs_go_back(client, server):
     ({"input": [{"role": "user", "content": 7}]}, "input.0.content"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools.0.parameters"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, extra, param):
     r = httpx.post(server.url + "/v1/responses", json=GREEDY | extra)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import uuid
 
 from pydantic import BaseModel, ValidationError
@@ -30,6 +31,7 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
                          500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 # The chat's parameter names as a Responses body names them, for its 400s (longest prefix first).
 RESPONSES_PARAMS = (("response_format", "text.format"), ("max_tokens", "max_output_tokens"), ("messages", "input"))
+_TOOL_FIELD = re.compile(r"^tools\.(\d+)\.function\.")
 
 
 # ====================================================================== errors
@@ -51,6 +53,7 @@ def error_response(err: APIError, path: str) -> Response:
             if err.param == chat_name or err.param.startswith(chat_name + "."):
                 err.param = name + err.param[len(chat_name):]
                 break
+        err.param = _TOOL_FIELD.sub(r"tools.\1.", err.param)  # a Responses tool has no "function" level
     return err.response()
 
 
