@@ -336,12 +336,14 @@ def test_named_tool_with_a_reasoning_parser(engine):
         check_calls(r.choices[0].message.tool_calls, {"get_weather"})
 
 
-def test_the_agents_sdk_runs_a_tool_through_chat_completions(engine):
-    """The OpenAI Agents SDK's Runner, unmodified, over this server: the first turn must call the tool
+def test_the_agents_sdk_runs_a_tool(engine):
+    """The OpenAI Agents SDK's Runner, unmodified, over this server, through chat completions and
+    through the Responses API: the first turn must call the tool
     (tool_choice required), the SDK runs it and sends the result back, and the next turn (tool_choice
     reset to auto, read by the hermes parser) answers in text."""
     agents = pytest.importorskip("agents")
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
 
     set_tracing_disabled(True)
     seen = []
@@ -354,14 +356,23 @@ def test_the_agents_sdk_runs_a_tool_through_chat_completions(engine):
 
     with serve(engine, enable_auto_tool_choice=True, tool_call_parser="hermes") as st:
         client = openai.AsyncOpenAI(base_url=st.url + "/v1", api_key="none", max_retries=0)
-        agent = Agent(name="weather", instructions="Answer briefly.", tools=[get_weather],
-                      model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
-                      model_settings=ModelSettings(tool_choice="required", max_tokens=80, temperature=0))
-        result = Runner.run_sync(agent, "Weather in Paris?", max_turns=4)
-    assert len(seen) == 1 and seen[0] in ("Paris", "Rome")
-    assert isinstance(result.final_output, str)
-    kinds = [item.type for item in result.new_items]
-    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+        # The SDK's two model classes: over chat completions (the tool's result goes back for a text
+        # answer), and over /v1/responses, its default (the run stops at the tool's result: the
+        # tiny model's free text would end at max_tokens, which the SDK takes as a failed response).
+        for model, behavior in ((OpenAIChatCompletionsModel(model="tiny", openai_client=client), "run_llm_again"),
+                                (OpenAIResponsesModel(model="tiny", openai_client=client), "stop_on_first_tool")):
+            seen.clear()
+            agent = Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
+                          tool_use_behavior=behavior,
+                          model_settings=ModelSettings(tool_choice="required", max_tokens=80, temperature=0))
+            result = Runner.run_sync(agent, "Weather in Paris?", max_turns=4)
+            assert len(seen) == 1 and seen[0] in ("Paris", "Rome"), type(model).__name__
+            kinds = [item.type for item in result.new_items]
+            assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
+            if behavior == "stop_on_first_tool":
+                assert result.final_output == f"sunny in {seen[0]}"
+            else:
+                assert isinstance(result.final_output, str) and kinds[-1] == "message_output_item"
     assert agents is not None
 
 
