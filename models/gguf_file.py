@@ -250,7 +250,10 @@ class _GGUFValues:
             arr = dequantize(gguf_tensor_data(self.file, t), GGMLQuantizationType(t.tensor_type))
         except NotImplementedError as e:
             raise ValueError(f"{self.path}: tensor {t.name!r}: {e}") from None
-        arr = np.asarray(arr, dtype=np.float32).reshape(self.shape)
+        # A copy, never a view of the file: an F32 tensor (a norm) handed to the device as a view
+        # would keep the whole mapping, every page the tiles' packing read, resident (636 MiB of a
+        # 1B Q4_K_M server's RSS).
+        arr = np.array(arr, dtype=np.float32).reshape(self.shape)
         if self.arch in _GGUF_SHIFTED_NORM_ARCHS and canon.endswith("norm"):
             arr = arr - np.float32(1.0)
         if self.arch in _GGUF_PERMUTED_ARCHS:
