@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from ir import Graph, Node, make_node, rewrite
 from ir.attrs import CONCAT, FUSED_ROLES, ROLE, Role
 from ir.graph import freeze_attrs
@@ -31,15 +33,20 @@ def _concat_param(params: list[Node], taken: set[str]) -> Node:
     return Node("param", (), freeze_attrs(attrs), shape, params[0].dtype)
 
 
-def fuse_matmuls(graph: Graph) -> Graph:
-    """Groups `matmul(x, param)` sharing x into one matmul on concatenated weights plus slices."""
+def fuse_matmuls(graph: Graph, formats: Mapping[str, str] | None = None) -> Graph:
+    """Groups `matmul(x, param)` sharing x into one matmul on concatenated weights plus slices.
+    `formats` (source weight -> GGUF block format, passes.gguf_blocks): a group whose weights the
+    file stores in different formats stays unfused, so that each keeps its own blocks (a Q4_K_M
+    file's Q4_K attn_q/attn_k and Q6_K attn_v), where one fused weight could be neither."""
     users = graph.users()
     groups: dict[int, list[Node]] = {}
     for n in graph.nodes():
         if (n.op == "matmul" and n.inputs[1].op == "param" and not n.attr("transpose_b")
                 and len(n.inputs[1].shape) == 2):
             groups.setdefault(id(n.inputs[0]), []).append(n)
-    groups = {k: v for k, v in groups.items() if len(v) > 1}
+    formats = formats or {}
+    groups = {k: v for k, v in groups.items()
+              if len(v) > 1 and len({formats.get(m.inputs[1].name) for m in v}) == 1}
     if not groups:
         return graph
 

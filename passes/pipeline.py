@@ -57,7 +57,7 @@ def build_pipeline(opts: PipelineOptions) -> list[tuple[str, Callable[[Graph], G
         # Phase 2: memory layout of the KV cache.
         ("insert_paged_kv", partial(insert_paged_kv, block_size=opts.block_size, kv_dtype=opts.kv_dtype)),
         # Phase 3: fewer, larger matmuls; optional weight compression.
-        ("fuse_matmuls", fuse_matmuls),
+        ("fuse_matmuls", partial(fuse_matmuls, formats=dict(opts.block_formats))),
         ("gguf_blocks", partial(gguf_blocks, formats=dict(opts.block_formats), tiles=opts.block_tiles,
                                         tiles_alone=opts.block_tiles_alone) if opts.block_formats else _identity),
         ("quantize_int8", partial(quantize_int8, activations=INT8_ACTIVATIONS if opts.quantization == "w8a8" else None,

@@ -199,15 +199,18 @@ def served_graph(weights, **engine):
 
 
 def test_pass_rewrites_the_matmuls_whose_sources_all_have_blocks():
-    """Fused q/k/v with one format: blocks; gate/up with two formats: left as matmul; the
-    untied LM head: blocks with its role. The memory plan counts the blocks' bytes."""
+    """Fused q/k/v with one format: blocks; gate/up with two formats: not fused (fuse_matmuls keeps
+    them apart), each with its own format's blocks; the untied LM head: blocks with its role. The
+    memory plan counts the blocks' bytes."""
     formats = dict(ALL_Q4_1, w_up="q8_0")
     weights = block_weights(get_preset("tiny"), 0, formats)
     graph, memory = served_graph(weights, gguf_blocks=True)
     blocked = {n.inputs[1].name: n.inputs[2] for n in graph.nodes() if n.op == "matmul_blocks"}
     plain = {n.inputs[1].name for n in graph.nodes() if n.op == "matmul"}
     assert {"layers.0.wqkv", "layers.1.wo", "layers.0.w_down", "lm_head"} <= set(blocked)
-    assert "layers.0.w_gate_up" in plain and "layers.0.w_gate_up" not in blocked
+    assert "layers.0.w_gate_up" not in plain | set(blocked)
+    assert (blocked["layers.0.w_gate"].attr(BLOCK_FORMAT), blocked["layers.0.w_up"].attr(BLOCK_FORMAT)) == \
+        ("q4_1", "q8_0")
     qkv = blocked["layers.0.wqkv"]
     assert (qkv.dtype, qkv.shape, qkv.attr(BLOCK_FORMAT)) == ("u8", (64 + 32 + 32, 64 // 32 * 20), "q4_1")
     assert qkv.attr(GGUF_BLOCKS) == "layers.0.wqkv" and role_of(qkv) == Role.QKV

@@ -293,6 +293,14 @@ output y = %5
 """
 
 
+def test_fuse_matmuls_keeps_weights_of_different_gguf_formats_apart():
+    """A Q4_K_M file's attn_q/attn_k are Q4_K and its attn_v Q6_K: a fused weight could keep neither's
+    blocks (it would stay f32), so a group of mixed formats stays unfused; one format fuses."""
+    assert run_pass(MLP_TEXT, partial(fuse_matmuls, formats={"w_gate": "q4_k", "w_up": "q6_k"})) == MLP_TEXT
+    same = run_pass(MLP_TEXT, partial(fuse_matmuls, formats={"w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}))
+    assert same == run_pass(MLP_TEXT, fuse_matmuls)
+
+
 QUANT_TEXT = """\
 input %x : f32[T, 8]
 param %embed : f32[32, 8] role=embed
