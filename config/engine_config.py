@@ -386,7 +386,7 @@ class EngineConfig:
         wanted = bool(self.gguf_blocks) or bool(self.gguf_tiles) or self.gguf_activations == "q8"
         if wanted and not has_blocks:
             raise ValueError("gguf_blocks: the weights have no GGUF blocks to read (a .gguf model whose "
-                             "matrices are Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K)")
+                             "matrices are Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K)")
         return has_blocks and (wanted or (kernel_ready and not self.gguf_blocks_blockers()))
 
     def gguf_tile_activations(self, f32_tiles: bool) -> str | None:
