@@ -12,7 +12,7 @@ import json
 from pydantic import ValidationError
 
 from runtime.core.sampling_params import RequestError, StructuredOutputsParams
-from runtime.entrypoints.openai.chat_tools import check_tools, message_chars, template_message, tool_constraint
+from runtime.entrypoints.openai.chat_tools import message_chars, template_message, tool_constraint
 from runtime.entrypoints.openai.protocol import (MAX_JSON_DEPTH, APIError, bad_request, check_json_text,
                                                  may_hold_surrogates, validation_error)
 
@@ -57,19 +57,15 @@ def check_sizes(r, limits) -> None:
         check_prompt_chars(prompt_chars(prompt), limits.max_prompt_chars, "prompt")
     if getattr(r, "messages", None) is not None:
         chat_messages(r.messages, limits)
-    if getattr(r, "tools", None) is not None:  # rendered into the prompt
-        try:
-            check_tools(r.tools)
-        except RequestError as e:
-            raise bad_request(e.message, e.param, e.code) from None
-        check_prompt_chars(len(json.dumps(r.tools)), limits.max_prompt_chars, "tools")
     if hasattr(r, "structured_outputs"):
         try:
-            so = request_constraint(r)
+            so = request_constraint(r)  # a chat's tools are checked there (chat_tools.tool_constraint)
             if so is not None:
                 so.check_size(limits.max_grammar_chars)
         except RequestError as e:
             raise bad_request(e.message, e.param, e.code) from None
+    if getattr(r, "tools", None) is not None:  # rendered into the prompt
+        check_prompt_chars(len(json.dumps(r.tools)), limits.max_prompt_chars, "tools")
 
 
 def prompt_chars(prompt) -> int:

@@ -304,19 +304,20 @@ def reasoning_fields(events) -> dict:
     return {"reasoning_content": text, "reasoning": text}
 
 
-def delta_from_events(events, calls_sent: list[int]) -> list[dict]:
+def delta_from_events(events, num_calls: int) -> list[dict]:
     """Stream deltas for `events` (in order: content, reasoning and tool-call deltas as vLLM streams
-    them). `calls_sent`: [tool calls opened so far in this choice], updated."""
+    them). `num_calls`: the calls the choice has opened, these events' included (ChatOutput.num_calls)."""
     deltas: list[dict] = []
+    index = num_calls - sum(e[0] == "call" for e in events) - 1  # the call open before these events
     for e in events:
         if e[0] == "content":
             deltas.append({"content": e[1]})
         elif e[0] == "reasoning":
             deltas.append({"reasoning_content": e[1], "reasoning": e[1]})
         elif e[0] == "call":
-            calls_sent[0] += 1
-            deltas.append({"tool_calls": [{"index": calls_sent[0] - 1, "id": e[1], "type": "function",
+            index += 1
+            deltas.append({"tool_calls": [{"index": index, "id": e[1], "type": "function",
                                            "function": {"name": e[2], "arguments": ""}}]})
         else:
-            deltas.append({"tool_calls": [{"index": calls_sent[0] - 1, "function": {"arguments": e[1]}}]})
+            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": e[1]}}]})
     return deltas

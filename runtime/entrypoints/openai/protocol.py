@@ -332,4 +332,3 @@ class ChoiceState:
     started: bool = False
     finish_reason: str | None = None
     output: Any = None  # a chat choice's ChatOutput (chat_tools), where tools or reasoning are parsed
-    calls_sent: list = field(default_factory=lambda: [0])  # tool calls this choice opened

@@ -160,8 +160,8 @@ class ChatServing:
             if st.output is None:
                 st.output = ChatOutput(spec)
             events = st.output.feed(delta_text) + (st.output.finish() if reason else [])
-            deltas = delta_from_events(events, st.calls_sent)
-            if reason == "stop" and st.calls_sent[0]:
+            deltas = delta_from_events(events, st.output.num_calls)
+            if reason == "stop" and st.output.num_calls:
                 reason = "tool_calls"
             if reason:
                 self._count_tool_output(spec, st.output)
